@@ -1,0 +1,73 @@
+//! # keel: durable workflows for Rust, embedded in your application
+//!
+//! Workflow code is ordinary `async` Rust, replayed from a committed
+//! history: it must be deterministic, and it reaches the world only through
+//! its [`WorkflowContext`] (activities, timers, signals, conditions, side
+//! effects, `now`, `random`). Activities are the side effects: they run at
+//! least once under leases, and each committed fact is recorded exactly
+//! once per durable id, however often the work was delivered.
+//!
+//! ```no_run
+//! use keel::{Activity, ActivityContext, ActivityError, Engine, Workflow, WorkflowContext, WorkflowError};
+//!
+//! #[derive(Default)]
+//! struct Charge;
+//! impl Activity for Charge {
+//!     const NAME: &'static str = "charge";
+//!     type Input = u64;
+//!     type Output = String;
+//!     async fn run(&self, ctx: ActivityContext, cents: u64) -> Result<String, ActivityError> {
+//!         // ctx.execution_id() is the idempotency key for the payment API.
+//!         Ok(format!("charged {cents} as {}", ctx.execution_id()))
+//!     }
+//! }
+//!
+//! struct Order;
+//! impl Workflow for Order {
+//!     const NAME: &'static str = "order";
+//!     type Input = u64;
+//!     type Output = String;
+//!     async fn run(ctx: WorkflowContext, cents: u64) -> Result<String, WorkflowError> {
+//!         Ok(ctx.activity::<Charge>(cents).await?)
+//!     }
+//! }
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let engine = Engine::builder()
+//!     .data_dir("keel-data")
+//!     .register_workflow::<Order>()
+//!     .register_activity::<Charge>()
+//!     .build()?;
+//! let client = engine.client();
+//! client.start::<Order>("order-1", &1299).await?;
+//! let receipt = client.result::<Order>("order-1").await?;
+//! # Ok(()) }
+//! ```
+
+pub use keel_actors::shell::{
+    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, ReusePolicy,
+    RunDescription, StartOutcome,
+};
+pub use keel_actors::{
+    format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, MachineError,
+    RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
+};
+pub use keel_storage::{
+    AttemptId, AttemptNo, CommandId, Durability, ExecutionId, Failure, FailureKind, InstanceId,
+    Outcome, Payload, RunId, RunStatus, Seq, Step, Timestamp,
+};
+
+/// The storage layer, for inspection tools (`keel` CLI) and custom stores.
+pub mod storage {
+    pub use keel_storage::*;
+}
+
+/// The resilience pipeline, usable around any async call.
+pub mod resilience {
+    pub use keel_resilience::*;
+}
+
+/// The pure run machine, for offline tools and the simulator.
+pub mod machine {
+    pub use keel_actors::machine::*;
+}

@@ -1,0 +1,554 @@
+//! The one place that validates a commit and derives its state.
+//!
+//! Both stores call [`apply_batch`] on their commit path, and `verify` calls
+//! [`apply_append`] to rebuild derived state from events, so validation and
+//! derivation are written once. Nothing here does IO beyond the [`KvRead`]
+//! view it is handed.
+
+use tracing::warn;
+
+use crate::codec::{self, RecordKind};
+use crate::error::{Error, Result};
+use crate::event::{Event, EventKind, Outcome, ParentRef};
+use crate::ids::{RunId, Seq, Timestamp};
+use crate::keys::{self, Cf};
+use crate::kv::{KvRead, KvWrite, Overlay, Writes};
+use crate::state::{
+    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry, TimerEntry,
+};
+use crate::{HISTORY_EVENTS_MAX, LIMIT_WARN_PERCENT, PAYLOAD_BYTES_MAX};
+
+/// Events to append to one run. The first event's seq must continue the
+/// run's history exactly.
+#[derive(Clone, Debug)]
+pub struct RunAppend {
+    /// The run.
+    pub run_id: RunId,
+    /// Its new events, contiguous.
+    pub events: Vec<Event>,
+}
+
+/// One atomic commit: appends to one or more runs, plus parked markers.
+/// Either all of it is written or none of it.
+#[derive(Clone, Debug, Default)]
+pub struct CommitBatch {
+    /// Appends, applied in order.
+    pub appends: Vec<RunAppend>,
+    /// Parked markers to set (`Some`) or clear (`None`).
+    pub parked: Vec<(RunId, Option<ParkInfo>)>,
+}
+
+impl CommitBatch {
+    /// A batch of one append.
+    pub fn append(run_id: RunId, events: Vec<Event>) -> Self {
+        CommitBatch {
+            appends: vec![RunAppend { run_id, events }],
+            parked: Vec::new(),
+        }
+    }
+
+    /// Total events in the batch.
+    pub fn event_count(&self) -> usize {
+        self.appends.iter().map(|a| a.events.len()).sum()
+    }
+}
+
+/// What one append committed.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct AppendAck {
+    /// The run.
+    pub run_id: RunId,
+    /// Seq of its first new event.
+    pub first: Seq,
+    /// Seq of its last new event.
+    pub last: Seq,
+}
+
+/// What a commit wrote, returned once it is durable (or, in `Buffered`
+/// mode, written to the WAL).
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub struct CommitAck {
+    /// One entry per append, in order.
+    pub appends: Vec<AppendAck>,
+}
+
+/// A batch with its events already encoded (done on the committer's thread
+/// so the single writer only validates and writes).
+#[derive(Debug)]
+pub struct PreparedBatch {
+    pub(crate) batch: CommitBatch,
+    pub(crate) encoded: Vec<Vec<Vec<u8>>>,
+}
+
+impl PreparedBatch {
+    /// Encodes every event of `batch`.
+    pub fn new(batch: CommitBatch) -> Result<Self> {
+        let mut encoded = Vec::with_capacity(batch.appends.len());
+        for a in &batch.appends {
+            let mut bytes = Vec::with_capacity(a.events.len());
+            for e in &a.events {
+                bytes.push(codec::encode(RecordKind::Event, e).map_err(|source| {
+                    Error::Corrupt {
+                        cf: "events",
+                        run: Some(a.run_id),
+                        seq: Some(e.seq),
+                        source,
+                    }
+                })?);
+            }
+            encoded.push(bytes);
+        }
+        Ok(PreparedBatch { batch, encoded })
+    }
+
+    /// Total encoded bytes, for batching limits.
+    pub fn bytes(&self) -> usize {
+        self.encoded.iter().flatten().map(Vec::len).sum()
+    }
+}
+
+/// Validates a whole batch against `base` and returns its writes; on any
+/// error nothing of the batch is kept.
+pub fn apply_batch(
+    base: &dyn KvRead,
+    prepared: &PreparedBatch,
+) -> Result<(Writes, CommitAck)> {
+    let mut overlay = Overlay::new(base);
+    let mut ack = CommitAck::default();
+    for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
+        ack.appends
+            .push(apply_append(&mut overlay, append.run_id, &append.events, encoded)?);
+    }
+    for (run, info) in &prepared.batch.parked {
+        match info {
+            Some(info) => overlay.put(Cf::Meta, keys::parked_key(*run), enc(RecordKind::Parked, info)?),
+            None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
+        }
+    }
+    Ok((overlay.into_writes(), ack))
+}
+
+fn enc<T: serde::Serialize>(kind: RecordKind, value: &T) -> Result<Vec<u8>> {
+    codec::encode(kind, value).map_err(|source| Error::Corrupt {
+        cf: "state",
+        run: None,
+        seq: None,
+        source,
+    })
+}
+
+/// Reads and decodes a typed derived record.
+pub fn read_record<T: serde::de::DeserializeOwned>(
+    view: &dyn KvRead,
+    cf: Cf,
+    kind: RecordKind,
+    key: &[u8],
+) -> Result<Option<T>> {
+    match view.get(cf, key)? {
+        None => Ok(None),
+        Some(bytes) => codec::decode(kind, &bytes)
+            .map(Some)
+            .map_err(|source| Error::Corrupt {
+                cf: cf.name(),
+                run: keys::run_prefix(key),
+                seq: None,
+                source,
+            }),
+    }
+}
+
+fn check_limits(run: RunId, events: &[Event], prev_len: u64) -> Result<()> {
+    for e in events {
+        for p in e.kind.payloads() {
+            if p.len() > PAYLOAD_BYTES_MAX {
+                return Err(Error::PayloadTooLarge {
+                    run,
+                    seq: e.seq,
+                    bytes: p.len(),
+                    max: PAYLOAD_BYTES_MAX,
+                });
+            }
+            if p.len() * 100 > PAYLOAD_BYTES_MAX * LIMIT_WARN_PERCENT {
+                warn!(run_id = %run, seq = e.seq.0, bytes = p.len(), max = PAYLOAD_BYTES_MAX,
+                    "payload is above {LIMIT_WARN_PERCENT}% of the limit");
+            }
+        }
+    }
+    let new_len = prev_len + events.len() as u64;
+    if new_len > HISTORY_EVENTS_MAX {
+        return Err(Error::HistoryTooLong {
+            run,
+            events: new_len,
+            max: HISTORY_EVENTS_MAX,
+        });
+    }
+    let warn_at = HISTORY_EVENTS_MAX * LIMIT_WARN_PERCENT as u64 / 100;
+    if prev_len < warn_at && new_len >= warn_at {
+        warn!(run_id = %run, events = new_len, max = HISTORY_EVENTS_MAX,
+            "history is above {LIMIT_WARN_PERCENT}% of its length limit; consider continue-as-new");
+    }
+    Ok(())
+}
+
+/// Validates one append against `out` (which already holds earlier appends
+/// of the same batch) and writes its events and derived state into `out`.
+/// On error, `out` may hold part of the append: callers discard it.
+pub fn apply_append(
+    out: &mut dyn KvWrite,
+    run: RunId,
+    events: &[Event],
+    encoded: &[Vec<u8>],
+) -> Result<AppendAck> {
+    debug_assert_eq!(events.len(), encoded.len());
+    let invalid = |detail: String| Error::InvalidCommit { run, detail };
+    let (first, last) = match (events.first(), events.last()) {
+        (Some(f), Some(l)) => (f, l),
+        _ => return Err(invalid("an append needs at least one event".into())),
+    };
+    let old: Option<RunMeta> = read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(run))?;
+    let expected = old.as_ref().map_or(Seq::FIRST, |m| m.next_seq);
+    if first.seq != expected {
+        return Err(Error::SeqGap {
+            run,
+            expected,
+            found: first.seq,
+        });
+    }
+    for pair in events.windows(2) {
+        if pair[1].seq != pair[0].seq.next() {
+            return Err(invalid(format!(
+                "events are not contiguous: seq {} follows seq {}",
+                pair[1].seq, pair[0].seq
+            )));
+        }
+    }
+    if let Some(m) = &old {
+        if m.status.is_closed() {
+            return Err(Error::RunClosed { run });
+        }
+    } else if !matches!(&first.kind, EventKind::WorkflowStarted { run_id, .. } if *run_id == run) {
+        return Err(Error::UnknownRun { run });
+    }
+    check_limits(run, events, expected.0 - 1)?;
+
+    let mut meta = old.clone();
+    for (event, bytes) in events.iter().zip(encoded) {
+        if meta.as_ref().is_some_and(|m| m.status.is_closed()) {
+            return Err(Error::RunClosed { run });
+        }
+        for key in event.kind.terminal_keys() {
+            let dk = keys::dedupe_key(run, &key);
+            let found: Option<DedupeEntry> = read_record(out, Cf::Dedupe, RecordKind::Dedupe, &dk)?;
+            if let Some(entry) = found {
+                return Err(Error::DuplicateTerminal {
+                    run,
+                    key,
+                    committed: entry.seq,
+                });
+            }
+            out.put(Cf::Dedupe, dk, enc(RecordKind::Dedupe, &DedupeEntry { seq: event.seq })?);
+        }
+        derive_event(out, run, &mut meta, event)?;
+        out.put(Cf::Events, keys::event_key(run, event.seq), bytes.clone());
+    }
+    let mut meta = meta.expect("the first event of a new run is WorkflowStarted");
+    meta.next_seq = last.seq.next();
+    meta.updated_at = last.at;
+    if let Some(o) = &old {
+        if o.status != meta.status {
+            out.delete(Cf::Index, keys::index_key(o.status.code(), &o.workflow_type, run));
+        }
+    }
+    if old.as_ref().map(|o| o.status) != Some(meta.status) {
+        out.put(
+            Cf::Index,
+            keys::index_key(meta.status.code(), &meta.workflow_type, run),
+            Vec::new(),
+        );
+    }
+    out.put(Cf::Runs, keys::run_key(run), enc(RecordKind::Run, &meta)?);
+    Ok(AppendAck {
+        run_id: run,
+        first: first.seq,
+        last: last.seq,
+    })
+}
+
+fn close(
+    out: &mut dyn KvWrite,
+    run: RunId,
+    meta: &mut RunMeta,
+    status: RunStatus,
+    outcome: Outcome,
+    at: Timestamp,
+) -> Result<()> {
+    meta.status = status;
+    meta.closed_at = Some(at);
+    // A closed run has no pending attempts or timers: drop them with it.
+    let mut tasks = Vec::new();
+    out.scan(Cf::Tasks, run.as_bytes(), run.as_bytes(), &mut |k, _| {
+        tasks.push(k.to_vec());
+        true
+    })?;
+    for k in tasks {
+        out.delete(Cf::Tasks, k);
+    }
+    let mut timers = Vec::new();
+    out.scan(Cf::RunTimers, run.as_bytes(), run.as_bytes(), &mut |k, v| {
+        timers.push((k.to_vec(), v.to_vec()));
+        true
+    })?;
+    for (k, v) in timers {
+        let entry: TimerEntry = codec::decode(RecordKind::Timer, &v).map_err(|source| {
+            Error::Corrupt {
+                cf: Cf::RunTimers.name(),
+                run: Some(run),
+                seq: None,
+                source,
+            }
+        })?;
+        out.delete(Cf::Timers, keys::timer_key(entry.fire_at, run, entry.step));
+        out.delete(Cf::RunTimers, k);
+    }
+    if let Some(parent) = &meta.parent {
+        let msg = OutboxMessage::ChildResult {
+            parent: parent.clone(),
+            child_run_id: run,
+            outcome: outcome.clone(),
+        };
+        out.put(Cf::Outbox, keys::outbox_result_key(run), enc(RecordKind::Outbox, &msg)?);
+    }
+    meta.outcome = Some(outcome);
+    Ok(())
+}
+
+fn derive_event(
+    out: &mut dyn KvWrite,
+    run: RunId,
+    meta: &mut Option<RunMeta>,
+    event: &Event,
+) -> Result<()> {
+    let invalid = |detail: String| Error::InvalidCommit { run, detail };
+    if let EventKind::WorkflowStarted {
+        instance_id,
+        workflow_type,
+        parent,
+        ..
+    } = &event.kind
+    {
+        if meta.is_some() {
+            return Err(invalid(format!("WorkflowStarted at seq {}", event.seq)));
+        }
+        let ikey = instance_id.as_str().as_bytes().to_vec();
+        let current: Option<InstanceMeta> = read_record(out, Cf::Instances, RecordKind::Instance, &ikey)?;
+        if let Some(cur) = current {
+            let cur_meta: Option<RunMeta> =
+                read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(cur.current_run))?;
+            if cur_meta.is_some_and(|m| !m.status.is_closed()) {
+                return Err(Error::InstanceRunning {
+                    instance: instance_id.clone(),
+                    run: cur.current_run,
+                });
+            }
+        }
+        let inst = InstanceMeta {
+            current_run: run,
+            started_at: event.at,
+        };
+        out.put(Cf::Instances, ikey, enc(RecordKind::Instance, &inst)?);
+        if let Some(p) = parent {
+            out.delete(Cf::Outbox, keys::outbox_start_key(p.run_id, p.step));
+        }
+        *meta = Some(RunMeta {
+            run_id: run,
+            instance_id: instance_id.clone(),
+            workflow_type: workflow_type.clone(),
+            status: RunStatus::Running,
+            next_seq: Seq::FIRST,
+            parent: parent.clone(),
+            started_at: event.at,
+            updated_at: event.at,
+            closed_at: None,
+            outcome: None,
+            cancel_requested: false,
+        });
+        return Ok(());
+    }
+    let m = meta.as_mut().ok_or(Error::UnknownRun { run })?;
+    let task_key = |step| keys::run_step_key(run, step);
+    match &event.kind {
+        EventKind::WorkflowStarted { .. } => unreachable!("handled above"),
+        EventKind::WorkflowCompleted { result } => close(
+            out,
+            run,
+            m,
+            RunStatus::Completed,
+            Outcome::Completed(result.clone()),
+            event.at,
+        )?,
+        EventKind::WorkflowFailed { failure } => close(
+            out,
+            run,
+            m,
+            RunStatus::Failed,
+            Outcome::Failed(failure.clone()),
+            event.at,
+        )?,
+        EventKind::WorkflowCancelled { reason } => close(
+            out,
+            run,
+            m,
+            RunStatus::Cancelled,
+            Outcome::Cancelled(reason.clone()),
+            event.at,
+        )?,
+        EventKind::WorkflowTerminated { reason } => close(
+            out,
+            run,
+            m,
+            RunStatus::Terminated,
+            Outcome::Terminated(reason.clone()),
+            event.at,
+        )?,
+        EventKind::WorkflowContinuedAsNew { new_run_id, .. } => close(
+            out,
+            run,
+            m,
+            RunStatus::ContinuedAsNew,
+            Outcome::ContinuedAsNew(*new_run_id),
+            event.at,
+        )?,
+        EventKind::WorkflowCancelRequested { .. } => m.cancel_requested = true,
+        EventKind::ActivityScheduled {
+            step,
+            group,
+            execution_id,
+            activity_type,
+            input,
+            options,
+        } => {
+            if execution_id.run_id != run || execution_id.step != *step {
+                return Err(invalid(format!("execution id {execution_id} does not match step {step}")));
+            }
+            let task = TaskEntry {
+                execution_id: *execution_id,
+                attempt: crate::ids::AttemptNo::FIRST,
+                activity_type: activity_type.clone(),
+                input: input.clone(),
+                options: options.clone(),
+                group: group.clone(),
+                scheduled_at: event.at,
+                due: event.at,
+                cancel_requested: false,
+            };
+            out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
+        }
+        EventKind::ActivityAttemptFailed {
+            step,
+            attempt_id,
+            retry_at,
+            ..
+        } => {
+            let mut task = pending_task(out, run, *step)?;
+            if task.attempt != attempt_id.attempt {
+                return Err(invalid(format!(
+                    "attempt {} failed but the pending attempt at step {step} is {}",
+                    attempt_id.attempt, task.attempt
+                )));
+            }
+            match retry_at {
+                Some(at) => {
+                    task.attempt = task.attempt.next();
+                    task.due = *at;
+                    out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
+                }
+                None => out.delete(Cf::Tasks, task_key(*step)),
+            }
+        }
+        EventKind::ActivityCompleted {
+            step, attempt_id, ..
+        } => {
+            let task = pending_task(out, run, *step)?;
+            if task.attempt != attempt_id.attempt {
+                return Err(invalid(format!(
+                    "attempt {} completed but the pending attempt at step {step} is {}",
+                    attempt_id.attempt, task.attempt
+                )));
+            }
+            out.delete(Cf::Tasks, task_key(*step));
+        }
+        EventKind::ActivityCancelRequested { step, .. } => {
+            let mut task = pending_task(out, run, *step)?;
+            task.cancel_requested = true;
+            out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
+        }
+        EventKind::ActivityCancelled { step, .. } => {
+            pending_task(out, run, *step)?;
+            out.delete(Cf::Tasks, task_key(*step));
+        }
+        EventKind::TimerStarted { step, fire_at, .. } => {
+            let entry = TimerEntry {
+                run_id: run,
+                step: *step,
+                fire_at: *fire_at,
+            };
+            let bytes = enc(RecordKind::Timer, &entry)?;
+            out.put(Cf::Timers, keys::timer_key(*fire_at, run, *step), bytes.clone());
+            out.put(Cf::RunTimers, task_key(*step), bytes);
+        }
+        EventKind::TimerFired { step, fire_at } | EventKind::TimerCancelled { step, fire_at } => {
+            if out.get(Cf::RunTimers, &task_key(*step))?.is_none() {
+                return Err(invalid(format!("no open timer at step {step}")));
+            }
+            out.delete(Cf::Timers, keys::timer_key(*fire_at, run, *step));
+            out.delete(Cf::RunTimers, task_key(*step));
+        }
+        EventKind::ChildScheduled {
+            step,
+            child_instance_id,
+            child_run_id,
+            workflow_type,
+            input,
+            close_policy,
+            ..
+        } => {
+            let msg = OutboxMessage::StartChild {
+                parent: ParentRef {
+                    instance_id: m.instance_id.clone(),
+                    run_id: run,
+                    step: *step,
+                    close_policy: *close_policy,
+                },
+                child_instance_id: child_instance_id.clone(),
+                child_run_id: *child_run_id,
+                workflow_type: workflow_type.clone(),
+                input: input.clone(),
+            };
+            out.put(Cf::Outbox, keys::outbox_start_key(run, *step), enc(RecordKind::Outbox, &msg)?);
+        }
+        EventKind::ChildCompleted { child_run_id, .. } | EventKind::ChildFailed { child_run_id, .. } => {
+            out.delete(Cf::Outbox, keys::outbox_result_key(*child_run_id));
+        }
+        EventKind::ChildStarted { .. }
+        | EventKind::SignalReceived { .. }
+        | EventKind::UpdateAccepted { .. }
+        | EventKind::UpdateCompleted { .. }
+        | EventKind::SideEffectRecorded { .. }
+        | EventKind::SelectionWinnerRecorded { .. }
+        | EventKind::SelectionOperationCancelled { .. }
+        | EventKind::VersionMarker { .. }
+        | EventKind::MemoUpserted { .. }
+        | EventKind::SearchAttributesUpserted { .. }
+        | EventKind::ScopeCancelled { .. } => {}
+    }
+    Ok(())
+}
+
+fn pending_task(out: &dyn KvRead, run: RunId, step: crate::ids::Step) -> Result<TaskEntry> {
+    read_record(out, Cf::Tasks, RecordKind::Task, &keys::run_step_key(run, step))?.ok_or_else(|| {
+        Error::InvalidCommit {
+            run,
+            detail: format!("no pending activity execution at step {step}"),
+        }
+    })
+}

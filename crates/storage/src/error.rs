@@ -1,0 +1,148 @@
+//! The storage error type.
+
+use std::path::PathBuf;
+
+use crate::event::DurableKey;
+use crate::ids::{InstanceId, RunId, Seq};
+
+/// Everything that can go wrong in the storage layer. Variants carry the ids
+/// needed to act; messages say what was expected and what was found.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The data directory does not exist (read-only and secondary opens never
+    /// create one).
+    #[error("no keel data directory at {path}")]
+    NotFound {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// The directory exists but does not hold a keel store.
+    #[error("{path} is not a keel data directory: {detail}")]
+    NotKeel {
+        /// The path given.
+        path: PathBuf,
+        /// What was found instead.
+        detail: String,
+    },
+    /// The store was written by another schema version.
+    #[error("data directory has schema version {found}, this build reads version {expected}")]
+    SchemaVersion {
+        /// The version in the directory.
+        found: u32,
+        /// The version this build reads and writes.
+        expected: u32,
+    },
+    /// Another process holds the directory open for writing.
+    #[error("{path} is already open for writing by another process (open it read-only or as a secondary instead)")]
+    Locked {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// A write was attempted on a store opened read-only or as a secondary.
+    #[error("the store is open read-only")]
+    ReadOnly,
+    /// A record could not be decoded.
+    #[error("corrupt record in {cf}{}{}: {source}", run.map(|r| format!(" run {r}")).unwrap_or_default(), seq.map(|s| format!(" seq {s}")).unwrap_or_default())]
+    Corrupt {
+        /// The column family.
+        cf: &'static str,
+        /// The run, where the key names one.
+        run: Option<RunId>,
+        /// The seq, for an event.
+        seq: Option<Seq>,
+        /// What is wrong with the bytes.
+        source: crate::codec::Error,
+    },
+    /// A commit's first event does not continue the run's history.
+    #[error("run {run}: expected the next event at seq {expected}, the commit starts at seq {found}")]
+    SeqGap {
+        /// The run.
+        run: RunId,
+        /// The seq the history continues at.
+        expected: Seq,
+        /// The seq the commit gave.
+        found: Seq,
+    },
+    /// A commit to a run that has already closed.
+    #[error("run {run} is closed; nothing more can be appended")]
+    RunClosed {
+        /// The run.
+        run: RunId,
+    },
+    /// A commit for a run that does not exist and does not start it.
+    #[error("run {run} does not exist and the commit does not start it")]
+    UnknownRun {
+        /// The run.
+        run: RunId,
+    },
+    /// A start for an instance whose current run is still open.
+    #[error("instance {instance} already has an open run {run}")]
+    InstanceRunning {
+        /// The instance.
+        instance: InstanceId,
+        /// Its open run.
+        run: RunId,
+    },
+    /// A second terminal event for a durable id; nothing was written.
+    #[error("run {run}: {key} already has a terminal event at seq {committed}")]
+    DuplicateTerminal {
+        /// The run.
+        run: RunId,
+        /// The durable id.
+        key: DurableKey,
+        /// The seq of the committed terminal event.
+        committed: Seq,
+    },
+    /// A payload over [`crate::PAYLOAD_BYTES_MAX`]; nothing was written.
+    #[error("run {run} seq {seq}: payload of {bytes} bytes exceeds the limit of {max} bytes")]
+    PayloadTooLarge {
+        /// The run.
+        run: RunId,
+        /// The event's seq.
+        seq: Seq,
+        /// The payload's size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A history over [`crate::HISTORY_EVENTS_MAX`]; nothing was written.
+    #[error("run {run}: history of {events} events would exceed the limit of {max}")]
+    HistoryTooLong {
+        /// The run.
+        run: RunId,
+        /// The length the commit would reach.
+        events: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A malformed commit (a programmer error in the caller, reported rather
+    /// than asserted because it crosses the store's API).
+    #[error("invalid commit for run {run}: {detail}")]
+    InvalidCommit {
+        /// The run.
+        run: RunId,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The commit could not be made durable; nothing acknowledged was lost.
+    #[error("commit failed: {0}")]
+    CommitFailed(String),
+    /// The store has shut down.
+    #[error("the store is closed")]
+    Closed,
+    /// An error from RocksDB.
+    #[error("rocksdb: {0}")]
+    Rocks(String),
+    /// An error from the file system.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl From<rocksdb::Error> for Error {
+    fn from(e: rocksdb::Error) -> Self {
+        Error::Rocks(e.into_string())
+    }
+}
+
+/// Result alias for the storage layer.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,730 @@
+//! The typed history events: the persisted schema of a run's log.
+//!
+//! Schema evolution rules (see ARCHITECTURE.md): events are msgpack maps with
+//! named fields; a field is only ever added at the end with `#[serde(default)]`;
+//! a new variant bumps [`crate::codec::EVENT_VERSION`]; golden bytes of every
+//! released kind live in `tests/data/` and must keep decoding.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{
+    AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, RunId, Seq, Step, Timestamp,
+};
+
+/// An opaque user value: msgpack bytes of the workflow's or activity's serde
+/// type. Stored as a msgpack `bin`, not an array of numbers.
+#[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Payload(#[serde(with = "serde_bytes")] pub Vec<u8>);
+
+impl Payload {
+    /// Wraps already-encoded bytes.
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        Payload(bytes)
+    }
+
+    /// Encodes a serde value as a payload (msgpack map form).
+    pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Self, rmp_serde::encode::Error> {
+        rmp_serde::to_vec_named(value).map(Payload)
+    }
+
+    /// Decodes the payload into `T`, refusing trailing bytes.
+    pub fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T, rmp_serde::decode::Error> {
+        let mut de = rmp_serde::Deserializer::new(self.0.as_slice());
+        let value = T::deserialize(&mut de)?;
+        let rest = de.into_inner();
+        if !rest.is_empty() {
+            return Err(rmp_serde::decode::Error::Syntax(format!(
+                "{} trailing bytes after payload",
+                rest.len()
+            )));
+        }
+        Ok(value)
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// A short human rendering for `keel show`: JSON when it decodes, hex
+    /// otherwise, cut at `max_chars`.
+    pub fn preview(&self, max_chars: usize) -> String {
+        let text = match rmp_serde::from_slice::<serde_json::Value>(&self.0) {
+            Ok(v) => v.to_string(),
+            Err(_) => self.0.iter().map(|b| format!("{b:02x}")).collect(),
+        };
+        if text.chars().count() > max_chars {
+            let cut: String = text.chars().take(max_chars.saturating_sub(1)).collect();
+            format!("{cut}…")
+        } else {
+            text
+        }
+    }
+}
+
+impl fmt::Debug for Payload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Payload({})", self.preview(48))
+    }
+}
+
+/// One entry of a `parallel_group_path`: the enclosing `all` barrier's
+/// durable step, its size in leaves, and the leaf's index in it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct GroupEntry {
+    /// The step at which the barrier was issued.
+    pub step: Step,
+    /// How many members the barrier has.
+    pub size: u32,
+    /// This member's index in the barrier.
+    pub index: u32,
+}
+
+/// The enclosing `all` barriers of a leaf command, outermost first. Empty
+/// for a command issued outside any barrier.
+pub type GroupPath = Vec<GroupEntry>;
+
+/// What kind of failure a [`Failure`] is; decides retry and display.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub enum FailureKind {
+    /// An error returned by user code.
+    Application,
+    /// A panic caught around user code.
+    Panic,
+    /// A start-to-close or schedule-to-close timeout.
+    Timeout,
+    /// The attempt's lease expired more often than the redelivery bound.
+    LeaseExpired,
+    /// The work was cancelled.
+    Cancelled,
+    /// A child workflow or the run itself was terminated.
+    Terminated,
+    /// A resilience policy rejected the work (breaker open, rate limited...).
+    Rejected,
+}
+
+/// A typed failure as committed in history.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct Failure {
+    /// The failure's kind.
+    pub kind: FailureKind,
+    /// Human-readable message.
+    pub message: String,
+    /// Whether user code declared this failure retryable.
+    pub retryable: bool,
+    /// Optional typed details.
+    #[serde(default)]
+    pub details: Option<Payload>,
+}
+
+impl Failure {
+    /// A failure of the given kind and message.
+    pub fn new(kind: FailureKind, message: impl Into<String>, retryable: bool) -> Self {
+        Failure {
+            kind,
+            message: message.into(),
+            retryable,
+            details: None,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+/// Retry settings of one activity call, committed with its schedule so that
+/// retries are decided the same way after a restart.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct RetrySettings {
+    /// Total attempts allowed, including the first (1 = no retry).
+    pub attempts_max: u32,
+    /// Delay before the first retry.
+    pub initial_delay_ms: u64,
+    /// Multiplier applied per retry (1.0 = constant).
+    pub backoff_factor: f64,
+    /// Cap on the delay.
+    pub delay_max_ms: u64,
+    /// Jitter mode name (`none`, `full`, `equal`, `decorrelated`).
+    pub jitter: String,
+}
+
+/// Per-call options of an activity, committed with its schedule.
+#[derive(Clone, PartialEq, Debug, Default, Serialize, Deserialize)]
+pub struct ActivityOptions {
+    /// Limit on one attempt, from dispatch to result.
+    pub start_to_close_ms: Option<u64>,
+    /// Limit on the whole execution, across attempts and backoff.
+    pub schedule_to_close_ms: Option<u64>,
+    /// A heartbeat must arrive within this interval or the lease expires.
+    pub heartbeat_ms: Option<u64>,
+    /// Retry settings; `None` means one attempt.
+    pub retry: Option<RetrySettings>,
+    /// Resilience profile the engine admits attempts through, if any.
+    #[serde(default)]
+    pub profile: Option<String>,
+}
+
+/// What a parent does with an open child when the parent closes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub enum ParentClosePolicy {
+    /// Terminate the child.
+    #[default]
+    Terminate,
+    /// Ask the child to cancel.
+    RequestCancel,
+    /// Leave the child running.
+    Abandon,
+}
+
+/// The parent of a child run: its run and the step that started the child.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ParentRef {
+    /// The parent's instance.
+    pub instance_id: InstanceId,
+    /// The parent's run.
+    pub run_id: RunId,
+    /// The parent's step that scheduled this child.
+    pub step: Step,
+    /// What happens to the child when the parent closes.
+    pub close_policy: ParentClosePolicy,
+}
+
+/// A `select` member key: a non-empty string or a non-negative integer.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub enum SelectKey {
+    /// A string key (never empty).
+    Name(String),
+    /// An integer key.
+    Index(u64),
+}
+
+impl fmt::Display for SelectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SelectKey::Name(s) => f.write_str(s),
+            SelectKey::Index(i) => write!(f, "{i}"),
+        }
+    }
+}
+
+/// The kind of a `select` member's operation.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub enum OperationKind {
+    /// An activity execution.
+    Activity,
+    /// A child workflow.
+    Child,
+    /// A durable timer.
+    Timer,
+    /// A wait for a named signal.
+    Signal,
+    /// A wait for a condition over workflow state.
+    Condition,
+    /// A nested `all` barrier.
+    All,
+}
+
+/// The outcome of a finished run or a finished child.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub enum Outcome {
+    /// Completed with a result.
+    Completed(Payload),
+    /// Failed with a typed failure.
+    Failed(Failure),
+    /// Cancelled cooperatively.
+    Cancelled(String),
+    /// Terminated from outside.
+    Terminated(String),
+    /// Closed and continued as a new run.
+    ContinuedAsNew(RunId),
+}
+
+/// One committed fact in a run's history.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct Event {
+    /// Position in the run's history, contiguous from 1.
+    pub seq: Seq,
+    /// When the shell committed it (the engine's or the simulator's clock).
+    pub at: Timestamp,
+    /// What happened.
+    pub kind: EventKind,
+}
+
+/// Every kind of history event. Variants are only ever added at the end.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub enum EventKind {
+    /// The run started. Always seq 1.
+    WorkflowStarted {
+        /// The public instance.
+        instance_id: InstanceId,
+        /// This run.
+        run_id: RunId,
+        /// The registered workflow type name.
+        workflow_type: String,
+        /// The serialized input.
+        input: Payload,
+        /// The command id of the start request, if the client gave one.
+        command_id: Option<CommandId>,
+        /// The parent, for a child run.
+        parent: Option<ParentRef>,
+        /// The run this one continues, after continue-as-new.
+        continued_from: Option<RunId>,
+        /// Seed for the run's deterministic random numbers and uuids.
+        random_seed: u64,
+    },
+    /// The workflow returned a value.
+    WorkflowCompleted {
+        /// The serialized result.
+        result: Payload,
+    },
+    /// The workflow returned an error.
+    WorkflowFailed {
+        /// The failure.
+        failure: Failure,
+    },
+    /// Cancellation was requested from outside; workflow code observes it.
+    WorkflowCancelRequested {
+        /// The client's command id, deduplicating the request.
+        command_id: Option<CommandId>,
+        /// Why.
+        reason: String,
+    },
+    /// The workflow finished by honouring a cancellation.
+    WorkflowCancelled {
+        /// Why.
+        reason: String,
+    },
+    /// The run was terminated from outside, without running workflow code.
+    WorkflowTerminated {
+        /// Why.
+        reason: String,
+    },
+    /// The run closed and a new run of the same instance continues it.
+    WorkflowContinuedAsNew {
+        /// The new run.
+        new_run_id: RunId,
+        /// Its input.
+        input: Payload,
+    },
+    /// An activity execution was scheduled (its first attempt is implied).
+    ActivityScheduled {
+        /// The command's step.
+        step: Step,
+        /// Enclosing `all` barriers, outermost first.
+        group: GroupPath,
+        /// The execution's id.
+        execution_id: ExecutionId,
+        /// The registered activity type name.
+        activity_type: String,
+        /// The serialized input.
+        input: Payload,
+        /// Timeouts and retry policy for this call.
+        options: ActivityOptions,
+    },
+    /// One attempt failed; `retry_at` says whether and when the next attempt
+    /// is due (a durable backoff). Without it the execution has failed.
+    ActivityAttemptFailed {
+        /// The schedule's step.
+        step: Step,
+        /// The attempt that failed.
+        attempt_id: AttemptId,
+        /// The failure.
+        failure: Failure,
+        /// When the next attempt is due, if there is one.
+        retry_at: Option<Timestamp>,
+    },
+    /// An attempt completed; the execution's result.
+    ActivityCompleted {
+        /// The schedule's step.
+        step: Step,
+        /// The attempt that produced it.
+        attempt_id: AttemptId,
+        /// The serialized result.
+        result: Payload,
+    },
+    /// Workflow code asked to cancel an execution.
+    ActivityCancelRequested {
+        /// The schedule's step.
+        step: Step,
+        /// The execution.
+        execution_id: ExecutionId,
+    },
+    /// The execution was cancelled; no further result will be committed.
+    ActivityCancelled {
+        /// The schedule's step.
+        step: Step,
+        /// The execution.
+        execution_id: ExecutionId,
+    },
+    /// A durable timer started.
+    TimerStarted {
+        /// The command's step.
+        step: Step,
+        /// Enclosing `all` barriers.
+        group: GroupPath,
+        /// When it fires.
+        fire_at: Timestamp,
+    },
+    /// A timer fired.
+    TimerFired {
+        /// The timer's step.
+        step: Step,
+        /// When it was due.
+        fire_at: Timestamp,
+    },
+    /// A timer was cancelled before firing.
+    TimerCancelled {
+        /// The timer's step.
+        step: Step,
+        /// When it would have fired.
+        fire_at: Timestamp,
+    },
+    /// A child workflow was scheduled; the outbox starts it.
+    ChildScheduled {
+        /// The command's step.
+        step: Step,
+        /// Enclosing `all` barriers.
+        group: GroupPath,
+        /// The child's instance (derived from this run and step).
+        child_instance_id: InstanceId,
+        /// The child's run.
+        child_run_id: RunId,
+        /// The child's workflow type.
+        workflow_type: String,
+        /// The child's input.
+        input: Payload,
+        /// What happens to the child when this run closes.
+        close_policy: ParentClosePolicy,
+    },
+    /// The child run has started.
+    ChildStarted {
+        /// The scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+    },
+    /// The child completed.
+    ChildCompleted {
+        /// The scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+        /// Its result.
+        result: Payload,
+    },
+    /// The child failed, was cancelled or terminated.
+    ChildFailed {
+        /// The scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+        /// The failure.
+        failure: Failure,
+    },
+    /// A signal arrived.
+    SignalReceived {
+        /// The signal's name.
+        name: String,
+        /// Its payload.
+        payload: Payload,
+        /// The client's command id, deduplicating the signal.
+        command_id: Option<CommandId>,
+    },
+    /// An update was accepted.
+    UpdateAccepted {
+        /// The update's id (the client's command id).
+        update_id: CommandId,
+        /// The update's name.
+        name: String,
+        /// Its payload.
+        payload: Payload,
+    },
+    /// An update completed.
+    UpdateCompleted {
+        /// The update's id.
+        update_id: CommandId,
+        /// Its result.
+        result: Payload,
+    },
+    /// A side effect's value was recorded (also used for `now`, `random`,
+    /// `uuid`).
+    SideEffectRecorded {
+        /// The command's step.
+        step: Step,
+        /// The recorded value.
+        value: Payload,
+    },
+    /// A `select` winner was recorded under the run's commit.
+    SelectionWinnerRecorded {
+        /// The select's step.
+        step: Step,
+        /// The winner's index.
+        member_index: u32,
+        /// The winner's key.
+        key: SelectKey,
+        /// The winner's operation kind.
+        operation: OperationKind,
+        /// The durable step of the winner's operation.
+        member_step: Step,
+    },
+    /// A losing `select` member's operation was cancelled before completing.
+    SelectionOperationCancelled {
+        /// The select's step.
+        step: Step,
+        /// The cancelled member's index.
+        member_index: u32,
+        /// The durable step of the member's operation.
+        member_step: Step,
+    },
+    /// A code version marker, for evolving workflow code.
+    VersionMarker {
+        /// The command's step.
+        step: Step,
+        /// The change's id.
+        change_id: String,
+        /// The version chosen.
+        version: u32,
+    },
+    /// Memo fields were upserted.
+    MemoUpserted {
+        /// Field name and value pairs.
+        fields: Vec<(String, Payload)>,
+    },
+    /// Search attributes were upserted.
+    SearchAttributesUpserted {
+        /// Attribute name and value pairs.
+        attributes: Vec<(String, Payload)>,
+    },
+    /// A scope of workflow coroutines was cancelled.
+    ScopeCancelled {
+        /// The scope's step.
+        step: Step,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A durable id that may receive at most one committed terminal event.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub enum DurableKey {
+    /// The run itself: one terminal event.
+    Run,
+    /// One activity execution: one final outcome.
+    Execution(Step),
+    /// One attempt: one result.
+    Attempt(Step, AttemptNo),
+    /// One timer: fired or cancelled, once.
+    Timer(Step),
+    /// One child: one result.
+    Child(Step),
+    /// One `select`: one winner.
+    SelectionWinner(Step),
+    /// One `select` member: at most one cancellation.
+    SelectionCancel(Step, u32),
+    /// One client command (signal, cancel, update) to this run.
+    Command(CommandId),
+    /// One update: one completion.
+    UpdateCompleted(CommandId),
+    /// One scope: cancelled once.
+    Scope(Step),
+}
+
+impl fmt::Display for DurableKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DurableKey::Run => write!(f, "run"),
+            DurableKey::Execution(s) => write!(f, "execution@{s}"),
+            DurableKey::Attempt(s, a) => write!(f, "attempt@{s}#{a}"),
+            DurableKey::Timer(s) => write!(f, "timer@{s}"),
+            DurableKey::Child(s) => write!(f, "child@{s}"),
+            DurableKey::SelectionWinner(s) => write!(f, "selection@{s}"),
+            DurableKey::SelectionCancel(s, m) => write!(f, "selection-cancel@{s}#{m}"),
+            DurableKey::Command(c) => write!(f, "command:{c}"),
+            DurableKey::UpdateCompleted(c) => write!(f, "update:{c}"),
+            DurableKey::Scope(s) => write!(f, "scope@{s}"),
+        }
+    }
+}
+
+impl EventKind {
+    /// The variant's name, as `keel show` prints it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            EventKind::WorkflowStarted { .. } => "WorkflowStarted",
+            EventKind::WorkflowCompleted { .. } => "WorkflowCompleted",
+            EventKind::WorkflowFailed { .. } => "WorkflowFailed",
+            EventKind::WorkflowCancelRequested { .. } => "WorkflowCancelRequested",
+            EventKind::WorkflowCancelled { .. } => "WorkflowCancelled",
+            EventKind::WorkflowTerminated { .. } => "WorkflowTerminated",
+            EventKind::WorkflowContinuedAsNew { .. } => "WorkflowContinuedAsNew",
+            EventKind::ActivityScheduled { .. } => "ActivityScheduled",
+            EventKind::ActivityAttemptFailed { .. } => "ActivityAttemptFailed",
+            EventKind::ActivityCompleted { .. } => "ActivityCompleted",
+            EventKind::ActivityCancelRequested { .. } => "ActivityCancelRequested",
+            EventKind::ActivityCancelled { .. } => "ActivityCancelled",
+            EventKind::TimerStarted { .. } => "TimerStarted",
+            EventKind::TimerFired { .. } => "TimerFired",
+            EventKind::TimerCancelled { .. } => "TimerCancelled",
+            EventKind::ChildScheduled { .. } => "ChildScheduled",
+            EventKind::ChildStarted { .. } => "ChildStarted",
+            EventKind::ChildCompleted { .. } => "ChildCompleted",
+            EventKind::ChildFailed { .. } => "ChildFailed",
+            EventKind::SignalReceived { .. } => "SignalReceived",
+            EventKind::UpdateAccepted { .. } => "UpdateAccepted",
+            EventKind::UpdateCompleted { .. } => "UpdateCompleted",
+            EventKind::SideEffectRecorded { .. } => "SideEffectRecorded",
+            EventKind::SelectionWinnerRecorded { .. } => "SelectionWinnerRecorded",
+            EventKind::SelectionOperationCancelled { .. } => "SelectionOperationCancelled",
+            EventKind::VersionMarker { .. } => "VersionMarker",
+            EventKind::MemoUpserted { .. } => "MemoUpserted",
+            EventKind::SearchAttributesUpserted { .. } => "SearchAttributesUpserted",
+            EventKind::ScopeCancelled { .. } => "ScopeCancelled",
+        }
+    }
+
+    /// The durable ids this event closes, if it is a terminal event. The
+    /// store refuses a second terminal event for any of them.
+    pub fn terminal_keys(&self) -> Vec<DurableKey> {
+        match self {
+            EventKind::WorkflowCompleted { .. }
+            | EventKind::WorkflowFailed { .. }
+            | EventKind::WorkflowCancelled { .. }
+            | EventKind::WorkflowTerminated { .. }
+            | EventKind::WorkflowContinuedAsNew { .. } => vec![DurableKey::Run],
+            EventKind::ActivityAttemptFailed {
+                step,
+                attempt_id,
+                retry_at,
+                ..
+            } => {
+                let mut keys = vec![DurableKey::Attempt(*step, attempt_id.attempt)];
+                if retry_at.is_none() {
+                    keys.push(DurableKey::Execution(*step));
+                }
+                keys
+            }
+            EventKind::ActivityCompleted {
+                step, attempt_id, ..
+            } => vec![
+                DurableKey::Attempt(*step, attempt_id.attempt),
+                DurableKey::Execution(*step),
+            ],
+            EventKind::ActivityCancelled { step, .. } => vec![DurableKey::Execution(*step)],
+            EventKind::TimerFired { step, .. } | EventKind::TimerCancelled { step, .. } => {
+                vec![DurableKey::Timer(*step)]
+            }
+            EventKind::ChildCompleted { step, .. } | EventKind::ChildFailed { step, .. } => {
+                vec![DurableKey::Child(*step)]
+            }
+            EventKind::SelectionWinnerRecorded { step, .. } => {
+                vec![DurableKey::SelectionWinner(*step)]
+            }
+            EventKind::SelectionOperationCancelled {
+                step, member_index, ..
+            } => vec![DurableKey::SelectionCancel(*step, *member_index)],
+            EventKind::SignalReceived {
+                command_id: Some(c),
+                ..
+            }
+            | EventKind::WorkflowCancelRequested {
+                command_id: Some(c),
+                ..
+            } => vec![DurableKey::Command(c.clone())],
+            EventKind::UpdateAccepted { update_id, .. } => {
+                vec![DurableKey::Command(update_id.clone())]
+            }
+            EventKind::UpdateCompleted { update_id, .. } => {
+                vec![DurableKey::UpdateCompleted(update_id.clone())]
+            }
+            EventKind::ScopeCancelled { step, .. } => vec![DurableKey::Scope(*step)],
+            _ => Vec::new(),
+        }
+    }
+
+    /// True for the events that close a run.
+    pub fn closes_run(&self) -> bool {
+        matches!(self.terminal_keys().first(), Some(DurableKey::Run))
+    }
+
+    /// The step this event belongs to, where it has one.
+    pub fn step(&self) -> Option<Step> {
+        match self {
+            EventKind::ActivityScheduled { step, .. }
+            | EventKind::ActivityAttemptFailed { step, .. }
+            | EventKind::ActivityCompleted { step, .. }
+            | EventKind::ActivityCancelRequested { step, .. }
+            | EventKind::ActivityCancelled { step, .. }
+            | EventKind::TimerStarted { step, .. }
+            | EventKind::TimerFired { step, .. }
+            | EventKind::TimerCancelled { step, .. }
+            | EventKind::ChildScheduled { step, .. }
+            | EventKind::ChildStarted { step, .. }
+            | EventKind::ChildCompleted { step, .. }
+            | EventKind::ChildFailed { step, .. }
+            | EventKind::SideEffectRecorded { step, .. }
+            | EventKind::SelectionWinnerRecorded { step, .. }
+            | EventKind::SelectionOperationCancelled { step, .. }
+            | EventKind::VersionMarker { step, .. }
+            | EventKind::ScopeCancelled { step, .. } => Some(*step),
+            _ => None,
+        }
+    }
+
+    /// The group path of a leaf command, where it has one.
+    pub fn group(&self) -> Option<&GroupPath> {
+        match self {
+            EventKind::ActivityScheduled { group, .. }
+            | EventKind::TimerStarted { group, .. }
+            | EventKind::ChildScheduled { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+
+    /// Every payload the event carries, for the size limit.
+    pub fn payloads(&self) -> Vec<&Payload> {
+        match self {
+            EventKind::WorkflowStarted { input, .. }
+            | EventKind::WorkflowContinuedAsNew { input, .. }
+            | EventKind::ActivityScheduled { input, .. }
+            | EventKind::ChildScheduled { input, .. } => vec![input],
+            EventKind::WorkflowCompleted { result }
+            | EventKind::ActivityCompleted { result, .. }
+            | EventKind::ChildCompleted { result, .. }
+            | EventKind::UpdateCompleted { result, .. } => vec![result],
+            EventKind::SignalReceived { payload, .. }
+            | EventKind::UpdateAccepted { payload, .. } => vec![payload],
+            EventKind::SideEffectRecorded { value, .. } => vec![value],
+            EventKind::MemoUpserted { fields: pairs }
+            | EventKind::SearchAttributesUpserted { attributes: pairs } => {
+                pairs.iter().map(|(_, p)| p).collect()
+            }
+            EventKind::WorkflowFailed { failure }
+            | EventKind::ActivityAttemptFailed { failure, .. }
+            | EventKind::ChildFailed { failure, .. } => failure.details.iter().collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// Convenience: the execution id an activity event refers to.
+pub fn execution_of(run_id: RunId, step: Step) -> ExecutionId {
+    ExecutionId { run_id, step }
+}
+
+/// Convenience: the attempt id of attempt `attempt` of the execution at `step`.
+pub fn attempt_of(run_id: RunId, step: Step, attempt: AttemptNo) -> AttemptId {
+    AttemptId {
+        execution: execution_of(run_id, step),
+        attempt,
+    }
+}

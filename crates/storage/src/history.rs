@@ -1,0 +1,187 @@
+//! Views computed from a history alone: the pending steps of a run and its
+//! children. Used by the engine's `describe` and by the CLI offline, so both
+//! show the same thing.
+
+use serde::Serialize;
+
+use crate::event::{Event, EventKind, GroupPath};
+use crate::ids::{AttemptNo, RunId, Step, Timestamp};
+
+/// A durable wait that history shows as open.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+pub struct PendingStep {
+    /// The command's step.
+    pub step: Step,
+    /// `activity`, `timer` or `child`.
+    pub kind: &'static str,
+    /// Activity or workflow type; empty for a timer.
+    pub name: String,
+    /// Enclosing `all` barriers.
+    pub group: GroupPath,
+    /// When it was issued.
+    pub since: Timestamp,
+    /// Activity: the attempt pending now (after retries).
+    pub attempt: Option<AttemptNo>,
+    /// Activity: when that attempt is due (a retry's backoff).
+    pub due: Option<Timestamp>,
+    /// Timer: when it fires.
+    pub fire_at: Option<Timestamp>,
+    /// Child: its run.
+    pub child_run: Option<RunId>,
+    /// Activity: the last attempt failure's message.
+    pub last_failure: Option<String>,
+}
+
+/// A child of a run, as its history records it.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+pub struct ChildRecord {
+    /// The parent's step that scheduled it.
+    pub step: Step,
+    /// The child's run.
+    pub run_id: RunId,
+    /// The child's instance.
+    pub instance_id: String,
+    /// The child's workflow type.
+    pub workflow_type: String,
+    /// `open`, `completed` or `failed`, as the parent has seen it.
+    pub state: &'static str,
+}
+
+/// The steps a history shows as open, in step order.
+pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
+    let mut open: std::collections::BTreeMap<Step, PendingStep> = Default::default();
+    for e in history {
+        match &e.kind {
+            EventKind::ActivityScheduled {
+                step,
+                group,
+                activity_type,
+                ..
+            } => {
+                open.insert(
+                    *step,
+                    PendingStep {
+                        step: *step,
+                        kind: "activity",
+                        name: activity_type.clone(),
+                        group: group.clone(),
+                        since: e.at,
+                        attempt: Some(AttemptNo::FIRST),
+                        due: Some(e.at),
+                        fire_at: None,
+                        child_run: None,
+                        last_failure: None,
+                    },
+                );
+            }
+            EventKind::ActivityAttemptFailed {
+                step,
+                retry_at: Some(at),
+                attempt_id,
+                failure,
+            } => {
+                if let Some(p) = open.get_mut(step) {
+                    p.attempt = Some(attempt_id.attempt.next());
+                    p.due = Some(*at);
+                    p.last_failure = Some(failure.message.clone());
+                }
+            }
+            EventKind::TimerStarted {
+                step,
+                group,
+                fire_at,
+            } => {
+                open.insert(
+                    *step,
+                    PendingStep {
+                        step: *step,
+                        kind: "timer",
+                        name: String::new(),
+                        group: group.clone(),
+                        since: e.at,
+                        attempt: None,
+                        due: None,
+                        fire_at: Some(*fire_at),
+                        child_run: None,
+                        last_failure: None,
+                    },
+                );
+            }
+            EventKind::ChildScheduled {
+                step,
+                group,
+                workflow_type,
+                child_run_id,
+                ..
+            } => {
+                open.insert(
+                    *step,
+                    PendingStep {
+                        step: *step,
+                        kind: "child",
+                        name: workflow_type.clone(),
+                        group: group.clone(),
+                        since: e.at,
+                        attempt: None,
+                        due: None,
+                        fire_at: None,
+                        child_run: Some(*child_run_id),
+                        last_failure: None,
+                    },
+                );
+            }
+            EventKind::ActivityAttemptFailed {
+                step,
+                retry_at: None,
+                ..
+            }
+            | EventKind::ActivityCompleted { step, .. }
+            | EventKind::ActivityCancelled { step, .. }
+            | EventKind::TimerFired { step, .. }
+            | EventKind::TimerCancelled { step, .. }
+            | EventKind::ChildCompleted { step, .. }
+            | EventKind::ChildFailed { step, .. } => {
+                open.remove(step);
+            }
+            _ => {}
+        }
+        if e.kind.closes_run() || matches!(e.kind, EventKind::WorkflowTerminated { .. }) {
+            open.clear();
+        }
+    }
+    open.into_values().collect()
+}
+
+/// The children a history records, with what the parent has seen of them.
+pub fn children(history: &[Event]) -> Vec<ChildRecord> {
+    let mut out: Vec<ChildRecord> = Vec::new();
+    for e in history {
+        match &e.kind {
+            EventKind::ChildScheduled {
+                step,
+                child_instance_id,
+                child_run_id,
+                workflow_type,
+                ..
+            } => out.push(ChildRecord {
+                step: *step,
+                run_id: *child_run_id,
+                instance_id: child_instance_id.to_string(),
+                workflow_type: workflow_type.clone(),
+                state: "open",
+            }),
+            EventKind::ChildCompleted { step, .. } | EventKind::ChildFailed { step, .. } => {
+                let done = if matches!(e.kind, EventKind::ChildCompleted { .. }) {
+                    "completed"
+                } else {
+                    "failed"
+                };
+                if let Some(c) = out.iter_mut().find(|c| c.step == *step) {
+                    c.state = done;
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}

@@ -1,0 +1,224 @@
+//! Column families and the byte layout of every key.
+//!
+//! Numbers in keys are big-endian so that byte order is numeric order: a
+//! run's events scan in seq order and timers scan in due order.
+
+use crate::event::DurableKey;
+use crate::ids::{RunId, Seq, Step, Timestamp};
+
+/// The column families of a keel store. Everything except `Events` and
+/// `Meta` is derived state that `verify` rebuilds from `Events` and compares.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub enum Cf {
+    /// `run ‖ seq` → event record. The source of truth.
+    Events,
+    /// `run` → run metadata.
+    Runs,
+    /// `instance id` → the instance's current run.
+    Instances,
+    /// `run ‖ durable key` → seq of the committed terminal event.
+    Dedupe,
+    /// `due ‖ run ‖ step` → timer record, in due order.
+    Timers,
+    /// `run ‖ step` → due time, to find a run's open timers.
+    RunTimers,
+    /// `kind ‖ run ‖ step` → outbox message.
+    Outbox,
+    /// `run ‖ step` → the pending attempt of an activity execution.
+    Tasks,
+    /// `status ‖ type ‖ 0 ‖ run` → empty: runs by status and type.
+    Index,
+    /// Store metadata (format, schema version) and parked runs. Not derived.
+    Meta,
+}
+
+impl Cf {
+    /// Every column family, in a fixed order.
+    pub const ALL: [Cf; 10] = [
+        Cf::Events,
+        Cf::Runs,
+        Cf::Instances,
+        Cf::Dedupe,
+        Cf::Timers,
+        Cf::RunTimers,
+        Cf::Outbox,
+        Cf::Tasks,
+        Cf::Index,
+        Cf::Meta,
+    ];
+
+    /// The derived column families that `verify` rebuilds.
+    pub const DERIVED: [Cf; 8] = [
+        Cf::Runs,
+        Cf::Instances,
+        Cf::Dedupe,
+        Cf::Timers,
+        Cf::RunTimers,
+        Cf::Outbox,
+        Cf::Tasks,
+        Cf::Index,
+    ];
+
+    /// The column family's name in RocksDB.
+    pub fn name(self) -> &'static str {
+        match self {
+            Cf::Events => "events",
+            Cf::Runs => "runs",
+            Cf::Instances => "instances",
+            Cf::Dedupe => "dedupe",
+            Cf::Timers => "timers",
+            Cf::RunTimers => "run_timers",
+            Cf::Outbox => "outbox",
+            Cf::Tasks => "tasks",
+            Cf::Index => "index",
+            Cf::Meta => "meta",
+        }
+    }
+
+    /// Index into per-family arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// `run ‖ seq`.
+pub fn event_key(run: RunId, seq: Seq) -> Vec<u8> {
+    let mut k = Vec::with_capacity(24);
+    k.extend_from_slice(run.as_bytes());
+    k.extend_from_slice(&seq.0.to_be_bytes());
+    k
+}
+
+/// Splits an events key into run and seq; `None` for a malformed key.
+pub fn parse_event_key(key: &[u8]) -> Option<(RunId, Seq)> {
+    if key.len() != 24 {
+        return None;
+    }
+    let run = RunId(uuid::Uuid::from_slice(&key[..16]).ok()?);
+    let seq = u64::from_be_bytes(key[16..24].try_into().ok()?);
+    Some((run, Seq(seq)))
+}
+
+/// The run id at the front of a run-prefixed key.
+pub fn run_prefix(key: &[u8]) -> Option<RunId> {
+    key.get(..16)
+        .and_then(|b| uuid::Uuid::from_slice(b).ok())
+        .map(RunId)
+}
+
+/// `run`.
+pub fn run_key(run: RunId) -> Vec<u8> {
+    run.as_bytes().to_vec()
+}
+
+/// `run ‖ durable key`.
+pub fn dedupe_key(run: RunId, key: &DurableKey) -> Vec<u8> {
+    let mut k = run.as_bytes().to_vec();
+    match key {
+        DurableKey::Run => k.push(b'w'),
+        DurableKey::Execution(s) => {
+            k.push(b'x');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
+        DurableKey::Attempt(s, a) => {
+            k.push(b'a');
+            k.extend_from_slice(&s.0.to_be_bytes());
+            k.extend_from_slice(&a.0.to_be_bytes());
+        }
+        DurableKey::Timer(s) => {
+            k.push(b't');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
+        DurableKey::Child(s) => {
+            k.push(b'c');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
+        DurableKey::SelectionWinner(s) => {
+            k.push(b's');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
+        DurableKey::SelectionCancel(s, m) => {
+            k.push(b'k');
+            k.extend_from_slice(&s.0.to_be_bytes());
+            k.extend_from_slice(&m.to_be_bytes());
+        }
+        DurableKey::Command(c) => {
+            k.push(b'm');
+            k.extend_from_slice(c.0.as_bytes());
+        }
+        DurableKey::UpdateCompleted(c) => {
+            k.push(b'u');
+            k.extend_from_slice(c.0.as_bytes());
+        }
+        DurableKey::Scope(s) => {
+            k.push(b'p');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
+    }
+    k
+}
+
+/// `due ‖ run ‖ step`.
+pub fn timer_key(due: Timestamp, run: RunId, step: Step) -> Vec<u8> {
+    let mut k = Vec::with_capacity(28);
+    k.extend_from_slice(&due.0.to_be_bytes());
+    k.extend_from_slice(run.as_bytes());
+    k.extend_from_slice(&step.0.to_be_bytes());
+    k
+}
+
+/// `run ‖ step`, for run timers and tasks.
+pub fn run_step_key(run: RunId, step: Step) -> Vec<u8> {
+    let mut k = Vec::with_capacity(20);
+    k.extend_from_slice(run.as_bytes());
+    k.extend_from_slice(&step.0.to_be_bytes());
+    k
+}
+
+/// Outbox key of a child start: `'S' ‖ parent run ‖ step`.
+pub fn outbox_start_key(parent: RunId, step: Step) -> Vec<u8> {
+    let mut k = vec![b'S'];
+    k.extend_from_slice(parent.as_bytes());
+    k.extend_from_slice(&step.0.to_be_bytes());
+    k
+}
+
+/// Outbox key of a child's result: `'R' ‖ child run`.
+pub fn outbox_result_key(child: RunId) -> Vec<u8> {
+    let mut k = vec![b'R'];
+    k.extend_from_slice(child.as_bytes());
+    k
+}
+
+/// `status ‖ type ‖ 0 ‖ run`.
+pub fn index_key(status: u8, workflow_type: &str, run: RunId) -> Vec<u8> {
+    let mut k = Vec::with_capacity(18 + workflow_type.len());
+    k.push(status);
+    k.extend_from_slice(workflow_type.as_bytes());
+    k.push(0);
+    k.extend_from_slice(run.as_bytes());
+    k
+}
+
+/// Key of the store's metadata record in `Meta`.
+pub const STORE_META_KEY: &[u8] = b"store";
+
+/// `"parked/" ‖ run` in `Meta`.
+pub fn parked_key(run: RunId) -> Vec<u8> {
+    let mut k = b"parked/".to_vec();
+    k.extend_from_slice(run.as_bytes());
+    k
+}
+
+/// The smallest key strictly greater than every key with `prefix`, or `None`
+/// when the prefix is all 0xff.
+pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}

@@ -1,0 +1,69 @@
+//! keel-storage: the persisted schema, the history log and the stores.
+//!
+//! Owns everything that touches bytes on disk: typed history [`event`]s in a
+//! versioned, checksummed envelope ([`codec`]), the key layout ([`keys`]),
+//! the [`Store`] trait with its RocksDB ([`RocksStore`]) and in-memory
+//! ([`MemStore`]) implementations, group commit, open modes and integrity
+//! verification. Validation and derived state are written once
+//! ([`derive`]) and shared by both stores and by `verify`.
+//!
+//! No actix and no workflow code here: the engine depends on this crate,
+//! never the other way.
+
+pub mod codec;
+pub mod derive;
+pub mod error;
+pub mod event;
+pub mod history;
+pub mod ids;
+pub mod keys;
+pub mod kv;
+pub mod mem;
+pub mod rocks;
+pub mod state;
+pub mod store;
+pub mod verify;
+
+pub use derive::{AppendAck, CommitAck, CommitBatch, RunAppend};
+pub use error::{Error, Result};
+pub use event::{
+    ActivityOptions, DurableKey, Event, EventKind, Failure, FailureKind, GroupEntry, GroupPath,
+    OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload, RetrySettings, SelectKey,
+};
+pub use ids::{
+    AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, LeaseEpoch, RunId, Seq, Step,
+    Timestamp,
+};
+pub use mem::{CrashMode, MemStore};
+pub use rocks::{OpenMode, RocksStore};
+pub use state::{
+    InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, StoreMeta, TaskEntry, TimerEntry,
+};
+pub use store::{CommitHandle, Durability, RunFilter, Store};
+pub use verify::{VerifyReport, Violation};
+
+/// Schema version of a data directory; opening another version fails with
+/// [`Error::SchemaVersion`] naming both.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Largest payload (input, result, signal, side effect value) in bytes.
+pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;
+
+/// Longest history of one run, in events; continue-as-new past it.
+pub const HISTORY_EVENTS_MAX: u64 = 5_000_000;
+
+/// A limit logs a warning once usage passes this share of it.
+pub const LIMIT_WARN_PERCENT: usize = 80;
+
+/// Most commit requests the writer merges into one `WriteBatch`.
+pub const GROUP_COMMITS_MAX: usize = 4096;
+
+/// Most encoded bytes the writer merges into one `WriteBatch`.
+pub const GROUP_COMMIT_BYTES_MAX: usize = 32 << 20;
+
+/// Commit requests that may wait for the writer; committers block (or wait)
+/// beyond it, which is the store's backpressure.
+pub const COMMIT_QUEUE_MAX: usize = 65_536;
+
+/// Most violations one `verify` report lists.
+pub const VERIFY_VIOLATIONS_MAX: usize = 1000;

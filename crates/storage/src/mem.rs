@@ -1,0 +1,145 @@
+//! The in-memory store: the same validation as RocksDB, with synced and
+//! not-yet-synced data kept apart so a simulated crash can drop or tear the
+//! unsynced tail.
+
+use parking_lot::Mutex;
+
+use crate::derive::{apply_batch, CommitBatch, PreparedBatch};
+use crate::error::{Error, Result};
+use crate::keys::Cf;
+use crate::kv::{mutations_of, KvRead, Maps, Mutation};
+use crate::store::{CommitHandle, Durability, Store};
+
+/// What a simulated crash does with commits that were written but not yet
+/// synced.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum CrashMode {
+    /// Every unsynced commit is lost.
+    DropUnsynced,
+    /// The first `n` unsynced commits survive, the rest are lost (a torn
+    /// tail: commits are atomic, so the tear falls between commits).
+    KeepUnsynced(usize),
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    live: Maps,
+    durable: Maps,
+    unsynced: Vec<Vec<Mutation>>,
+    fail_next: u32,
+}
+
+/// An in-memory keel store.
+#[derive(Debug)]
+pub struct MemStore {
+    inner: Mutex<Inner>,
+    durability: Durability,
+}
+
+impl MemStore {
+    /// An empty store acknowledging commits under `durability`. In `Sync`
+    /// mode every acknowledged commit is durable; in `Buffered` mode commits
+    /// stay unsynced until [`Store::sync`].
+    pub fn new(durability: Durability) -> Self {
+        MemStore {
+            inner: Mutex::new(Inner::default()),
+            durability,
+        }
+    }
+
+    /// Makes the next `n` commits fail with [`Error::CommitFailed`],
+    /// writing nothing (fault injection).
+    pub fn fail_next_commits(&self, n: u32) {
+        self.inner.lock().fail_next = n;
+    }
+
+    /// Simulates a process crash and restart: live state falls back to what
+    /// was synced plus whatever part of the unsynced tail `mode` keeps.
+    pub fn crash(&self, mode: CrashMode) {
+        let mut inner = self.inner.lock();
+        let keep = match mode {
+            CrashMode::DropUnsynced => 0,
+            CrashMode::KeepUnsynced(n) => n.min(inner.unsynced.len()),
+        };
+        let kept: Vec<Vec<Mutation>> = inner.unsynced.drain(..).take(keep).collect();
+        for m in &kept {
+            inner.durable.apply(m);
+        }
+        inner.live = inner.durable.clone();
+    }
+
+    /// Commits written but not yet synced.
+    pub fn unsynced_commits(&self) -> usize {
+        self.inner.lock().unsynced.len()
+    }
+
+    /// A copy of the live column families (for comparing logical state).
+    pub fn snapshot(&self) -> Maps {
+        self.inner.lock().live.clone()
+    }
+
+    /// Runs `f` on the live column families, for corruption tests.
+    pub fn with_live_mut<R>(&self, f: impl FnOnce(&mut Maps) -> R) -> R {
+        let mut inner = self.inner.lock();
+        let r = f(&mut inner.live);
+        let live = inner.live.clone();
+        inner.durable = live;
+        r
+    }
+}
+
+impl KvRead for MemStore {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.inner.lock().live.get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        self.inner.lock().live.scan(cf, prefix, from, visit)
+    }
+}
+
+impl Store for MemStore {
+    fn view(&self) -> &dyn KvRead {
+        self
+    }
+
+    fn commit(&self, batch: CommitBatch) -> CommitHandle {
+        let prepared = match PreparedBatch::new(batch) {
+            Ok(p) => p,
+            Err(e) => return CommitHandle::ready(Err(e)),
+        };
+        let mut inner = self.inner.lock();
+        if inner.fail_next > 0 {
+            inner.fail_next -= 1;
+            return CommitHandle::ready(Err(Error::CommitFailed("injected commit failure".into())));
+        }
+        let result = apply_batch(&inner.live, &prepared).map(|(w, ack)| (mutations_of(w), ack));
+        CommitHandle::ready(result.map(|(mutations, ack)| {
+            inner.live.apply(&mutations);
+            match self.durability {
+                Durability::Sync => inner.durable.apply(&mutations),
+                Durability::Buffered => inner.unsynced.push(mutations),
+            }
+            ack
+        }))
+    }
+
+    fn sync(&self) -> Result<()> {
+        let mut inner = self.inner.lock();
+        let pending: Vec<Vec<Mutation>> = inner.unsynced.drain(..).collect();
+        for m in &pending {
+            inner.durable.apply(m);
+        }
+        Ok(())
+    }
+
+    fn durability(&self) -> Durability {
+        self.durability
+    }
+}

@@ -1,0 +1,448 @@
+//! The RocksDB store: column families, open modes, and group commit.
+//!
+//! Group commit: committers encode their events on their own thread and
+//! queue a request; one writer thread takes every request waiting at that
+//! moment (up to [`crate::GROUP_COMMITS_MAX`]), validates each against the
+//! store plus the earlier requests of the group, writes one `WriteBatch`
+//! (fsynced in `Sync` mode) and answers each committer. A request that fails
+//! validation is answered with its error and leaves no trace in the batch.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use futures::channel::oneshot;
+use rocksdb::{
+    checkpoint::Checkpoint, ColumnFamilyDescriptor, DBCompressionType, Direction, IteratorMode,
+    Options, ReadOptions, WriteBatch, WriteOptions, DB,
+};
+use tracing::{debug, info_span};
+
+use crate::codec::{self, RecordKind};
+use crate::derive::{apply_batch, CommitAck, CommitBatch, PreparedBatch};
+use crate::error::{Error, Result};
+use crate::keys::{prefix_end, Cf, STORE_META_KEY};
+use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
+use crate::state::StoreMeta;
+use crate::store::{CommitHandle, Durability, Store};
+use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
+
+/// How a data directory is opened.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum OpenMode {
+    /// Read-write and exclusive; creates the directory if missing.
+    ReadWrite,
+    /// Read-only snapshot of the directory as it was at open.
+    ReadOnly,
+    /// Follows a live writer; call [`RocksStore::catch_up`] to see new data.
+    Secondary,
+}
+
+struct Request {
+    prepared: PreparedBatch,
+    reply: oneshot::Sender<Result<CommitAck>>,
+}
+
+/// A keel store in a RocksDB directory.
+pub struct RocksStore {
+    db: Arc<DB>,
+    path: PathBuf,
+    mode: OpenMode,
+    durability: Durability,
+    tx: Option<Sender<Request>>,
+    writer: Option<JoinHandle<()>>,
+    _secondary_dir: Option<tempfile::TempDir>,
+}
+
+impl std::fmt::Debug for RocksStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RocksStore")
+            .field("path", &self.path)
+            .field("mode", &self.mode)
+            .field("durability", &self.durability)
+            .finish()
+    }
+}
+
+fn db_options(mode: OpenMode) -> Options {
+    let mut opts = Options::default();
+    opts.create_if_missing(mode == OpenMode::ReadWrite);
+    opts.create_missing_column_families(mode == OpenMode::ReadWrite);
+    opts.set_max_background_jobs(2);
+    opts.set_write_buffer_size(64 << 20);
+    opts.set_max_open_files(if mode == OpenMode::Secondary { -1 } else { 512 });
+    // Records carry their own CRC32C, and an uncompressed block keeps a
+    // damaged record local to itself, so `verify` can name its run and seq.
+    opts.set_compression_type(DBCompressionType::None);
+    opts
+}
+
+fn cf_descriptors(names: &[String]) -> Vec<ColumnFamilyDescriptor> {
+    names
+        .iter()
+        .map(|n| {
+            let mut o = Options::default();
+            o.set_compression_type(DBCompressionType::None);
+            ColumnFamilyDescriptor::new(n, o)
+        })
+        .collect()
+}
+
+fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
+    let text = e.into_string();
+    if text.contains("lock") || text.contains("LOCK") {
+        Error::Locked {
+            path: path.to_path_buf(),
+        }
+    } else {
+        Error::Rocks(text)
+    }
+}
+
+impl RocksStore {
+    /// Opens `path` read-write and exclusively, creating it if missing.
+    pub fn open(path: impl AsRef<Path>, durability: Durability) -> Result<Self> {
+        Self::open_mode(path.as_ref(), OpenMode::ReadWrite, durability)
+    }
+
+    /// Opens `path` read-only (works beside a running writer).
+    pub fn open_read_only(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_mode(path.as_ref(), OpenMode::ReadOnly, Durability::Sync)
+    }
+
+    /// Opens `path` as a secondary that follows a live writer.
+    pub fn open_secondary(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_mode(path.as_ref(), OpenMode::Secondary, Durability::Sync)
+    }
+
+    fn open_mode(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
+        let exists = path.exists();
+        if !exists && mode != OpenMode::ReadWrite {
+            return Err(Error::NotFound {
+                path: path.to_path_buf(),
+            });
+        }
+        if exists {
+            if !path.is_dir() {
+                return Err(Error::NotKeel {
+                    path: path.to_path_buf(),
+                    detail: "not a directory".into(),
+                });
+            }
+            let empty = std::fs::read_dir(path)?.next().is_none();
+            if !path.join("CURRENT").exists() && (!empty || mode != OpenMode::ReadWrite) {
+                return Err(Error::NotKeel {
+                    path: path.to_path_buf(),
+                    detail: "no RocksDB CURRENT file".into(),
+                });
+            }
+        }
+        let opts = db_options(mode);
+        let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
+        names.push("default".into());
+        let existing = if path.join("CURRENT").exists() {
+            let found = DB::list_cf(&opts, path)?;
+            if !found.iter().any(|n| n == Cf::Meta.name()) {
+                return Err(Error::NotKeel {
+                    path: path.to_path_buf(),
+                    detail: "a RocksDB directory without keel's column families".into(),
+                });
+            }
+            found
+        } else {
+            Vec::new()
+        };
+        for n in existing {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        let mut secondary_dir = None;
+        let db = match mode {
+            OpenMode::ReadWrite => DB::open_cf_descriptors(&opts, path, cf_descriptors(&names)),
+            OpenMode::ReadOnly => DB::open_cf_for_read_only(&opts, path, &names, false),
+            OpenMode::Secondary => {
+                let dir = tempfile::Builder::new().prefix("keel-secondary").tempdir()?;
+                let db = DB::open_cf_as_secondary(&opts, path, dir.path(), &names);
+                secondary_dir = Some(dir);
+                db
+            }
+        }
+        .map_err(|e| map_open_error(path, e))?;
+        let db = Arc::new(db);
+        check_or_init_meta(&db, path, mode)?;
+        let (tx, writer) = if mode == OpenMode::ReadWrite {
+            let (tx, rx) = crossbeam_channel::bounded(COMMIT_QUEUE_MAX);
+            let db2 = db.clone();
+            let handle = std::thread::Builder::new()
+                .name("keel-writer".into())
+                .spawn(move || writer_loop(db2, rx, durability))?;
+            (Some(tx), Some(handle))
+        } else {
+            (None, None)
+        };
+        Ok(RocksStore {
+            db,
+            path: path.to_path_buf(),
+            mode,
+            durability,
+            tx,
+            writer,
+            _secondary_dir: secondary_dir,
+        })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// How it was opened.
+    pub fn mode(&self) -> OpenMode {
+        self.mode
+    }
+
+    /// For a secondary: reads what the primary has written since.
+    pub fn catch_up(&self) -> Result<()> {
+        if self.mode == OpenMode::Secondary {
+            self.db.try_catch_up_with_primary()?;
+        }
+        Ok(())
+    }
+
+    /// Writes a consistent checkpoint of the store to `dir` (which must not
+    /// exist): a directory that opens as a keel store.
+    pub fn checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
+        Checkpoint::new(&self.db)?.create_checkpoint(dir.as_ref())?;
+        Ok(())
+    }
+
+    /// Flushes memtables to SST files (used by tests and before copying).
+    pub fn flush(&self) -> Result<()> {
+        for cf in Cf::ALL {
+            if let Some(h) = self.db.cf_handle(cf.name()) {
+                self.db.flush_cf(&h)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the writer after it has answered every queued commit.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown();
+        Ok(())
+    }
+
+    fn shutdown(&mut self) {
+        self.tx.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for RocksStore {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
+    let cf = db.cf_handle(Cf::Meta.name()).ok_or_else(|| Error::NotKeel {
+        path: path.to_path_buf(),
+        detail: "missing meta column family".into(),
+    })?;
+    match db.get_cf(&cf, STORE_META_KEY)? {
+        Some(bytes) => {
+            let meta: StoreMeta =
+                codec::decode(RecordKind::StoreMeta, &bytes).map_err(|e| Error::NotKeel {
+                    path: path.to_path_buf(),
+                    detail: format!("store metadata does not decode: {e}"),
+                })?;
+            if meta.format != "keel" {
+                return Err(Error::NotKeel {
+                    path: path.to_path_buf(),
+                    detail: format!("format is {:?}", meta.format),
+                });
+            }
+            if meta.schema_version != SCHEMA_VERSION {
+                return Err(Error::SchemaVersion {
+                    found: meta.schema_version,
+                    expected: SCHEMA_VERSION,
+                });
+            }
+            Ok(())
+        }
+        None if mode == OpenMode::ReadWrite => {
+            let meta = StoreMeta {
+                format: "keel".into(),
+                schema_version: SCHEMA_VERSION,
+                created_by: format!("keel {}", env!("CARGO_PKG_VERSION")),
+            };
+            let bytes = codec::encode(RecordKind::StoreMeta, &meta).map_err(|source| Error::Corrupt {
+                cf: "meta",
+                run: None,
+                seq: None,
+                source,
+            })?;
+            let mut wo = WriteOptions::default();
+            wo.set_sync(true);
+            db.put_cf_opt(&cf, STORE_META_KEY, bytes, &wo)?;
+            Ok(())
+        }
+        None => Err(Error::NotKeel {
+            path: path.to_path_buf(),
+            detail: "no store metadata".into(),
+        }),
+    }
+}
+
+struct DbView<'a>(&'a DB);
+
+impl KvRead for DbView<'_> {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
+        Ok(self.0.get_cf(&h, key)?)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
+        let mut ro = ReadOptions::default();
+        // Our records carry their own checksums: let a damaged record reach
+        // the codec so the error names the run and seq.
+        ro.set_verify_checksums(false);
+        if let Some(end) = prefix_end(prefix) {
+            ro.set_iterate_upper_bound(end);
+        }
+        let start = if from > prefix { from } else { prefix };
+        for item in self
+            .0
+            .iterator_cf_opt(&h, ro, IteratorMode::From(start, Direction::Forward))
+        {
+            let (k, v) = item?;
+            if !k.starts_with(prefix) || !visit(&k, &v) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl KvRead for RocksStore {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        DbView(&self.db).get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        DbView(&self.db).scan(cf, prefix, from, visit)
+    }
+}
+
+impl Store for RocksStore {
+    fn view(&self) -> &dyn KvRead {
+        self
+    }
+
+    fn commit(&self, batch: CommitBatch) -> CommitHandle {
+        let Some(tx) = &self.tx else {
+            return CommitHandle::ready(Err(Error::ReadOnly));
+        };
+        let prepared = match PreparedBatch::new(batch) {
+            Ok(p) => p,
+            Err(e) => return CommitHandle::ready(Err(e)),
+        };
+        let (reply, rx) = oneshot::channel();
+        match tx.send(Request { prepared, reply }) {
+            Ok(()) => CommitHandle::pending(rx),
+            Err(_) => CommitHandle::ready(Err(Error::Closed)),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        if self.mode == OpenMode::ReadWrite {
+            self.db.flush_wal(true)?;
+        }
+        Ok(())
+    }
+
+    fn durability(&self) -> Durability {
+        self.durability
+    }
+}
+
+fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
+    let mut wo = WriteOptions::default();
+    wo.set_sync(durability == Durability::Sync);
+    let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
+    while let Ok(first) = rx.recv() {
+        let mut bytes = first.prepared.bytes();
+        group.push(first);
+        while group.len() < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
+            match rx.try_recv() {
+                Ok(r) => {
+                    bytes += r.prepared.bytes();
+                    group.push(r);
+                }
+                Err(_) => break,
+            }
+        }
+        let span = info_span!("commit", commits = group.len(), bytes);
+        let _enter = span.enter();
+        let view = DbView(&db);
+        let mut overlay = Overlay::new(&view);
+        let mut results = Vec::with_capacity(group.len());
+        for req in &group {
+            match apply_batch(&overlay, &req.prepared) {
+                Ok((writes, ack)) => {
+                    overlay.absorb(writes);
+                    results.push(Ok(ack));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        let written = if overlay.is_empty() {
+            Ok(())
+        } else {
+            write_batch(&db, mutations_of(overlay.into_writes()), &wo)
+        };
+        debug!(commits = group.len(), ok = written.is_ok(), "group committed");
+        for (req, result) in group.drain(..).zip(results) {
+            let answer = match (&written, result) {
+                (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
+                (_, r) => r,
+            };
+            let _ = req.reply.send(answer);
+        }
+    }
+}
+
+fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
+    let mut batch = WriteBatch::default();
+    for m in mutations {
+        match m {
+            Mutation::Put(cf, k, v) => {
+                let h = db.cf_handle(cf.name()).ok_or(Error::Closed)?;
+                batch.put_cf(&h, k, v);
+            }
+            Mutation::Delete(cf, k) => {
+                let h = db.cf_handle(cf.name()).ok_or(Error::Closed)?;
+                batch.delete_cf(&h, k);
+            }
+        }
+    }
+    db.write_opt(batch, wo)?;
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! Derived state: the records that `commit` writes next to the events and
+//! that `verify` rebuilds from them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{ActivityOptions, GroupPath, Outcome, ParentRef, Payload};
+use crate::ids::{AttemptNo, ExecutionId, InstanceId, RunId, Seq, Step, Timestamp};
+
+/// Lifecycle status of a run. The legal transitions are `Running` to any
+/// closed status, and nothing out of a closed one.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub enum RunStatus {
+    /// Open: workflow code still runs.
+    Running,
+    /// Returned a value.
+    Completed,
+    /// Returned an error.
+    Failed,
+    /// Honoured a cancellation.
+    Cancelled,
+    /// Terminated from outside.
+    Terminated,
+    /// Closed and continued in a new run.
+    ContinuedAsNew,
+}
+
+impl RunStatus {
+    /// Every status, in a fixed order.
+    pub const ALL: [RunStatus; 6] = [
+        RunStatus::Running,
+        RunStatus::Completed,
+        RunStatus::Failed,
+        RunStatus::Cancelled,
+        RunStatus::Terminated,
+        RunStatus::ContinuedAsNew,
+    ];
+
+    /// True for every status but `Running`.
+    pub fn is_closed(self) -> bool {
+        self != RunStatus::Running
+    }
+
+    /// The byte used in index keys.
+    pub fn code(self) -> u8 {
+        match self {
+            RunStatus::Running => 1,
+            RunStatus::Completed => 2,
+            RunStatus::Failed => 3,
+            RunStatus::Cancelled => 4,
+            RunStatus::Terminated => 5,
+            RunStatus::ContinuedAsNew => 6,
+        }
+    }
+
+    /// Lowercase name, as the CLI prints and parses it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunStatus::Running => "running",
+            RunStatus::Completed => "completed",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+            RunStatus::Terminated => "terminated",
+            RunStatus::ContinuedAsNew => "continued-as-new",
+        }
+    }
+
+    /// Parses a name printed by [`RunStatus::name`].
+    pub fn parse(name: &str) -> Option<Self> {
+        RunStatus::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// A run's derived metadata.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct RunMeta {
+    /// The run.
+    pub run_id: RunId,
+    /// Its instance.
+    pub instance_id: InstanceId,
+    /// Its workflow type.
+    pub workflow_type: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// The seq the next event gets.
+    pub next_seq: Seq,
+    /// Its parent, for a child run.
+    pub parent: Option<ParentRef>,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// When its last event was committed.
+    pub updated_at: Timestamp,
+    /// When it closed.
+    pub closed_at: Option<Timestamp>,
+    /// How it closed.
+    pub outcome: Option<Outcome>,
+    /// Whether cancellation was requested.
+    pub cancel_requested: bool,
+}
+
+/// An instance's current run.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct InstanceMeta {
+    /// The newest run of the instance.
+    pub current_run: RunId,
+    /// When that run started.
+    pub started_at: Timestamp,
+}
+
+/// A committed durable id: where its terminal event is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct DedupeEntry {
+    /// The seq of the terminal event.
+    pub seq: Seq,
+}
+
+/// A durable timer waiting to fire.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct TimerEntry {
+    /// The run to fire into.
+    pub run_id: RunId,
+    /// The timer's step.
+    pub step: Step,
+    /// When it is due.
+    pub fire_at: Timestamp,
+}
+
+/// A message the outbox delivers at least once.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub enum OutboxMessage {
+    /// Start a child run scheduled by a parent.
+    StartChild {
+        /// The parent and its scheduling step.
+        parent: ParentRef,
+        /// The child's instance.
+        child_instance_id: InstanceId,
+        /// The child's run.
+        child_run_id: RunId,
+        /// The child's workflow type.
+        workflow_type: String,
+        /// The child's input.
+        input: Payload,
+    },
+    /// Deliver a closed child's outcome to its parent.
+    ChildResult {
+        /// The parent and its scheduling step.
+        parent: ParentRef,
+        /// The child's run.
+        child_run_id: RunId,
+        /// How the child closed.
+        outcome: Outcome,
+    },
+}
+
+/// The pending attempt of an activity execution: what the dispatcher hands
+/// to workers. `due` is the durable backoff of a retry.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct TaskEntry {
+    /// The execution.
+    pub execution_id: ExecutionId,
+    /// The attempt to run next.
+    pub attempt: AttemptNo,
+    /// The activity type.
+    pub activity_type: String,
+    /// The serialized input.
+    pub input: Payload,
+    /// Timeouts and retry policy.
+    pub options: ActivityOptions,
+    /// The group path of the scheduling command.
+    pub group: GroupPath,
+    /// When the execution was scheduled.
+    pub scheduled_at: Timestamp,
+    /// Not to be dispatched before this time.
+    pub due: Timestamp,
+    /// Whether workflow code asked to cancel it.
+    pub cancel_requested: bool,
+}
+
+/// Why a run is parked (not an event: an operational state that replay
+/// would reach again). Written by the engine, shown by `describe`.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ParkInfo {
+    /// When it was parked.
+    pub at: Timestamp,
+    /// Short kind: `non_determinism`, `panic`, `crash_loop`, `corrupt`.
+    pub kind: String,
+    /// The full reason.
+    pub reason: String,
+}
+
+/// The store's own metadata record.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct StoreMeta {
+    /// Always `"keel"`.
+    pub format: String,
+    /// The schema version of the directory.
+    pub schema_version: u32,
+    /// The build that created it.
+    pub created_by: String,
+}

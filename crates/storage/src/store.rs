@@ -1,0 +1,335 @@
+//! The `Store` trait: one atomic commit path and typed reads over it.
+//!
+//! The trait is the seam for other backends (DESIGN section 9): it speaks in
+//! events, runs and derived records, never in RocksDB types. Typed reads are
+//! provided methods written once over [`KvRead`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::channel::oneshot;
+
+use crate::codec::{self, RecordKind};
+use crate::derive::{read_record, CommitAck, CommitBatch};
+use crate::error::{Error, Result};
+use crate::event::{DurableKey, Event};
+use crate::ids::{InstanceId, RunId, Seq, Timestamp};
+use crate::keys::{self, Cf};
+use crate::kv::KvRead;
+use crate::state::{
+    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry, TimerEntry,
+};
+use crate::verify::{self, VerifyReport};
+
+/// How a commit is made durable before it is acknowledged.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Durability {
+    /// Fsync before acknowledging: survives power loss. Group commit shares
+    /// one fsync among every commit waiting at that moment.
+    #[default]
+    Sync,
+    /// Write the WAL without fsync: survives a process crash, not power loss.
+    Buffered,
+}
+
+/// The answer to one commit: a future, or a blocking [`CommitHandle::wait`].
+#[derive(Debug)]
+pub struct CommitHandle {
+    state: HandleState,
+}
+
+#[derive(Debug)]
+enum HandleState {
+    Ready(Option<Result<CommitAck>>),
+    Pending(oneshot::Receiver<Result<CommitAck>>),
+}
+
+impl CommitHandle {
+    /// A handle that is already answered.
+    pub fn ready(result: Result<CommitAck>) -> Self {
+        CommitHandle {
+            state: HandleState::Ready(Some(result)),
+        }
+    }
+
+    /// A handle answered later through `rx`.
+    pub fn pending(rx: oneshot::Receiver<Result<CommitAck>>) -> Self {
+        CommitHandle {
+            state: HandleState::Pending(rx),
+        }
+    }
+
+    /// Blocks the calling thread until the commit is answered. Do not call
+    /// from inside an async task; `.await` the handle there.
+    pub fn wait(self) -> Result<CommitAck> {
+        match self.state {
+            HandleState::Ready(r) => r.unwrap_or(Err(Error::Closed)),
+            HandleState::Pending(rx) => futures::executor::block_on(rx).unwrap_or(Err(Error::Closed)),
+        }
+    }
+}
+
+impl Future for CommitHandle {
+    type Output = Result<CommitAck>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.state {
+            HandleState::Ready(r) => Poll::Ready(r.take().unwrap_or(Err(Error::Closed))),
+            HandleState::Pending(rx) => Pin::new(rx)
+                .poll(cx)
+                .map(|r| r.unwrap_or(Err(Error::Closed))),
+        }
+    }
+}
+
+/// Filter for [`Store::runs`].
+#[derive(Clone, Debug, Default)]
+pub struct RunFilter {
+    /// Only runs in this status.
+    pub status: Option<RunStatus>,
+    /// Only runs of this workflow type.
+    pub workflow_type: Option<String>,
+    /// At most this many runs.
+    pub limit: Option<usize>,
+}
+
+/// A keel store: one atomic commit path plus reads.
+pub trait Store: Send + Sync + 'static {
+    /// The byte-level view all typed reads go through.
+    fn view(&self) -> &dyn KvRead;
+
+    /// Validates and commits a batch atomically. The handle resolves once
+    /// the batch is durable per the store's [`Durability`], or with the
+    /// typed reason nothing was written.
+    fn commit(&self, batch: CommitBatch) -> CommitHandle;
+
+    /// Makes everything committed so far durable (fsyncs the WAL).
+    fn sync(&self) -> Result<()>;
+
+    /// The durability mode commits are acknowledged under.
+    fn durability(&self) -> Durability;
+
+    /// A run's whole history.
+    fn history(&self, run: RunId) -> Result<Vec<Event>> {
+        self.history_from(run, Seq::FIRST)
+    }
+
+    /// A run's history from `from` on.
+    fn history_from(&self, run: RunId, from: Seq) -> Result<Vec<Event>> {
+        let mut out = Vec::new();
+        self.for_each_event(run, from, &mut |e| {
+            out.push(e);
+            true
+        })?;
+        Ok(out)
+    }
+
+    /// Streams a run's history from `from`, stopping when `visit` returns
+    /// false or at the first record that does not decode (returned as
+    /// [`Error::Corrupt`] naming the run and seq).
+    fn for_each_event(
+        &self,
+        run: RunId,
+        from: Seq,
+        visit: &mut dyn FnMut(Event) -> bool,
+    ) -> Result<()> {
+        let mut failure = None;
+        self.view()
+            .scan(Cf::Events, run.as_bytes(), &keys::event_key(run, from), &mut |k, v| {
+                let seq = keys::parse_event_key(k).map(|(_, s)| s);
+                match codec::decode::<Event>(RecordKind::Event, v) {
+                    Ok(e) => visit(e),
+                    Err(source) => {
+                        failure = Some(Error::Corrupt {
+                            cf: "events",
+                            run: Some(run),
+                            seq,
+                            source,
+                        });
+                        false
+                    }
+                }
+            })?;
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// A run's derived metadata.
+    fn run_meta(&self, run: RunId) -> Result<Option<RunMeta>> {
+        read_record(self.view(), Cf::Runs, RecordKind::Run, &keys::run_key(run))
+    }
+
+    /// An instance's current run.
+    fn instance(&self, instance: &InstanceId) -> Result<Option<InstanceMeta>> {
+        read_record(
+            self.view(),
+            Cf::Instances,
+            RecordKind::Instance,
+            instance.as_str().as_bytes(),
+        )
+    }
+
+    /// Resolves text that is either a run id or an instance id to a run.
+    fn resolve(&self, id: &str) -> Result<Option<RunId>> {
+        if let Some(run) = RunId::parse(id) {
+            if self.run_meta(run)?.is_some() {
+                return Ok(Some(run));
+            }
+        }
+        Ok(self.instance(&InstanceId::new(id))?.map(|i| i.current_run))
+    }
+
+    /// Where the terminal event of a durable id is, if it has one.
+    fn committed(&self, run: RunId, key: &DurableKey) -> Result<Option<Seq>> {
+        let entry: Option<DedupeEntry> = read_record(
+            self.view(),
+            Cf::Dedupe,
+            RecordKind::Dedupe,
+            &keys::dedupe_key(run, key),
+        )?;
+        Ok(entry.map(|e| e.seq))
+    }
+
+    /// Timers due at or before `now`, in due order, at most `limit`.
+    fn due_timers(&self, now: Timestamp, limit: usize) -> Result<Vec<TimerEntry>> {
+        let mut out = Vec::new();
+        let mut failure = None;
+        self.view().scan(Cf::Timers, &[], &[], &mut |k, v| {
+            if out.len() >= limit || k.len() < 8 || u64::from_be_bytes(k[..8].try_into().unwrap_or([0xff; 8])) > now.0 {
+                return false;
+            }
+            match codec::decode(RecordKind::Timer, v) {
+                Ok(t) => {
+                    out.push(t);
+                    true
+                }
+                Err(source) => {
+                    failure = Some(corrupt(Cf::Timers, k, source));
+                    false
+                }
+            }
+        })?;
+        failure.map_or(Ok(out), Err)
+    }
+
+    /// The earliest timer's due time.
+    fn next_timer(&self) -> Result<Option<Timestamp>> {
+        let mut due = None;
+        self.view().scan(Cf::Timers, &[], &[], &mut |k, _| {
+            due = k.get(..8).map(|b| Timestamp(u64::from_be_bytes(b.try_into().unwrap_or([0; 8]))));
+            false
+        })?;
+        Ok(due)
+    }
+
+    /// A run's open timers.
+    fn run_timers(&self, run: RunId) -> Result<Vec<TimerEntry>> {
+        scan_typed(self.view(), Cf::RunTimers, RecordKind::Timer, run.as_bytes(), usize::MAX)
+    }
+
+    /// Outbox messages waiting for delivery, at most `limit`.
+    fn outbox(&self, limit: usize) -> Result<Vec<OutboxMessage>> {
+        scan_typed(self.view(), Cf::Outbox, RecordKind::Outbox, &[], limit)
+    }
+
+    /// Pending activity attempts of every run, at most `limit`.
+    fn tasks(&self, limit: usize) -> Result<Vec<TaskEntry>> {
+        scan_typed(self.view(), Cf::Tasks, RecordKind::Task, &[], limit)
+    }
+
+    /// The pending attempt of the execution at `step`, if it is open.
+    fn task(&self, run: RunId, step: crate::ids::Step) -> Result<Option<TaskEntry>> {
+        read_record(self.view(), Cf::Tasks, RecordKind::Task, &keys::run_step_key(run, step))
+    }
+
+    /// Pending activity attempts of one run.
+    fn run_tasks(&self, run: RunId) -> Result<Vec<TaskEntry>> {
+        scan_typed(self.view(), Cf::Tasks, RecordKind::Task, run.as_bytes(), usize::MAX)
+    }
+
+    /// Runs by status and type (through the index when a status is given).
+    fn runs(&self, filter: &RunFilter) -> Result<Vec<RunMeta>> {
+        let limit = filter.limit.unwrap_or(usize::MAX);
+        match filter.status {
+            Some(status) => {
+                let mut prefix = vec![status.code()];
+                if let Some(t) = &filter.workflow_type {
+                    prefix.extend_from_slice(t.as_bytes());
+                    prefix.push(0);
+                }
+                let mut ids = Vec::new();
+                self.view().scan(Cf::Index, &prefix, &prefix, &mut |k, _| {
+                    if k.len() >= 16 {
+                        if let Ok(u) = uuid::Uuid::from_slice(&k[k.len() - 16..]) {
+                            ids.push(RunId(u));
+                        }
+                    }
+                    ids.len() < limit
+                })?;
+                let mut out = Vec::with_capacity(ids.len());
+                for id in ids {
+                    if let Some(m) = self.run_meta(id)? {
+                        out.push(m);
+                    }
+                }
+                Ok(out)
+            }
+            None => {
+                let all: Vec<RunMeta> = scan_typed(self.view(), Cf::Runs, RecordKind::Run, &[], usize::MAX)?;
+                Ok(all
+                    .into_iter()
+                    .filter(|m| filter.workflow_type.as_ref().is_none_or(|t| &m.workflow_type == t))
+                    .take(limit)
+                    .collect())
+            }
+        }
+    }
+
+    /// Why a run is parked, if it is.
+    fn parked(&self, run: RunId) -> Result<Option<ParkInfo>> {
+        read_record(self.view(), Cf::Meta, RecordKind::Parked, &keys::parked_key(run))
+    }
+
+    /// Walks every run and reports gaps, bad records, duplicate terminal
+    /// events and derived state that disagrees with the events. Never panics
+    /// on bad bytes.
+    fn verify(&self) -> Result<VerifyReport> {
+        verify::verify(self.view())
+    }
+}
+
+fn corrupt(cf: Cf, key: &[u8], source: codec::Error) -> Error {
+    Error::Corrupt {
+        cf: cf.name(),
+        run: keys::run_prefix(key),
+        seq: None,
+        source,
+    }
+}
+
+fn scan_typed<T: serde::de::DeserializeOwned>(
+    view: &dyn KvRead,
+    cf: Cf,
+    kind: RecordKind,
+    prefix: &[u8],
+    limit: usize,
+) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut failure = None;
+    view.scan(cf, prefix, prefix, &mut |k, v| {
+        if out.len() >= limit {
+            return false;
+        }
+        match codec::decode(kind, v) {
+            Ok(t) => {
+                out.push(t);
+                true
+            }
+            Err(source) => {
+                failure = Some(corrupt(cf, k, source));
+                false
+            }
+        }
+    })?;
+    failure.map_or(Ok(out), Err)
+}

@@ -1,0 +1,363 @@
+//! Integrity verification: rebuild derived state from events and compare.
+//!
+//! Two passes over the events: the first checks every record (envelope,
+//! checksum, seq in key equals seq in record, contiguity from 1) run by run;
+//! the second folds each sound run's events, oldest run first, through the
+//! same [`apply_append`] the commit path uses, into fresh column families,
+//! then compares those with the stored derived families key by key.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use crate::codec::{self, RecordKind};
+use crate::derive::apply_append;
+use crate::error::{Error, Result};
+use crate::event::{Event, EventKind};
+use crate::ids::{RunId, Seq, Timestamp};
+use crate::keys::{self, Cf};
+use crate::kv::{KvRead, KvWrite, Maps, Overlay};
+use crate::VERIFY_VIOLATIONS_MAX;
+
+/// One integrity violation.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Violation {
+    /// A record does not decode (bad checksum, bad envelope, bad body).
+    Corrupt {
+        /// Column family.
+        cf: String,
+        /// The run, where the key names one.
+        run: Option<String>,
+        /// The seq, for an event.
+        seq: Option<u64>,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A run's seqs skip a number.
+    Gap {
+        /// The run.
+        run: String,
+        /// The seq expected next.
+        expected: u64,
+        /// The seq found.
+        found: u64,
+    },
+    /// The seq in an event's key differs from the one in its record.
+    SeqMismatch {
+        /// The run.
+        run: String,
+        /// Seq in the key.
+        key_seq: u64,
+        /// Seq in the record.
+        record_seq: u64,
+    },
+    /// A durable id has a second terminal event.
+    DuplicateTerminal {
+        /// The run.
+        run: String,
+        /// The durable id.
+        key: String,
+        /// The first terminal event.
+        first_seq: u64,
+        /// The second one.
+        seq: u64,
+    },
+    /// A history that the commit path would have refused.
+    InvalidHistory {
+        /// The run.
+        run: String,
+        /// The offending event.
+        seq: u64,
+        /// Why.
+        detail: String,
+    },
+    /// Stored derived state disagrees with what the events imply.
+    DerivedMismatch {
+        /// Column family.
+        cf: String,
+        /// The key, hex.
+        key: String,
+        /// `missing` (implied, not stored), `extra` (stored, not implied) or
+        /// `differs`.
+        problem: String,
+    },
+}
+
+/// The result of [`crate::Store::verify`].
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+pub struct VerifyReport {
+    /// True when there are no violations.
+    pub ok: bool,
+    /// Runs found in the events.
+    pub runs: u64,
+    /// Events read.
+    pub events: u64,
+    /// The violations, at most [`VERIFY_VIOLATIONS_MAX`].
+    pub violations: Vec<Violation>,
+    /// True when more violations were found than listed.
+    pub truncated: bool,
+}
+
+struct Report {
+    inner: VerifyReport,
+}
+
+impl Report {
+    fn push(&mut self, v: Violation) {
+        if self.inner.violations.len() < VERIFY_VIOLATIONS_MAX {
+            self.inner.violations.push(v);
+        } else {
+            self.inner.truncated = true;
+        }
+    }
+}
+
+/// State rebuilt from events. Outbox messages cross runs (a parent's
+/// schedule is removed by its child's start, a child's result by its
+/// parent's receipt), and runs are folded one whole history at a time, so a
+/// removal may be folded before its addition: an outbox key removed at any
+/// point stays removed.
+#[derive(Default)]
+struct Rebuilt {
+    maps: Maps,
+    outbox_removed: BTreeSet<Vec<u8>>,
+}
+
+impl KvRead for Rebuilt {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.maps.get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        self.maps.scan(cf, prefix, from, visit)
+    }
+}
+
+impl KvWrite for Rebuilt {
+    fn put(&mut self, cf: Cf, key: Vec<u8>, value: Vec<u8>) {
+        if cf == Cf::Outbox && self.outbox_removed.contains(&key) {
+            return;
+        }
+        self.maps.put(cf, key, value);
+    }
+
+    fn delete(&mut self, cf: Cf, key: Vec<u8>) {
+        if cf == Cf::Outbox {
+            self.outbox_removed.insert(key.clone());
+        }
+        self.maps.delete(cf, key);
+    }
+}
+
+/// Verifies a store through its byte-level view.
+pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
+    let mut report = Report {
+        inner: VerifyReport {
+            ok: true,
+            runs: 0,
+            events: 0,
+            violations: Vec::new(),
+            truncated: false,
+        },
+    };
+
+    // Pass 1: every record, run by run.
+    let mut sound: Vec<(Timestamp, RunId)> = Vec::new();
+    let mut broken: BTreeSet<RunId> = BTreeSet::new();
+    let mut current: Option<(RunId, Seq, Option<Timestamp>, bool)> = None;
+    let finish = |cur: Option<(RunId, Seq, Option<Timestamp>, bool)>,
+                      sound: &mut Vec<(Timestamp, RunId)>,
+                      broken: &mut BTreeSet<RunId>| {
+        if let Some((run, _, started, ok)) = cur {
+            match (ok, started) {
+                (true, Some(at)) => sound.push((at, run)),
+                _ => {
+                    broken.insert(run);
+                }
+            }
+        }
+    };
+    view.scan(Cf::Events, &[], &[], &mut |k, v| {
+        report.inner.events += 1;
+        let Some((run, key_seq)) = keys::parse_event_key(k) else {
+            report.push(Violation::Corrupt {
+                cf: "events".into(),
+                run: None,
+                seq: None,
+                detail: format!("malformed key {}", hex(k)),
+            });
+            return true;
+        };
+        if current.as_ref().map(|c| c.0) != Some(run) {
+            finish(current.take(), &mut sound, &mut broken);
+            report.inner.runs += 1;
+            current = Some((run, Seq::FIRST, None, true));
+        }
+        let cur = current.as_mut().expect("set above");
+        if key_seq != cur.1 {
+            report.push(Violation::Gap {
+                run: run.to_string(),
+                expected: cur.1 .0,
+                found: key_seq.0,
+            });
+            cur.3 = false;
+        }
+        cur.1 = key_seq.next();
+        match codec::decode::<Event>(RecordKind::Event, v) {
+            Ok(e) => {
+                if e.seq != key_seq {
+                    report.push(Violation::SeqMismatch {
+                        run: run.to_string(),
+                        key_seq: key_seq.0,
+                        record_seq: e.seq.0,
+                    });
+                    cur.3 = false;
+                }
+                if key_seq == Seq::FIRST {
+                    if let EventKind::WorkflowStarted { .. } = e.kind {
+                        cur.2 = Some(e.at);
+                    }
+                }
+            }
+            Err(err) => {
+                report.push(Violation::Corrupt {
+                    cf: "events".into(),
+                    run: Some(run.to_string()),
+                    seq: Some(key_seq.0),
+                    detail: err.to_string(),
+                });
+                cur.3 = false;
+            }
+        }
+        true
+    })?;
+    finish(current.take(), &mut sound, &mut broken);
+    for run in &broken {
+        if !report.inner.violations.iter().any(|v| violation_run(v) == Some(run.to_string())) {
+            report.push(Violation::InvalidHistory {
+                run: run.to_string(),
+                seq: 1,
+                detail: "the first event is not WorkflowStarted".into(),
+            });
+        }
+    }
+
+    // Pass 2: fold sound runs, oldest first, through the commit path's code.
+    sound.sort();
+    let mut rebuilt = Rebuilt::default();
+    for (_, run) in &sound {
+        let mut events = Vec::new();
+        view.scan(Cf::Events, run.as_bytes(), run.as_bytes(), &mut |_, v| {
+            if let Ok(e) = codec::decode::<Event>(RecordKind::Event, v) {
+                events.push((e, v.to_vec()));
+            }
+            true
+        })?;
+        for (event, bytes) in events {
+            let seq = event.seq;
+            let mut overlay = Overlay::new(&rebuilt);
+            match apply_append(&mut overlay, *run, &[event], &[bytes]) {
+                Ok(_) => {
+                    let writes = overlay.into_writes();
+                    for ((cf, k), v) in writes {
+                        match v {
+                            Some(v) => rebuilt.put(cf, k, v),
+                            None => rebuilt.delete(cf, k),
+                        }
+                    }
+                }
+                Err(Error::DuplicateTerminal { key, committed, .. }) => {
+                    report.push(Violation::DuplicateTerminal {
+                        run: run.to_string(),
+                        key: key.to_string(),
+                        first_seq: committed.0,
+                        seq: seq.0,
+                    });
+                    broken.insert(*run);
+                    break;
+                }
+                Err(e) => {
+                    report.push(Violation::InvalidHistory {
+                        run: run.to_string(),
+                        seq: seq.0,
+                        detail: e.to_string(),
+                    });
+                    broken.insert(*run);
+                    break;
+                }
+            }
+        }
+    }
+
+    // Compare derived families, skipping keys of runs already reported.
+    for cf in Cf::DERIVED {
+        let mut stored: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        view.scan(cf, &[], &[], &mut |k, v| {
+            stored.insert(k.to_vec(), v.to_vec());
+            true
+        })?;
+        let expected = rebuilt.maps.cf(cf);
+        let skip = |k: &[u8]| key_run(cf, k).is_some_and(|r| broken.contains(&r));
+        for (k, v) in expected {
+            if skip(k) {
+                continue;
+            }
+            match stored.get(k) {
+                None => report.push(mismatch(cf, k, "missing")),
+                Some(s) if s != v => report.push(mismatch(cf, k, "differs")),
+                Some(_) => {}
+            }
+        }
+        for k in stored.keys() {
+            if !expected.contains_key(k) && !skip(k) {
+                report.push(mismatch(cf, k, "extra"));
+            }
+        }
+    }
+    report.inner.ok = report.inner.violations.is_empty();
+    Ok(report.inner)
+}
+
+fn violation_run(v: &Violation) -> Option<String> {
+    match v {
+        Violation::Corrupt { run, .. } => run.clone(),
+        Violation::Gap { run, .. }
+        | Violation::SeqMismatch { run, .. }
+        | Violation::DuplicateTerminal { run, .. }
+        | Violation::InvalidHistory { run, .. } => Some(run.clone()),
+        Violation::DerivedMismatch { .. } => None,
+    }
+}
+
+fn mismatch(cf: Cf, key: &[u8], problem: &str) -> Violation {
+    Violation::DerivedMismatch {
+        cf: cf.name().into(),
+        key: hex(key),
+        problem: problem.into(),
+    }
+}
+
+/// The run a derived key belongs to, where the key layout names one.
+fn key_run(cf: Cf, key: &[u8]) -> Option<RunId> {
+    match cf {
+        Cf::Runs | Cf::Dedupe | Cf::RunTimers | Cf::Tasks | Cf::Events => keys::run_prefix(key),
+        Cf::Timers => key.get(8..).and_then(keys::run_prefix),
+        Cf::Outbox => key.get(1..).and_then(keys::run_prefix),
+        Cf::Index => key
+            .len()
+            .checked_sub(16)
+            .and_then(|start| keys::run_prefix(&key[start..])),
+        Cf::Instances | Cf::Meta => None,
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

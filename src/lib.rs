@@ -1,0 +1,1 @@
+//! keel end-to-end tests and examples live in `tests/` and `examples/`.

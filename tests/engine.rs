@@ -1,0 +1,315 @@
+//! Goal: the engine runs workflows end to end through the public API:
+//! activities with retries, signals, timers, restarts on the same data
+//! directory, deduplicated starts and signals, typed errors for bad input,
+//! and parking on an incompatible code change.
+//! Method: small workflows on the in-memory store and on RocksDB in a temp
+//! dir; restarts are a shutdown and a new engine over the same directory.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel::{
+    Activity, ActivityContext, ActivityError, Engine, EngineError, RetryPolicy, Workflow,
+    WorkflowContext, WorkflowError,
+};
+use serde::{Deserialize, Serialize};
+
+static CHARGE_CALLS: AtomicU32 = AtomicU32::new(0);
+
+#[derive(Default)]
+struct Charge;
+impl Activity for Charge {
+    const NAME: &'static str = "charge";
+    type Input = u64;
+    type Output = String;
+    async fn run(&self, ctx: ActivityContext, cents: u64) -> Result<String, ActivityError> {
+        CHARGE_CALLS.fetch_add(1, Ordering::SeqCst);
+        if ctx.attempt().0 == 1 {
+            return Err(ActivityError::retryable("gateway hiccup"));
+        }
+        Ok(format!("charged {cents} on attempt {}", ctx.attempt()))
+    }
+}
+
+#[derive(Default)]
+struct Ship;
+impl Activity for Ship {
+    const NAME: &'static str = "ship";
+    type Input = String;
+    type Output = String;
+    async fn run(&self, _ctx: ActivityContext, what: String) -> Result<String, ActivityError> {
+        Ok(format!("shipped {what}"))
+    }
+}
+
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct Order {
+    cents: u64,
+    item: String,
+}
+
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct Receipt {
+    charge: String,
+    approved_by: Option<String>,
+    shipment: String,
+}
+
+struct OrderWorkflow;
+impl Workflow for OrderWorkflow {
+    const NAME: &'static str = "order";
+    type Input = Order;
+    type Output = Receipt;
+    async fn run(ctx: WorkflowContext, order: Order) -> Result<Receipt, WorkflowError> {
+        let charge = ctx
+            .activity::<Charge>(order.cents)
+            .retry(RetryPolicy::constant(3, Duration::from_millis(5)))
+            .await?;
+        let approved_by = if order.cents > 1000 {
+            Some(ctx.wait_signal::<String>("approve").await?)
+        } else {
+            None
+        };
+        ctx.timer(Duration::from_millis(10)).await;
+        let shipment = ctx.activity::<Ship>(order.item).await?;
+        Ok(Receipt {
+            charge,
+            approved_by,
+            shipment,
+        })
+    }
+}
+
+fn engine_in(dir: &std::path::Path) -> Engine {
+    Engine::builder()
+        .data_dir(dir)
+        .register_workflow::<OrderWorkflow>()
+        .register_activity::<Charge>()
+        .register_activity::<Ship>()
+        .build()
+        .expect("engine starts")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_order_completes_in_memory_with_a_retry() -> anyhow::Result<()> {
+    let engine = Engine::builder()
+        .in_memory()
+        .register_workflow::<OrderWorkflow>()
+        .register_activity::<Charge>()
+        .register_activity::<Ship>()
+        .build()?;
+    let client = engine.client();
+    let order = Order {
+        cents: 500,
+        item: "book".into(),
+    };
+    let run = client
+        .start::<OrderWorkflow>("o-small", &order)
+        .await?
+        .run_id();
+    // A second start of the same open instance returns the same run.
+    let again = client.start::<OrderWorkflow>("o-small", &order).await?;
+    assert_eq!(again.run_id(), run);
+    let receipt = client.result::<OrderWorkflow>("o-small").await?;
+    assert_eq!(receipt.charge, "charged 500 on attempt 2");
+    assert_eq!(receipt.shipment, "shipped book");
+    let report = engine.store().verify()?;
+    assert!(report.ok, "{:?}", report.violations);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_order_waits_for_approval_across_a_restart() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let order = Order {
+        cents: 5000,
+        item: "piano".into(),
+    };
+    {
+        let engine = engine_in(dir.path());
+        let client = engine.client();
+        client.start::<OrderWorkflow>("o-large", &order).await?;
+        // Wait until the run is parked on the signal (charge done).
+        for _ in 0..200 {
+            let d = client.describe("o-large").await?;
+            if d.signal_waits.iter().any(|(n, _)| n == "approve") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let d = client.describe("o-large").await?;
+        assert_eq!(d.signal_waits, vec![("approve".to_string(), 1)]);
+        engine.shutdown(Duration::from_secs(5));
+    }
+    let engine = engine_in(dir.path());
+    let client = engine.client();
+    client
+        .signal("o-large", "approve", &"ops".to_string(), Some("approve-1"))
+        .await?;
+    // The same command id again is deduplicated.
+    client
+        .signal("o-large", "approve", &"ops".to_string(), Some("approve-1"))
+        .await?;
+    let receipt = client.result::<OrderWorkflow>("o-large").await?;
+    assert_eq!(receipt.approved_by.as_deref(), Some("ops"));
+    assert_eq!(receipt.shipment, "shipped piano");
+    let run = client.describe("o-large").await?;
+    assert_eq!(run.status, "completed");
+    let history = engine.store().history(run.run_id)?;
+    let signals = history
+        .iter()
+        .filter(|e| e.kind.name() == "SignalReceived")
+        .count();
+    assert_eq!(signals, 1, "the duplicate signal was not committed");
+    assert!(engine.store().verify()?.ok);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_with_typed_errors_and_writes_nothing() -> anyhow::Result<()> {
+    let engine = Engine::builder()
+        .in_memory()
+        .register_workflow::<OrderWorkflow>()
+        .build()?;
+    let client = engine.client();
+    let err = client
+        .start_raw(
+            "no-such",
+            "x",
+            keel::Payload::encode(&1u8)?,
+            None,
+            Default::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, EngineError::UnknownWorkflowType(ref t) if t == "no-such"),
+        "{err}"
+    );
+    let err = client
+        .start_raw(
+            "order",
+            "x",
+            keel::Payload::encode(&"not an order")?,
+            None,
+            Default::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EngineError::InvalidInput { .. }), "{err}");
+    let big = Order {
+        cents: 1,
+        item: "x".repeat(keel::storage::PAYLOAD_BYTES_MAX + 1),
+    };
+    let err = client.start::<OrderWorkflow>("x", &big).await.unwrap_err();
+    assert!(matches!(err, EngineError::PayloadTooLarge { .. }), "{err}");
+    let err = client
+        .signal("nobody", "approve", &"x", None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EngineError::UnknownInstance(_)), "{err}");
+    let report = engine.store().verify()?;
+    assert_eq!(report.runs, 0, "nothing was written");
+    Ok(())
+}
+
+/// Version 2 of `order` issues a different first command: incompatible.
+struct OrderWorkflowV2;
+impl Workflow for OrderWorkflowV2 {
+    const NAME: &'static str = "order";
+    type Input = Order;
+    type Output = Receipt;
+    async fn run(ctx: WorkflowContext, order: Order) -> Result<Receipt, WorkflowError> {
+        let shipment = ctx.activity::<Ship>(order.item).await?;
+        Ok(Receipt {
+            charge: String::new(),
+            approved_by: None,
+            shipment,
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_incompatible_code_change_parks_the_run() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    {
+        let engine = engine_in(dir.path());
+        let client = engine.client();
+        client
+            .start::<OrderWorkflow>(
+                "o-park",
+                &Order {
+                    cents: 5000,
+                    item: "car".into(),
+                },
+            )
+            .await?;
+        for _ in 0..200 {
+            if !client.describe("o-park").await?.signal_waits.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        engine.shutdown(Duration::from_secs(5));
+    }
+    let engine = Engine::builder()
+        .data_dir(dir.path())
+        .register_workflow::<OrderWorkflowV2>()
+        .register_activity::<Charge>()
+        .register_activity::<Ship>()
+        .build()?;
+    let client = engine.client();
+    let err = client
+        .signal("o-park", "approve", &"ops", None)
+        .await
+        .unwrap_err();
+    let EngineError::Parked { reason, .. } = err else {
+        panic!("expected parked, got {err}")
+    };
+    assert!(reason.contains("step 1"), "{reason}");
+    assert!(reason.contains("schedule activity charge"), "{reason}");
+    assert!(reason.contains("schedule activity ship"), "{reason}");
+    let d = client.describe("o-park").await?;
+    assert_eq!(d.status, "running", "parked, not failed");
+    assert_eq!(
+        d.parked.map(|p| p.kind),
+        Some("non_determinism".to_string())
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn activities_run_at_least_once_and_commit_once() -> anyhow::Result<()> {
+    // Many concurrent workflows: each execution has exactly one completion.
+    let engine = Engine::builder()
+        .in_memory()
+        .register_workflow::<OrderWorkflow>()
+        .register_activity::<Charge>()
+        .register_activity::<Ship>()
+        .build()?;
+    let client = Arc::new(engine.client());
+    let mut handles = Vec::new();
+    for i in 0..50 {
+        let c = client.clone();
+        handles.push(tokio::spawn(async move {
+            let id = format!("bulk-{i}");
+            c.start::<OrderWorkflow>(
+                &id,
+                &Order {
+                    cents: 10,
+                    item: format!("i{i}"),
+                },
+            )
+            .await?;
+            c.result::<OrderWorkflow>(&id).await
+        }));
+    }
+    for h in handles {
+        h.await??;
+    }
+    let report = engine.store().verify()?;
+    assert!(report.ok, "{:?}", report.violations);
+    assert_eq!(report.runs, 50);
+    Ok(())
+}
