@@ -109,19 +109,24 @@ impl PreparedBatch {
 
 /// Validates a whole batch against `base` and returns its writes; on any
 /// error nothing of the batch is kept.
-pub fn apply_batch(
-    base: &dyn KvRead,
-    prepared: &PreparedBatch,
-) -> Result<(Writes, CommitAck)> {
+pub fn apply_batch(base: &dyn KvRead, prepared: &PreparedBatch) -> Result<(Writes, CommitAck)> {
     let mut overlay = Overlay::new(base);
     let mut ack = CommitAck::default();
     for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
-        ack.appends
-            .push(apply_append(&mut overlay, append.run_id, &append.events, encoded)?);
+        ack.appends.push(apply_append(
+            &mut overlay,
+            append.run_id,
+            &append.events,
+            encoded,
+        )?);
     }
     for (run, info) in &prepared.batch.parked {
         match info {
-            Some(info) => overlay.put(Cf::Meta, keys::parked_key(*run), enc(RecordKind::Parked, info)?),
+            Some(info) => overlay.put(
+                Cf::Meta,
+                keys::parked_key(*run),
+                enc(RecordKind::Parked, info)?,
+            ),
             None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
         }
     }
@@ -246,7 +251,11 @@ pub fn apply_append(
                     committed: entry.seq,
                 });
             }
-            out.put(Cf::Dedupe, dk, enc(RecordKind::Dedupe, &DedupeEntry { seq: event.seq })?);
+            out.put(
+                Cf::Dedupe,
+                dk,
+                enc(RecordKind::Dedupe, &DedupeEntry { seq: event.seq })?,
+            );
         }
         derive_event(out, run, &mut meta, event)?;
         out.put(Cf::Events, keys::event_key(run, event.seq), bytes.clone());
@@ -256,7 +265,10 @@ pub fn apply_append(
     meta.updated_at = last.at;
     if let Some(o) = &old {
         if o.status != meta.status {
-            out.delete(Cf::Index, keys::index_key(o.status.code(), &o.workflow_type, run));
+            out.delete(
+                Cf::Index,
+                keys::index_key(o.status.code(), &o.workflow_type, run),
+            );
         }
     }
     if old.as_ref().map(|o| o.status) != Some(meta.status) {
@@ -294,19 +306,23 @@ fn close(
         out.delete(Cf::Tasks, k);
     }
     let mut timers = Vec::new();
-    out.scan(Cf::RunTimers, run.as_bytes(), run.as_bytes(), &mut |k, v| {
-        timers.push((k.to_vec(), v.to_vec()));
-        true
-    })?;
+    out.scan(
+        Cf::RunTimers,
+        run.as_bytes(),
+        run.as_bytes(),
+        &mut |k, v| {
+            timers.push((k.to_vec(), v.to_vec()));
+            true
+        },
+    )?;
     for (k, v) in timers {
-        let entry: TimerEntry = codec::decode(RecordKind::Timer, &v).map_err(|source| {
-            Error::Corrupt {
+        let entry: TimerEntry =
+            codec::decode(RecordKind::Timer, &v).map_err(|source| Error::Corrupt {
                 cf: Cf::RunTimers.name(),
                 run: Some(run),
                 seq: None,
                 source,
-            }
-        })?;
+            })?;
         out.delete(Cf::Timers, keys::timer_key(entry.fire_at, run, entry.step));
         out.delete(Cf::RunTimers, k);
     }
@@ -316,7 +332,11 @@ fn close(
             child_run_id: run,
             outcome: outcome.clone(),
         };
-        out.put(Cf::Outbox, keys::outbox_result_key(run), enc(RecordKind::Outbox, &msg)?);
+        out.put(
+            Cf::Outbox,
+            keys::outbox_result_key(run),
+            enc(RecordKind::Outbox, &msg)?,
+        );
     }
     meta.outcome = Some(outcome);
     Ok(())
@@ -340,10 +360,15 @@ fn derive_event(
             return Err(invalid(format!("WorkflowStarted at seq {}", event.seq)));
         }
         let ikey = instance_id.as_str().as_bytes().to_vec();
-        let current: Option<InstanceMeta> = read_record(out, Cf::Instances, RecordKind::Instance, &ikey)?;
+        let current: Option<InstanceMeta> =
+            read_record(out, Cf::Instances, RecordKind::Instance, &ikey)?;
         if let Some(cur) = current {
-            let cur_meta: Option<RunMeta> =
-                read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(cur.current_run))?;
+            let cur_meta: Option<RunMeta> = read_record(
+                out,
+                Cf::Runs,
+                RecordKind::Run,
+                &keys::run_key(cur.current_run),
+            )?;
             if cur_meta.is_some_and(|m| !m.status.is_closed()) {
                 return Err(Error::InstanceRunning {
                     instance: instance_id.clone(),
@@ -428,7 +453,9 @@ fn derive_event(
             options,
         } => {
             if execution_id.run_id != run || execution_id.step != *step {
-                return Err(invalid(format!("execution id {execution_id} does not match step {step}")));
+                return Err(invalid(format!(
+                    "execution id {execution_id} does not match step {step}"
+                )));
             }
             let task = TaskEntry {
                 execution_id: *execution_id,
@@ -493,14 +520,23 @@ fn derive_event(
                 fire_at: *fire_at,
             };
             let bytes = enc(RecordKind::Timer, &entry)?;
-            out.put(Cf::Timers, keys::timer_key(*fire_at, run, *step), bytes.clone());
+            out.put(
+                Cf::Timers,
+                keys::timer_key(*fire_at, run, *step),
+                bytes.clone(),
+            );
             out.put(Cf::RunTimers, task_key(*step), bytes);
         }
-        EventKind::TimerFired { step, fire_at } | EventKind::TimerCancelled { step, fire_at } => {
-            if out.get(Cf::RunTimers, &task_key(*step))?.is_none() {
+        EventKind::TimerFired { step, .. } | EventKind::TimerCancelled { step, .. } => {
+            // The due-order key holds the fire time committed by
+            // TimerStarted; delete by that one, not the event's copy, so a
+            // misstated time cannot leave a timer due forever.
+            let open: Option<TimerEntry> =
+                read_record(out, Cf::RunTimers, RecordKind::Timer, &task_key(*step))?;
+            let Some(open) = open else {
                 return Err(invalid(format!("no open timer at step {step}")));
-            }
-            out.delete(Cf::Timers, keys::timer_key(*fire_at, run, *step));
+            };
+            out.delete(Cf::Timers, keys::timer_key(open.fire_at, run, *step));
             out.delete(Cf::RunTimers, task_key(*step));
         }
         EventKind::ChildScheduled {
@@ -524,9 +560,14 @@ fn derive_event(
                 workflow_type: workflow_type.clone(),
                 input: input.clone(),
             };
-            out.put(Cf::Outbox, keys::outbox_start_key(run, *step), enc(RecordKind::Outbox, &msg)?);
+            out.put(
+                Cf::Outbox,
+                keys::outbox_start_key(run, *step),
+                enc(RecordKind::Outbox, &msg)?,
+            );
         }
-        EventKind::ChildCompleted { child_run_id, .. } | EventKind::ChildFailed { child_run_id, .. } => {
+        EventKind::ChildCompleted { child_run_id, .. }
+        | EventKind::ChildFailed { child_run_id, .. } => {
             out.delete(Cf::Outbox, keys::outbox_result_key(*child_run_id));
         }
         EventKind::ChildStarted { .. }
@@ -545,10 +586,14 @@ fn derive_event(
 }
 
 fn pending_task(out: &dyn KvRead, run: RunId, step: crate::ids::Step) -> Result<TaskEntry> {
-    read_record(out, Cf::Tasks, RecordKind::Task, &keys::run_step_key(run, step))?.ok_or_else(|| {
-        Error::InvalidCommit {
-            run,
-            detail: format!("no pending activity execution at step {step}"),
-        }
+    read_record(
+        out,
+        Cf::Tasks,
+        RecordKind::Task,
+        &keys::run_step_key(run, step),
+    )?
+    .ok_or_else(|| Error::InvalidCommit {
+        run,
+        detail: format!("no pending activity execution at step {step}"),
     })
 }

@@ -54,7 +54,9 @@ pub enum Error {
         source: crate::codec::Error,
     },
     /// A commit's first event does not continue the run's history.
-    #[error("run {run}: expected the next event at seq {expected}, the commit starts at seq {found}")]
+    #[error(
+        "run {run}: expected the next event at seq {expected}, the commit starts at seq {found}"
+    )]
     SeqGap {
         /// The run.
         run: RunId,

@@ -91,7 +91,10 @@ fn cf_descriptors(names: &[String]) -> Vec<ColumnFamilyDescriptor> {
 
 fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
     let text = e.into_string();
-    if text.contains("lock") || text.contains("LOCK") {
+    // Match RocksDB's two lock failures exactly (env/fs_posix.cc: another
+    // process, or this one): a bare "lock" also matches "block checksum
+    // mismatch", which is corruption, not a second writer.
+    if text.contains("While lock file") || text.contains("lock hold by current process") {
         Error::Locked {
             path: path.to_path_buf(),
         }
@@ -163,7 +166,9 @@ impl RocksStore {
             OpenMode::ReadWrite => DB::open_cf_descriptors(&opts, path, cf_descriptors(&names)),
             OpenMode::ReadOnly => DB::open_cf_for_read_only(&opts, path, &names, false),
             OpenMode::Secondary => {
-                let dir = tempfile::Builder::new().prefix("keel-secondary").tempdir()?;
+                let dir = tempfile::Builder::new()
+                    .prefix("keel-secondary")
+                    .tempdir()?;
                 let db = DB::open_cf_as_secondary(&opts, path, dir.path(), &names);
                 secondary_dir = Some(dir);
                 db
@@ -249,10 +254,12 @@ impl Drop for RocksStore {
 }
 
 fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
-    let cf = db.cf_handle(Cf::Meta.name()).ok_or_else(|| Error::NotKeel {
-        path: path.to_path_buf(),
-        detail: "missing meta column family".into(),
-    })?;
+    let cf = db
+        .cf_handle(Cf::Meta.name())
+        .ok_or_else(|| Error::NotKeel {
+            path: path.to_path_buf(),
+            detail: "missing meta column family".into(),
+        })?;
     match db.get_cf(&cf, STORE_META_KEY)? {
         Some(bytes) => {
             let meta: StoreMeta =
@@ -280,12 +287,13 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
                 schema_version: SCHEMA_VERSION,
                 created_by: format!("keel {}", env!("CARGO_PKG_VERSION")),
             };
-            let bytes = codec::encode(RecordKind::StoreMeta, &meta).map_err(|source| Error::Corrupt {
-                cf: "meta",
-                run: None,
-                seq: None,
-                source,
-            })?;
+            let bytes =
+                codec::encode(RecordKind::StoreMeta, &meta).map_err(|source| Error::Corrupt {
+                    cf: "meta",
+                    run: None,
+                    seq: None,
+                    source,
+                })?;
             let mut wo = WriteOptions::default();
             wo.set_sync(true);
             db.put_cf_opt(&cf, STORE_META_KEY, bytes, &wo)?;
@@ -418,7 +426,11 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
         } else {
             write_batch(&db, mutations_of(overlay.into_writes()), &wo)
         };
-        debug!(commits = group.len(), ok = written.is_ok(), "group committed");
+        debug!(
+            commits = group.len(),
+            ok = written.is_ok(),
+            "group committed"
+        );
         for (req, result) in group.drain(..).zip(results) {
             let answer = match (&written, result) {
                 (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),

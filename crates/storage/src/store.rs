@@ -65,7 +65,9 @@ impl CommitHandle {
     pub fn wait(self) -> Result<CommitAck> {
         match self.state {
             HandleState::Ready(r) => r.unwrap_or(Err(Error::Closed)),
-            HandleState::Pending(rx) => futures::executor::block_on(rx).unwrap_or(Err(Error::Closed)),
+            HandleState::Pending(rx) => {
+                futures::executor::block_on(rx).unwrap_or(Err(Error::Closed))
+            }
         }
     }
 }
@@ -135,8 +137,11 @@ pub trait Store: Send + Sync + 'static {
         visit: &mut dyn FnMut(Event) -> bool,
     ) -> Result<()> {
         let mut failure = None;
-        self.view()
-            .scan(Cf::Events, run.as_bytes(), &keys::event_key(run, from), &mut |k, v| {
+        self.view().scan(
+            Cf::Events,
+            run.as_bytes(),
+            &keys::event_key(run, from),
+            &mut |k, v| {
                 let seq = keys::parse_event_key(k).map(|(_, s)| s);
                 match codec::decode::<Event>(RecordKind::Event, v) {
                     Ok(e) => visit(e),
@@ -150,7 +155,8 @@ pub trait Store: Send + Sync + 'static {
                         false
                     }
                 }
-            })?;
+            },
+        )?;
         failure.map_or(Ok(()), Err)
     }
 
@@ -195,7 +201,10 @@ pub trait Store: Send + Sync + 'static {
         let mut out = Vec::new();
         let mut failure = None;
         self.view().scan(Cf::Timers, &[], &[], &mut |k, v| {
-            if out.len() >= limit || k.len() < 8 || u64::from_be_bytes(k[..8].try_into().unwrap_or([0xff; 8])) > now.0 {
+            if out.len() >= limit
+                || k.len() < 8
+                || u64::from_be_bytes(k[..8].try_into().unwrap_or([0xff; 8])) > now.0
+            {
                 return false;
             }
             match codec::decode(RecordKind::Timer, v) {
@@ -216,7 +225,9 @@ pub trait Store: Send + Sync + 'static {
     fn next_timer(&self) -> Result<Option<Timestamp>> {
         let mut due = None;
         self.view().scan(Cf::Timers, &[], &[], &mut |k, _| {
-            due = k.get(..8).map(|b| Timestamp(u64::from_be_bytes(b.try_into().unwrap_or([0; 8]))));
+            due = k
+                .get(..8)
+                .map(|b| Timestamp(u64::from_be_bytes(b.try_into().unwrap_or([0; 8]))));
             false
         })?;
         Ok(due)
@@ -224,7 +235,13 @@ pub trait Store: Send + Sync + 'static {
 
     /// A run's open timers.
     fn run_timers(&self, run: RunId) -> Result<Vec<TimerEntry>> {
-        scan_typed(self.view(), Cf::RunTimers, RecordKind::Timer, run.as_bytes(), usize::MAX)
+        scan_typed(
+            self.view(),
+            Cf::RunTimers,
+            RecordKind::Timer,
+            run.as_bytes(),
+            usize::MAX,
+        )
     }
 
     /// Outbox messages waiting for delivery, at most `limit`.
@@ -239,12 +256,23 @@ pub trait Store: Send + Sync + 'static {
 
     /// The pending attempt of the execution at `step`, if it is open.
     fn task(&self, run: RunId, step: crate::ids::Step) -> Result<Option<TaskEntry>> {
-        read_record(self.view(), Cf::Tasks, RecordKind::Task, &keys::run_step_key(run, step))
+        read_record(
+            self.view(),
+            Cf::Tasks,
+            RecordKind::Task,
+            &keys::run_step_key(run, step),
+        )
     }
 
     /// Pending activity attempts of one run.
     fn run_tasks(&self, run: RunId) -> Result<Vec<TaskEntry>> {
-        scan_typed(self.view(), Cf::Tasks, RecordKind::Task, run.as_bytes(), usize::MAX)
+        scan_typed(
+            self.view(),
+            Cf::Tasks,
+            RecordKind::Task,
+            run.as_bytes(),
+            usize::MAX,
+        )
     }
 
     /// Runs by status and type (through the index when a status is given).
@@ -275,10 +303,16 @@ pub trait Store: Send + Sync + 'static {
                 Ok(out)
             }
             None => {
-                let all: Vec<RunMeta> = scan_typed(self.view(), Cf::Runs, RecordKind::Run, &[], usize::MAX)?;
+                let all: Vec<RunMeta> =
+                    scan_typed(self.view(), Cf::Runs, RecordKind::Run, &[], usize::MAX)?;
                 Ok(all
                     .into_iter()
-                    .filter(|m| filter.workflow_type.as_ref().is_none_or(|t| &m.workflow_type == t))
+                    .filter(|m| {
+                        filter
+                            .workflow_type
+                            .as_ref()
+                            .is_none_or(|t| &m.workflow_type == t)
+                    })
                     .take(limit)
                     .collect())
             }
@@ -287,7 +321,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Why a run is parked, if it is.
     fn parked(&self, run: RunId) -> Result<Option<ParkInfo>> {
-        read_record(self.view(), Cf::Meta, RecordKind::Parked, &keys::parked_key(run))
+        read_record(
+            self.view(),
+            Cf::Meta,
+            RecordKind::Parked,
+            &keys::parked_key(run),
+        )
     }
 
     /// Walks every run and reports gaps, bad records, duplicate terminal

@@ -17,6 +17,7 @@ use crate::event::{Event, EventKind};
 use crate::ids::{RunId, Seq, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::{KvRead, KvWrite, Maps, Overlay};
+use crate::state::{InstanceMeta, OutboxMessage};
 use crate::VERIFY_VIOLATIONS_MAX;
 
 /// One integrity violation.
@@ -169,18 +170,15 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
     };
 
     // Pass 1: every record, run by run.
-    let mut sound: Vec<(Timestamp, RunId)> = Vec::new();
+    let mut sound: Vec<RunScan> = Vec::new();
     let mut broken: BTreeSet<RunId> = BTreeSet::new();
-    let mut current: Option<(RunId, Seq, Option<Timestamp>, bool)> = None;
-    let finish = |cur: Option<(RunId, Seq, Option<Timestamp>, bool)>,
-                      sound: &mut Vec<(Timestamp, RunId)>,
-                      broken: &mut BTreeSet<RunId>| {
-        if let Some((run, _, started, ok)) = cur {
-            match (ok, started) {
-                (true, Some(at)) => sound.push((at, run)),
-                _ => {
-                    broken.insert(run);
-                }
+    let mut current: Option<RunScan> = None;
+    let finish = |cur: Option<RunScan>, sound: &mut Vec<RunScan>, broken: &mut BTreeSet<RunId>| {
+        if let Some(scan) = cur {
+            if scan.ok && scan.started.is_some() {
+                sound.push(scan);
+            } else {
+                broken.insert(scan.run);
             }
         }
     };
@@ -195,21 +193,29 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
             });
             return true;
         };
-        if current.as_ref().map(|c| c.0) != Some(run) {
+        if current.as_ref().map(|c| c.run) != Some(run) {
             finish(current.take(), &mut sound, &mut broken);
             report.inner.runs += 1;
-            current = Some((run, Seq::FIRST, None, true));
+            current = Some(RunScan {
+                run,
+                next: Seq::FIRST,
+                started: None,
+                closed: None,
+                continued_from: None,
+                ok: true,
+            });
         }
         let cur = current.as_mut().expect("set above");
-        if key_seq != cur.1 {
+        if key_seq != cur.next {
             report.push(Violation::Gap {
                 run: run.to_string(),
-                expected: cur.1 .0,
+                expected: cur.next.0,
                 found: key_seq.0,
             });
-            cur.3 = false;
+            cur.ok = false;
         }
-        cur.1 = key_seq.next();
+        // Saturating: a damaged key may carry the largest seq.
+        cur.next = Seq(key_seq.0.saturating_add(1));
         match codec::decode::<Event>(RecordKind::Event, v) {
             Ok(e) => {
                 if e.seq != key_seq {
@@ -218,12 +224,16 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
                         key_seq: key_seq.0,
                         record_seq: e.seq.0,
                     });
-                    cur.3 = false;
+                    cur.ok = false;
                 }
                 if key_seq == Seq::FIRST {
-                    if let EventKind::WorkflowStarted { .. } = e.kind {
-                        cur.2 = Some(e.at);
+                    if let EventKind::WorkflowStarted { continued_from, .. } = &e.kind {
+                        cur.started = Some(e.at);
+                        cur.continued_from = *continued_from;
                     }
+                }
+                if e.kind.closes_run() {
+                    cur.closed = Some(e.at);
                 }
             }
             Err(err) => {
@@ -233,14 +243,19 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
                     seq: Some(key_seq.0),
                     detail: err.to_string(),
                 });
-                cur.3 = false;
+                cur.ok = false;
             }
         }
         true
     })?;
     finish(current.take(), &mut sound, &mut broken);
     for run in &broken {
-        if !report.inner.violations.iter().any(|v| violation_run(v) == Some(run.to_string())) {
+        if !report
+            .inner
+            .violations
+            .iter()
+            .any(|v| violation_run(v) == Some(run.to_string()))
+        {
             report.push(Violation::InvalidHistory {
                 run: run.to_string(),
                 seq: 1,
@@ -250,9 +265,9 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
     }
 
     // Pass 2: fold sound runs, oldest first, through the commit path's code.
-    sound.sort();
+    let order = fold_order(&sound);
     let mut rebuilt = Rebuilt::default();
-    for (_, run) in &sound {
+    for run in &order {
         let mut events = Vec::new();
         view.scan(Cf::Events, run.as_bytes(), run.as_bytes(), &mut |_, v| {
             if let Ok(e) = codec::decode::<Event>(RecordKind::Event, v) {
@@ -304,9 +319,14 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
             true
         })?;
         let expected = rebuilt.maps.cf(cf);
-        let skip = |k: &[u8]| key_run(cf, k).is_some_and(|r| broken.contains(&r));
+        let skip = |k: &[u8], v: &[u8]| {
+            key_run(cf, k)
+                .into_iter()
+                .chain(value_runs(cf, v))
+                .any(|r| broken.contains(&r))
+        };
         for (k, v) in expected {
-            if skip(k) {
+            if skip(k, v) || stored.get(k).is_some_and(|s| skip(k, s)) {
                 continue;
             }
             match stored.get(k) {
@@ -315,14 +335,88 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
                 Some(_) => {}
             }
         }
-        for k in stored.keys() {
-            if !expected.contains_key(k) && !skip(k) {
+        for (k, v) in &stored {
+            if !expected.contains_key(k) && !skip(k, v) {
                 report.push(mismatch(cf, k, "extra"));
             }
         }
     }
     report.inner.ok = report.inner.violations.is_empty();
     Ok(report.inner)
+}
+
+/// What pass 1 learned about one run's events.
+struct RunScan {
+    run: RunId,
+    /// The seq expected next.
+    next: Seq,
+    /// When its WorkflowStarted (seq 1) was committed.
+    started: Option<Timestamp>,
+    /// When its closing event was committed.
+    closed: Option<Timestamp>,
+    /// The run it continues, after continue-as-new.
+    continued_from: Option<RunId>,
+    /// No gap, no bad record.
+    ok: bool,
+}
+
+/// The order to fold sound runs in: the order their instances saw them.
+/// Runs of one instance never overlap, so ordering by start, then close
+/// (open runs last), puts them in commit order even when a run starts in
+/// the millisecond its predecessor started; when both also closed in that
+/// millisecond, a continue-as-new chain decides.
+fn fold_order(sound: &[RunScan]) -> Vec<RunId> {
+    let from: BTreeMap<RunId, RunId> = sound
+        .iter()
+        .filter_map(|s| s.continued_from.map(|f| (s.run, f)))
+        .collect();
+    let depth = |run: RunId| {
+        let mut d = 0usize;
+        let mut at = run;
+        // Bounded: a damaged chain may loop.
+        while let Some(prev) = from.get(&at) {
+            if d >= sound.len() {
+                break;
+            }
+            d += 1;
+            at = *prev;
+        }
+        d
+    };
+    let mut keyed: Vec<_> = sound
+        .iter()
+        .map(|s| {
+            let closed = s.closed.unwrap_or(Timestamp(u64::MAX));
+            ((s.started, closed, depth(s.run), s.run), s.run)
+        })
+        .collect();
+    keyed.sort();
+    keyed.into_iter().map(|(_, run)| run).collect()
+}
+
+/// Runs a derived record's value refers to beyond its key: an instance's
+/// current run, an outbox message's parent and child. A record of a broken
+/// run is not compared, because that run was not folded.
+fn value_runs(cf: Cf, value: &[u8]) -> Vec<RunId> {
+    match cf {
+        Cf::Instances => codec::decode::<InstanceMeta>(RecordKind::Instance, value)
+            .map(|i| vec![i.current_run])
+            .unwrap_or_default(),
+        Cf::Outbox => match codec::decode::<OutboxMessage>(RecordKind::Outbox, value) {
+            Ok(OutboxMessage::StartChild {
+                parent,
+                child_run_id,
+                ..
+            })
+            | Ok(OutboxMessage::ChildResult {
+                parent,
+                child_run_id,
+                ..
+            }) => vec![parent.run_id, child_run_id],
+            Err(_) => Vec::new(),
+        },
+        _ => Vec::new(),
+    }
 }
 
 fn violation_run(v: &Violation) -> Option<String> {

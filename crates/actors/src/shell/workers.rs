@@ -281,7 +281,8 @@ impl Workers {
             if over_schedule {
                 // The whole execution is out of time: no retry can help.
                 let _ = f.cancel.send(true);
-                let failure = Failure::new(FailureKind::Timeout, "schedule-to-close timeout", false);
+                let failure =
+                    Failure::new(FailureKind::Timeout, "schedule-to-close timeout", false);
                 self.report(key.0, key.1, f.task.attempt, Err(failure));
             } else if over_time {
                 let _ = f.cancel.send(true);

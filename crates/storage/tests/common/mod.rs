@@ -5,8 +5,204 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::keys::Cf;
 use keel_storage::{
-    attempt_of_helper, ActivityOptions, CommitAck, CommitBatch, Durability, Event, EventKind,
-    InstanceId, MemStore, Payload, RocksStore, RunId, Seq, Step, Store, Timestamp,
+    ActivityOptions, AttemptNo, CommitAck, CommitBatch, Durability, Event, EventKind, Failure,
+    FailureKind, InstanceId, MemStore, Payload, RocksStore, RunId, Seq, Step, Store, Timestamp,
 };
+
+/// A deterministic run id; `n` tells runs of one test apart.
+pub fn run_id(n: u64) -> RunId {
+    RunId::from_u64_pair(0x6b65_656c_0000_0000, n)
+}
+
+/// An event at `seq`, committed at `at` ms.
+pub fn ev(seq: u64, at: u64, kind: EventKind) -> Event {
+    Event {
+        seq: Seq(seq),
+        at: Timestamp(at),
+        kind,
+    }
+}
+
+/// A `WorkflowStarted` for `run` of `instance`.
+pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
+    EventKind::WorkflowStarted {
+        instance_id: InstanceId::new(instance),
+        run_id: run,
+        workflow_type: workflow_type.into(),
+        input: Payload::from_bytes(b"input".to_vec()),
+        command_id: None,
+        parent: None,
+        continued_from: None,
+        random_seed: 7,
+    }
+}
+
+/// `ActivityScheduled` at `step` of `run`.
+pub fn scheduled(run: RunId, step: u32) -> EventKind {
+    EventKind::ActivityScheduled {
+        step: Step(step),
+        group: Vec::new(),
+        execution_id: execution_of(run, Step(step)),
+        activity_type: "charge".into(),
+        input: Payload::from_bytes(vec![step as u8]),
+        options: ActivityOptions::default(),
+    }
+}
+
+/// `ActivityCompleted` of attempt `attempt` at `step` of `run`.
+pub fn completed(run: RunId, step: u32, attempt: u32) -> EventKind {
+    EventKind::ActivityCompleted {
+        step: Step(step),
+        attempt_id: attempt_of(run, Step(step), AttemptNo(attempt)),
+        result: Payload::from_bytes(b"ok".to_vec()),
+    }
+}
+
+/// `ActivityAttemptFailed` of attempt `attempt`, retried at `retry_at`.
+pub fn attempt_failed(run: RunId, step: u32, attempt: u32, retry_at: Option<u64>) -> EventKind {
+    EventKind::ActivityAttemptFailed {
+        step: Step(step),
+        attempt_id: attempt_of(run, Step(step), AttemptNo(attempt)),
+        failure: Failure::new(FailureKind::Application, "boom", true),
+        retry_at: retry_at.map(Timestamp),
+    }
+}
+
+/// `TimerStarted` at `step` firing at `fire_at`.
+pub fn timer_started(step: u32, fire_at: u64) -> EventKind {
+    EventKind::TimerStarted {
+        step: Step(step),
+        group: Vec::new(),
+        fire_at: Timestamp(fire_at),
+    }
+}
+
+/// `TimerFired` at `step`.
+pub fn timer_fired(step: u32, fire_at: u64) -> EventKind {
+    EventKind::TimerFired {
+        step: Step(step),
+        fire_at: Timestamp(fire_at),
+    }
+}
+
+/// `SignalReceived` with a payload.
+pub fn signal(name: &str, payload: &[u8]) -> EventKind {
+    EventKind::SignalReceived {
+        name: name.into(),
+        payload: Payload::from_bytes(payload.to_vec()),
+        command_id: None,
+    }
+}
+
+/// `WorkflowCompleted`.
+pub fn workflow_completed() -> EventKind {
+    EventKind::WorkflowCompleted {
+        result: Payload::from_bytes(b"done".to_vec()),
+    }
+}
+
+/// Builds a run's events with contiguous seqs and an advancing clock.
+#[derive(Debug, Clone)]
+pub struct RunBuilder {
+    pub run: RunId,
+    pub next: u64,
+    pub at: u64,
+}
+
+impl RunBuilder {
+    /// A run whose first event will be seq 1 at `at` ms.
+    pub fn new(run: RunId, at: u64) -> Self {
+        RunBuilder { run, next: 1, at }
+    }
+
+    /// The next event, advancing seq and clock.
+    pub fn next(&mut self, kind: EventKind) -> Event {
+        let e = ev(self.next, self.at, kind);
+        self.next += 1;
+        self.at += 10;
+        e
+    }
+
+    /// Commits `kinds` as one append to `store`, advancing only on success.
+    pub fn commit(
+        &mut self,
+        store: &dyn Store,
+        kinds: Vec<EventKind>,
+    ) -> keel_storage::Result<CommitAck> {
+        let saved = (self.next, self.at);
+        let events: Vec<Event> = kinds.into_iter().map(|k| self.next(k)).collect();
+        let r = commit(store, self.run, events);
+        if r.is_err() {
+            (self.next, self.at) = saved;
+        }
+        r
+    }
+}
+
+/// Commits one append and waits for the answer.
+pub fn commit(
+    store: &dyn Store,
+    run: RunId,
+    events: Vec<Event>,
+) -> keel_storage::Result<CommitAck> {
+    store.commit(CommitBatch::append(run, events)).wait()
+}
+
+/// Every key and value of every column family, in key order.
+pub type Dump = Vec<(Cf, Vec<u8>, Vec<u8>)>;
+
+/// Dumps a store's bytes through its view.
+pub fn dump(store: &dyn Store) -> Dump {
+    let mut out = Vec::new();
+    for cf in Cf::ALL {
+        store
+            .view()
+            .scan(cf, &[], &[], &mut |k, v| {
+                out.push((cf, k.to_vec(), v.to_vec()));
+                true
+            })
+            .expect("scan");
+    }
+    out
+}
+
+/// A store under test with whatever keeps it alive.
+pub struct Subject {
+    pub name: &'static str,
+    pub store: Box<dyn Store>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// One of each store kind: in-memory (both durabilities) and RocksDB.
+pub fn subjects() -> Vec<Subject> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rocks = RocksStore::open(dir.path().join("db"), Durability::Sync).expect("open rocks");
+    vec![
+        Subject {
+            name: "mem-sync",
+            store: Box::new(MemStore::new(Durability::Sync)),
+            _dir: None,
+        },
+        Subject {
+            name: "mem-buffered",
+            store: Box::new(MemStore::new(Durability::Buffered)),
+            _dir: None,
+        },
+        Subject {
+            name: "rocks",
+            store: Box::new(rocks),
+            _dir: Some(dir),
+        },
+    ]
+}
+
+/// Runs `body` once per store kind; a failure names the store.
+pub fn for_each_store(body: impl Fn(&dyn Store)) {
+    for s in subjects() {
+        eprintln!("store: {}", s.name);
+        body(s.store.as_ref());
+    }
+}

@@ -1,0 +1,162 @@
+//! `keel bench`: measurements on this machine (never timed tests).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Subcommand;
+use keel::{
+    Activity, ActivityContext, ActivityError, Engine, Workflow, WorkflowContext, WorkflowError,
+};
+use serde::Serialize;
+
+use crate::output::{max_rss_mb, percentile, progress};
+
+/// Benchmarks.
+#[derive(Subcommand, Debug)]
+pub(crate) enum BenchCommand {
+    /// W1: N workflows of 3 sequential no-op activities, Sync durability.
+    W1(W1Args),
+}
+
+pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        BenchCommand::W1(args) => w1(args),
+    }
+}
+
+/// Arguments of `keel bench w1`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct W1Args {
+    /// Workflows to run.
+    #[arg(long, default_value_t = 10_000)]
+    workflows: u64,
+    /// Workflows in flight at once (closed loop).
+    #[arg(long, default_value_t = 200)]
+    concurrency: usize,
+    /// Start workflows open-loop at this many per second instead.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Default)]
+struct Noop;
+impl Activity for Noop {
+    const NAME: &'static str = "bench.noop";
+    type Input = u32;
+    type Output = u32;
+    async fn run(&self, _ctx: ActivityContext, i: u32) -> Result<u32, ActivityError> {
+        Ok(i + 1)
+    }
+}
+
+struct ThreeSteps;
+impl Workflow for ThreeSteps {
+    const NAME: &'static str = "bench.w1";
+    type Input = u32;
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, i: u32) -> Result<u32, WorkflowError> {
+        let a = ctx.activity::<Noop>(i).await?;
+        let b = ctx.activity::<Noop>(a).await?;
+        Ok(ctx.activity::<Noop>(b).await?)
+    }
+}
+
+#[derive(Serialize)]
+struct W1Report {
+    workload: String,
+    workflows: u64,
+    concurrency: Option<usize>,
+    rate: Option<f64>,
+    workflows_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    wall_s: f64,
+    events: u64,
+    events_per_s: f64,
+    max_rss_mb: f64,
+}
+
+fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
+    let dir = tempfile::Builder::new().prefix("keel-bench-w1").tempdir()?;
+    let engine = Engine::builder()
+        .data_dir(dir.path())
+        .register_workflow::<ThreeSteps>()
+        .register_activity::<Noop>()
+        .build()?;
+    let client = engine.client();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let bar = progress(args.workflows, "w1");
+    let started = Instant::now();
+    let latencies: Vec<f64> = rt.block_on(async {
+        let mut tasks = Vec::with_capacity(args.workflows as usize);
+        let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
+        let mut ticker = args
+            .rate
+            .map(|r| tokio::time::interval(Duration::from_secs_f64(1.0 / r.max(1e-3))));
+        for i in 0..args.workflows {
+            let permit = match &mut ticker {
+                Some(t) => {
+                    t.tick().await;
+                    None
+                }
+                None => Some(sem.clone().acquire_owned().await?),
+            };
+            let (client, bar) = (client.clone(), bar.clone());
+            tasks.push(tokio::spawn(async move {
+                let _permit = permit;
+                let t0 = Instant::now();
+                let id = format!("w1-{i}");
+                client.start::<ThreeSteps>(&id, &(i as u32)).await?;
+                client.result::<ThreeSteps>(&id).await?;
+                bar.inc(1);
+                Ok::<f64, keel::EngineError>(t0.elapsed().as_secs_f64() * 1000.0)
+            }));
+        }
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            out.push(t.await??);
+        }
+        Ok::<_, anyhow::Error>(out)
+    })?;
+    let wall = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let mut sorted = latencies;
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    // Every W1 run commits the same 8 events: started, 3 x (scheduled,
+    // completed), completed.
+    let events = args.workflows * 8;
+    let report = W1Report {
+        workload: match args.rate {
+            Some(r) => format!("w1 rate={r}/s"),
+            None => format!("w1 concurrency={}", args.concurrency),
+        },
+        workflows: args.workflows,
+        concurrency: args.rate.is_none().then_some(args.concurrency),
+        rate: args.rate,
+        workflows_per_s: args.workflows as f64 / wall,
+        p50_ms: percentile(&sorted, 0.50),
+        p99_ms: percentile(&sorted, 0.99),
+        wall_s: wall,
+        events,
+        events_per_s: events as f64 / wall,
+        max_rss_mb: max_rss_mb(),
+    };
+    engine.shutdown(Duration::from_secs(10));
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{}: {} workflows in {:.2} s = {:.0} workflows/s, {:.0} events/s; latency p50 {:.2} ms, p99 {:.2} ms; max rss {:.0} MiB",
+            report.workload, report.workflows, report.wall_s, report.workflows_per_s, report.events_per_s,
+            report.p50_ms, report.p99_ms, report.max_rss_mb
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

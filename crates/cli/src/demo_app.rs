@@ -1,0 +1,147 @@
+//! The demo's order-processing application: keel's main job in miniature.
+//! Charge, reserve inventory, a short warehouse timer, manual approval of
+//! large orders by signal, ship, notify. Compiled into the `keel` binary so
+//! `keel replay` can replay demo histories.
+
+use std::time::Duration;
+
+use keel::{
+    Activity, ActivityContext, ActivityError, RetryPolicy, Workflow, WorkflowContext,
+    WorkflowError, WorkflowRegistry,
+};
+use serde::{Deserialize, Serialize};
+
+/// Orders above this many cents wait for a manual approval signal.
+pub(crate) const APPROVAL_CENTS_MIN: u64 = 50_000;
+
+/// One order.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub(crate) struct Order {
+    pub(crate) id: u64,
+    pub(crate) cents: u64,
+    pub(crate) sku: String,
+}
+
+/// What a processed order returns.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub(crate) struct Receipt {
+    pub(crate) charge: String,
+    pub(crate) reservation: String,
+    pub(crate) approved_by: Option<String>,
+    pub(crate) tracking: String,
+}
+
+fn deterministic_fail(id: u64, attempt: u32) -> bool {
+    // One order in twenty fails its first charge attempt (a gateway
+    // hiccup), so the demo exercises durable retries.
+    id % 20 == 3 && attempt == 1
+}
+
+#[derive(Default)]
+pub(crate) struct ChargeCard;
+impl Activity for ChargeCard {
+    const NAME: &'static str = "demo.charge";
+    type Input = Order;
+    type Output = String;
+    async fn run(&self, ctx: ActivityContext, o: Order) -> Result<String, ActivityError> {
+        if deterministic_fail(o.id, ctx.attempt().0) {
+            return Err(ActivityError::retryable("payment gateway timed out"));
+        }
+        Ok(format!("ch_{}", ctx.execution_id().step))
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct ReserveInventory;
+impl Activity for ReserveInventory {
+    const NAME: &'static str = "demo.reserve";
+    type Input = Order;
+    type Output = String;
+    async fn run(&self, _ctx: ActivityContext, o: Order) -> Result<String, ActivityError> {
+        Ok(format!("rsv_{}_{}", o.sku, o.id))
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Ship;
+impl Activity for Ship {
+    const NAME: &'static str = "demo.ship";
+    type Input = Order;
+    type Output = String;
+    async fn run(&self, _ctx: ActivityContext, o: Order) -> Result<String, ActivityError> {
+        Ok(format!("trk_{:08}", o.id * 7919 % 100_000_000))
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Notify;
+impl Activity for Notify {
+    const NAME: &'static str = "demo.notify";
+    type Input = String;
+    type Output = ();
+    async fn run(&self, _ctx: ActivityContext, _msg: String) -> Result<(), ActivityError> {
+        Ok(())
+    }
+}
+
+/// The order workflow.
+pub(crate) struct ProcessOrder;
+impl Workflow for ProcessOrder {
+    const NAME: &'static str = "demo.order";
+    type Input = Order;
+    type Output = Receipt;
+    async fn run(ctx: WorkflowContext, order: Order) -> Result<Receipt, WorkflowError> {
+        let retry =
+            RetryPolicy::exponential(5, Duration::from_millis(10), Duration::from_millis(200));
+        let charge = ctx
+            .activity::<ChargeCard>(order.clone())
+            .retry(retry.clone())
+            .start_to_close(Duration::from_secs(10))
+            .await?;
+        let reservation = ctx
+            .activity::<ReserveInventory>(order.clone())
+            .retry(retry.clone())
+            .await?;
+        let approved_by = if order.cents >= APPROVAL_CENTS_MIN {
+            Some(ctx.wait_signal::<String>("approve").await?)
+        } else {
+            None
+        };
+        // The warehouse picks in batches: a short durable wait.
+        ctx.timer(Duration::from_millis(20)).await;
+        let tracking = ctx
+            .activity::<Ship>(order.clone())
+            .retry(retry.clone())
+            .await?;
+        ctx.activity::<Notify>(format!("order {} shipped as {tracking}", order.id))
+            .retry(retry)
+            .await?;
+        Ok(Receipt {
+            charge,
+            reservation,
+            approved_by,
+            tracking,
+        })
+    }
+}
+
+/// Registers the demo's workflows.
+pub(crate) fn workflows() -> WorkflowRegistry {
+    let mut r = WorkflowRegistry::new();
+    r.register::<ProcessOrder>();
+    r
+}
+
+/// The n-th demo order (every tenth is large and needs approval).
+pub(crate) fn order(id: u64) -> Order {
+    let cents = if id % 10 == 9 {
+        75_000
+    } else {
+        1_000 + (id * 37) % 9_000
+    };
+    Order {
+        id,
+        cents,
+        sku: format!("sku-{}", id % 17),
+    }
+}

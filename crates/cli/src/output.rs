@@ -1,0 +1,64 @@
+//! Shared output helpers: progress bars that stay quiet when stderr is not
+//! a terminal, and opening data directories for inspection.
+
+use std::io::IsTerminal;
+use std::path::Path;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use keel_storage::RocksStore;
+
+/// A progress bar on stderr, hidden when stderr is not a terminal.
+pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} {msg} [{bar:30}] {pos}/{len} ({per_sec}, eta {eta})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// Opens a data directory for inspection beside a possibly running engine:
+/// as a secondary (follows the writer), falling back to read-only.
+pub(crate) fn open_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
+    match RocksStore::open_secondary(data) {
+        Ok(s) => {
+            s.catch_up()?;
+            Ok(s)
+        }
+        Err(
+            e @ (keel_storage::Error::NotFound { .. }
+            | keel_storage::Error::NotKeel { .. }
+            | keel_storage::Error::SchemaVersion { .. }),
+        ) => Err(e),
+        Err(_) => RocksStore::open_read_only(data),
+    }
+}
+
+/// Peak resident memory of this process in MiB (Linux), 0 where unknown.
+pub(crate) fn max_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Percentile of sorted samples.
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}

@@ -1,0 +1,901 @@
+// Goal: the commit path enforces the log's invariants (contiguous seqs, one
+// open run per instance, one terminal event per durable id, nothing after a
+// run closes, the payload limit), writes all of a batch or none of it, and
+// derives the right state (run meta, instances, tasks, timers, outbox, the
+// status/type index); group commit keeps all of that under concurrency.
+// Method: every test body is written once against `&dyn Store` and run on
+// `MemStore` (Sync and Buffered) and `RocksStore` (tempdir). "Nothing
+// written" is checked by comparing a byte dump of every column family
+// before and after the refused commit.
+
+mod common;
+
+use std::sync::Barrier;
+
+use common::*;
+use keel_storage::{
+    AppendAck, CommitBatch, Durability, DurableKey, Error, Event, EventKind, InstanceId, MemStore,
+    OutboxMessage, Outcome, ParentClosePolicy, ParentRef, Payload, RocksStore, RunAppend,
+    RunFilter, RunStatus, Seq, Step, Store, Timestamp, PAYLOAD_BYTES_MAX,
+};
+
+fn start(store: &dyn Store, n: u64, instance: &str, wtype: &str) -> RunBuilder {
+    let mut b = RunBuilder::new(run_id(n), 1_000 * n);
+    b.commit(store, vec![started(b.run, instance, wtype)])
+        .expect("start run");
+    b
+}
+
+#[test]
+fn seq_gap_is_refused_and_writes_nothing() {
+    for_each_store(|store| {
+        let b = start(store, 1, "gap", "wf");
+        let before = dump(store);
+        // Skipping seq 2.
+        let err = commit(store, b.run, vec![ev(3, 5_000, signal("s", b"x"))]).unwrap_err();
+        assert!(
+            matches!(err, Error::SeqGap { run, expected: Seq(2), found: Seq(3) } if run == b.run),
+            "{err}"
+        );
+        // Rewriting seq 1.
+        let err = commit(store, b.run, vec![ev(1, 5_000, signal("s", b"x"))]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SeqGap {
+                    expected: Seq(2),
+                    found: Seq(1),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Non-contiguous inside one append.
+        let err = commit(
+            store,
+            b.run,
+            vec![
+                ev(2, 5_000, signal("s", b"x")),
+                ev(4, 5_000, signal("s", b"y")),
+            ],
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::InvalidCommit { .. }), "{err}");
+        // A new run must start at seq 1.
+        let other = run_id(99);
+        let err = commit(store, other, vec![ev(2, 5_000, started(other, "o", "wf"))]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SeqGap {
+                    expected: Seq(1),
+                    found: Seq(2),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(dump(store), before, "a refused commit wrote something");
+        assert_eq!(store.history(b.run).unwrap().len(), 1);
+    });
+}
+
+#[test]
+fn unknown_run_is_refused() {
+    for_each_store(|store| {
+        let run = run_id(1);
+        let err = commit(store, run, vec![ev(1, 10, signal("s", b"x"))]).unwrap_err();
+        assert!(
+            matches!(err, Error::UnknownRun { run: r } if r == run),
+            "{err}"
+        );
+        // A start whose run id names another run does not start this one.
+        let err = commit(store, run, vec![ev(1, 10, started(run_id(2), "i", "wf"))]).unwrap_err();
+        assert!(
+            matches!(err, Error::UnknownRun { run: r } if r == run),
+            "{err}"
+        );
+        // An empty append is malformed.
+        let err = commit(store, run, vec![]).unwrap_err();
+        assert!(matches!(err, Error::InvalidCommit { .. }), "{err}");
+        assert!(dump(store).iter().all(|(cf, _, _)| cf.name() == "meta"));
+        assert!(store.run_meta(run).unwrap().is_none());
+    });
+}
+
+#[test]
+fn second_start_of_an_open_instance_is_refused() {
+    for_each_store(|store| {
+        let mut a = start(store, 1, "order-1", "checkout");
+        let before = dump(store);
+        let b_run = run_id(2);
+        let err = commit(
+            store,
+            b_run,
+            vec![ev(1, 5_000, started(b_run, "order-1", "checkout"))],
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::InstanceRunning { instance, run }
+                if instance == &InstanceId::new("order-1") && *run == a.run),
+            "{err}"
+        );
+        assert_eq!(dump(store), before);
+        // A second WorkflowStarted inside the open run is malformed too.
+        let err = a
+            .commit(store, vec![started(a.run, "order-1", "checkout")])
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidCommit { .. }), "{err}");
+        // Once the first run closes, the instance may start again.
+        a.commit(store, vec![workflow_completed()]).unwrap();
+        commit(
+            store,
+            b_run,
+            vec![ev(1, 9_000, started(b_run, "order-1", "checkout"))],
+        )
+        .unwrap();
+        let inst = store
+            .instance(&InstanceId::new("order-1"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(inst.current_run, b_run);
+        assert_eq!(inst.started_at, Timestamp(9_000));
+        assert_eq!(store.resolve("order-1").unwrap(), Some(b_run));
+        assert_eq!(store.resolve(&a.run.to_string()).unwrap(), Some(a.run));
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+#[test]
+fn duplicate_terminal_events_are_refused() {
+    for_each_store(|store| {
+        let mut b = start(store, 1, "dup", "wf");
+        b.commit(store, vec![scheduled(b.run, 1), timer_started(2, 50_000)])
+            .unwrap();
+        b.commit(store, vec![completed(b.run, 1, 1)]).unwrap();
+        let completed_at = Seq(b.next - 1);
+        b.commit(store, vec![timer_fired(2, 50_000)]).unwrap();
+        let fired_at = Seq(b.next - 1);
+        assert_eq!(
+            store
+                .committed(b.run, &DurableKey::Execution(Step(1)))
+                .unwrap(),
+            Some(completed_at)
+        );
+        let before = dump(store);
+
+        let err = b.commit(store, vec![completed(b.run, 1, 1)]).unwrap_err();
+        assert!(
+            matches!(&err, Error::DuplicateTerminal { run, key: DurableKey::Attempt(Step(1), a), committed }
+                if *run == b.run && a.0 == 1 && *committed == completed_at),
+            "{err}"
+        );
+        let err = b.commit(store, vec![timer_fired(2, 50_000)]).unwrap_err();
+        assert!(
+            matches!(&err, Error::DuplicateTerminal { key: DurableKey::Timer(Step(2)), committed, .. }
+                if *committed == fired_at),
+            "{err}"
+        );
+        // A cancel after the fire closes the same timer again.
+        let err = b
+            .commit(
+                store,
+                vec![EventKind::TimerCancelled {
+                    step: Step(2),
+                    fire_at: Timestamp(50_000),
+                }],
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::DuplicateTerminal { .. }), "{err}");
+        assert_eq!(dump(store), before, "a refused duplicate wrote something");
+
+        // Two terminal events for one id inside a single append: refused
+        // whole, the valid first one included.
+        b.commit(store, vec![timer_started(3, 60_000)]).unwrap();
+        let before = dump(store);
+        let err = b
+            .commit(store, vec![timer_fired(3, 60_000), timer_fired(3, 60_000)])
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::DuplicateTerminal {
+                    key: DurableKey::Timer(Step(3)),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(dump(store), before);
+
+        // Client command ids deduplicate signals.
+        let sig = |p: &[u8]| EventKind::SignalReceived {
+            name: "approve".into(),
+            payload: Payload::from_bytes(p.to_vec()),
+            command_id: Some(keel_storage::CommandId::new("cmd-1")),
+        };
+        b.commit(store, vec![sig(b"1")]).unwrap();
+        let err = b.commit(store, vec![sig(b"2")]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::DuplicateTerminal {
+                    key: DurableKey::Command(_),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+#[test]
+fn append_to_a_closed_run_is_refused() {
+    for_each_store(|store| {
+        let mut b = start(store, 1, "closed", "wf");
+        b.commit(store, vec![workflow_completed()]).unwrap();
+        let before = dump(store);
+        let err = b.commit(store, vec![signal("late", b"x")]).unwrap_err();
+        assert!(
+            matches!(err, Error::RunClosed { run } if run == b.run),
+            "{err}"
+        );
+        assert_eq!(dump(store), before);
+
+        // An event after the closing event of the same append.
+        let mut c = start(store, 2, "closed-2", "wf");
+        let before = dump(store);
+        let err = c
+            .commit(store, vec![workflow_completed(), signal("late", b"x")])
+            .unwrap_err();
+        assert!(matches!(err, Error::RunClosed { .. }), "{err}");
+        assert_eq!(dump(store), before);
+    });
+}
+
+#[test]
+fn oversized_payload_is_refused_and_writes_nothing() {
+    for_each_store(|store| {
+        let mut b = start(store, 1, "big", "wf");
+        let before = dump(store);
+        let big = vec![0xab; PAYLOAD_BYTES_MAX + 1];
+        let err = b
+            .commit(store, vec![signal("ok", b"small"), signal("big", &big)])
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::PayloadTooLarge { run, seq: Seq(3), bytes, max }
+                if run == b.run && bytes == PAYLOAD_BYTES_MAX + 1 && max == PAYLOAD_BYTES_MAX),
+            "{err}"
+        );
+        // In a memo field, and in the input of a new run.
+        let err = b
+            .commit(
+                store,
+                vec![EventKind::MemoUpserted {
+                    fields: vec![("k".into(), Payload::from_bytes(big.clone()))],
+                }],
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::PayloadTooLarge { .. }), "{err}");
+        let other = run_id(2);
+        let mut start_big = started(other, "big-2", "wf");
+        if let EventKind::WorkflowStarted { input, .. } = &mut start_big {
+            *input = Payload::from_bytes(big.clone());
+        }
+        let err = commit(store, other, vec![ev(1, 10, start_big)]).unwrap_err();
+        assert!(
+            matches!(err, Error::PayloadTooLarge { seq: Seq(1), .. }),
+            "{err}"
+        );
+        assert_eq!(dump(store), before);
+
+        // Exactly the limit is accepted and reads back whole.
+        let max = vec![0xcd; PAYLOAD_BYTES_MAX];
+        b.commit(store, vec![signal("max", &max)]).unwrap();
+        match &store.history(b.run).unwrap()[1].kind {
+            EventKind::SignalReceived { payload, .. } => assert_eq!(payload.0, max),
+            other => panic!("unexpected {other:?}"),
+        }
+    });
+}
+
+#[test]
+fn run_meta_instance_and_history_follow_the_events() {
+    for_each_store(|store| {
+        let mut b = start(store, 1, "meta", "checkout");
+        let meta = store.run_meta(b.run).unwrap().unwrap();
+        assert_eq!(meta.status, RunStatus::Running);
+        assert_eq!(meta.next_seq, Seq(2));
+        assert_eq!(meta.instance_id, InstanceId::new("meta"));
+        assert_eq!(meta.workflow_type, "checkout");
+        assert_eq!(meta.started_at, Timestamp(1_000));
+        let ack = b
+            .commit(
+                store,
+                vec![signal("a", b"1"), signal("b", b"2"), signal("c", b"3")],
+            )
+            .unwrap();
+        assert_eq!(
+            ack.appends,
+            vec![AppendAck {
+                run_id: b.run,
+                first: Seq(2),
+                last: Seq(4)
+            }]
+        );
+        let meta = store.run_meta(b.run).unwrap().unwrap();
+        assert_eq!(meta.next_seq, Seq(5));
+        assert_eq!(meta.updated_at, Timestamp(1_030));
+        b.commit(
+            store,
+            vec![EventKind::WorkflowCancelRequested {
+                command_id: None,
+                reason: "stop".into(),
+            }],
+        )
+        .unwrap();
+        assert!(store.run_meta(b.run).unwrap().unwrap().cancel_requested);
+        b.commit(
+            store,
+            vec![EventKind::WorkflowCancelled {
+                reason: "stop".into(),
+            }],
+        )
+        .unwrap();
+        let meta = store.run_meta(b.run).unwrap().unwrap();
+        assert_eq!(meta.status, RunStatus::Cancelled);
+        assert_eq!(meta.closed_at, Some(Timestamp(1_050)));
+        assert_eq!(meta.outcome, Some(Outcome::Cancelled("stop".into())));
+        assert_eq!(
+            store.committed(b.run, &DurableKey::Run).unwrap(),
+            Some(Seq(6))
+        );
+
+        let all = store.history(b.run).unwrap();
+        assert_eq!(
+            all.iter().map(|e| e.seq.0).collect::<Vec<_>>(),
+            (1..=6).collect::<Vec<_>>()
+        );
+        let tail = store.history_from(b.run, Seq(4)).unwrap();
+        assert_eq!(tail, all[3..].to_vec());
+        assert!(store.history_from(b.run, Seq(7)).unwrap().is_empty());
+        assert!(store.history(run_id(42)).unwrap().is_empty());
+        // Streaming stops when asked.
+        let mut seen = Vec::new();
+        store
+            .for_each_event(b.run, Seq(2), &mut |e| {
+                seen.push(e.seq);
+                seen.len() < 2
+            })
+            .unwrap();
+        assert_eq!(seen, vec![Seq(2), Seq(3)]);
+    });
+}
+
+#[test]
+fn tasks_follow_schedule_retry_and_completion() {
+    for_each_store(|store| {
+        let mut b = start(store, 1, "tasks", "wf");
+        b.commit(store, vec![scheduled(b.run, 1), scheduled(b.run, 2)])
+            .unwrap();
+        let t = store.task(b.run, Step(1)).unwrap().unwrap();
+        assert_eq!(t.attempt.0, 1);
+        assert_eq!(t.due, Timestamp(1_010));
+        assert_eq!(t.activity_type, "charge");
+        assert_eq!(store.run_tasks(b.run).unwrap().len(), 2);
+
+        // A retry bumps the attempt and sets the durable backoff.
+        b.commit(store, vec![attempt_failed(b.run, 1, 1, Some(77_000))])
+            .unwrap();
+        let t = store.task(b.run, Step(1)).unwrap().unwrap();
+        assert_eq!((t.attempt.0, t.due), (2, Timestamp(77_000)));
+        // A result for the superseded attempt is refused.
+        let before = dump(store);
+        let err = b.commit(store, vec![completed(b.run, 1, 3)]).unwrap_err();
+        assert!(matches!(err, Error::InvalidCommit { .. }), "{err}");
+        assert_eq!(dump(store), before);
+        // Completion removes the task.
+        b.commit(store, vec![completed(b.run, 1, 2)]).unwrap();
+        assert!(store.task(b.run, Step(1)).unwrap().is_none());
+        // A failure without retry removes it and closes the execution.
+        b.commit(store, vec![attempt_failed(b.run, 2, 1, None)])
+            .unwrap();
+        assert!(store.task(b.run, Step(2)).unwrap().is_none());
+        assert!(store
+            .committed(b.run, &DurableKey::Execution(Step(2)))
+            .unwrap()
+            .is_some());
+        // Completing a step with no pending execution is malformed.
+        let err = b.commit(store, vec![completed(b.run, 9, 1)]).unwrap_err();
+        assert!(matches!(err, Error::InvalidCommit { .. }), "{err}");
+
+        // Cancel request marks it; cancellation removes it.
+        b.commit(store, vec![scheduled(b.run, 3)]).unwrap();
+        let exec = keel_storage::event::execution_of(b.run, Step(3));
+        b.commit(
+            store,
+            vec![EventKind::ActivityCancelRequested {
+                step: Step(3),
+                execution_id: exec,
+            }],
+        )
+        .unwrap();
+        assert!(
+            store
+                .task(b.run, Step(3))
+                .unwrap()
+                .unwrap()
+                .cancel_requested
+        );
+        b.commit(
+            store,
+            vec![EventKind::ActivityCancelled {
+                step: Step(3),
+                execution_id: exec,
+            }],
+        )
+        .unwrap();
+        assert!(store.task(b.run, Step(3)).unwrap().is_none());
+
+        // Closing the run drops its open tasks; other runs keep theirs.
+        let mut other = start(store, 2, "tasks-2", "wf");
+        other.commit(store, vec![scheduled(other.run, 1)]).unwrap();
+        b.commit(store, vec![scheduled(b.run, 4)]).unwrap();
+        assert_eq!(store.tasks(100).unwrap().len(), 2);
+        assert_eq!(store.tasks(1).unwrap().len(), 1);
+        b.commit(store, vec![workflow_completed()]).unwrap();
+        let left = store.tasks(100).unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].execution_id.run_id, other.run);
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+#[test]
+fn timers_come_back_in_due_order() {
+    for_each_store(|store| {
+        let mut a = start(store, 1, "timers-a", "wf");
+        let mut b = start(store, 2, "timers-b", "wf");
+        a.commit(
+            store,
+            vec![timer_started(1, 9_000), timer_started(2, 7_000)],
+        )
+        .unwrap();
+        b.commit(
+            store,
+            vec![timer_started(1, 8_000), timer_started(2, 20_000)],
+        )
+        .unwrap();
+        let due = |now: u64, limit: usize| -> Vec<(u64, u32)> {
+            store
+                .due_timers(Timestamp(now), limit)
+                .unwrap()
+                .iter()
+                .map(|t| (t.fire_at.0, t.step.0))
+                .collect()
+        };
+        assert_eq!(due(6_999, 10), vec![]);
+        assert_eq!(due(8_500, 10), vec![(7_000, 2), (8_000, 1)]);
+        assert_eq!(due(9_000, 10), vec![(7_000, 2), (8_000, 1), (9_000, 1)]);
+        assert_eq!(due(u64::MAX, 2), vec![(7_000, 2), (8_000, 1)]);
+        assert_eq!(store.next_timer().unwrap(), Some(Timestamp(7_000)));
+        let first = store.due_timers(Timestamp(7_000), 1).unwrap();
+        assert_eq!(first[0].run_id, a.run);
+        assert_eq!(store.run_timers(a.run).unwrap().len(), 2);
+
+        a.commit(store, vec![timer_fired(2, 7_000)]).unwrap();
+        assert_eq!(store.next_timer().unwrap(), Some(Timestamp(8_000)));
+        b.commit(
+            store,
+            vec![EventKind::TimerCancelled {
+                step: Step(1),
+                fire_at: Timestamp(8_000),
+            }],
+        )
+        .unwrap();
+        assert_eq!(due(u64::MAX, 10), vec![(9_000, 1), (20_000, 2)]);
+        // Firing a timer that is not open is malformed.
+        let err = a.commit(store, vec![timer_fired(7, 1)]).unwrap_err();
+        assert!(matches!(err, Error::InvalidCommit { .. }), "{err}");
+        // Closing a run drops its timers.
+        a.commit(store, vec![workflow_completed()]).unwrap();
+        assert_eq!(due(u64::MAX, 10), vec![(20_000, 2)]);
+        assert!(store.run_timers(a.run).unwrap().is_empty());
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+#[test]
+fn fired_timer_leaves_no_due_entry_even_if_the_event_misstates_fire_at() {
+    // The due-order entry is keyed by the fire time committed in
+    // TimerStarted; a TimerFired naming another time must still remove it,
+    // or the timer would be handed out again forever.
+    for_each_store(|store| {
+        let mut b = start(store, 1, "misfire", "wf");
+        b.commit(store, vec![timer_started(1, 5_000)]).unwrap();
+        b.commit(store, vec![timer_fired(1, 5_001)]).unwrap();
+        assert!(store
+            .due_timers(Timestamp(u64::MAX), 10)
+            .unwrap()
+            .is_empty());
+        assert_eq!(store.next_timer().unwrap(), None);
+        assert!(store.run_timers(b.run).unwrap().is_empty());
+    });
+}
+
+#[test]
+fn child_start_and_result_flow_through_the_outbox() {
+    for_each_store(|store| {
+        let mut parent = start(store, 1, "parent", "order");
+        let child_run = run_id(2);
+        let child_instance = InstanceId::for_child(parent.run, Step(1));
+        parent
+            .commit(
+                store,
+                vec![EventKind::ChildScheduled {
+                    step: Step(1),
+                    group: Vec::new(),
+                    child_instance_id: child_instance.clone(),
+                    child_run_id: child_run,
+                    workflow_type: "ship".into(),
+                    input: Payload::from_bytes(b"in".to_vec()),
+                    close_policy: ParentClosePolicy::Terminate,
+                }],
+            )
+            .unwrap();
+        let parent_ref = ParentRef {
+            instance_id: InstanceId::new("parent"),
+            run_id: parent.run,
+            step: Step(1),
+            close_policy: ParentClosePolicy::Terminate,
+        };
+        let outbox = store.outbox(10).unwrap();
+        assert_eq!(
+            outbox,
+            vec![OutboxMessage::StartChild {
+                parent: parent_ref.clone(),
+                child_instance_id: child_instance.clone(),
+                child_run_id: child_run,
+                workflow_type: "ship".into(),
+                input: Payload::from_bytes(b"in".to_vec()),
+            }]
+        );
+
+        // The child's start removes the start message.
+        let mut child = RunBuilder::new(child_run, 5_000);
+        child
+            .commit(
+                store,
+                vec![EventKind::WorkflowStarted {
+                    instance_id: child_instance.clone(),
+                    run_id: child_run,
+                    workflow_type: "ship".into(),
+                    input: Payload::from_bytes(b"in".to_vec()),
+                    command_id: None,
+                    parent: Some(parent_ref.clone()),
+                    continued_from: None,
+                    random_seed: 1,
+                }],
+            )
+            .unwrap();
+        assert!(store.outbox(10).unwrap().is_empty());
+        assert_eq!(
+            store.run_meta(child_run).unwrap().unwrap().parent,
+            Some(parent_ref.clone())
+        );
+
+        // The child's close queues its result for the parent.
+        child.commit(store, vec![workflow_completed()]).unwrap();
+        assert_eq!(
+            store.outbox(10).unwrap(),
+            vec![OutboxMessage::ChildResult {
+                parent: parent_ref.clone(),
+                child_run_id: child_run,
+                outcome: Outcome::Completed(Payload::from_bytes(b"done".to_vec())),
+            }]
+        );
+        // The parent's receipt removes it.
+        parent
+            .commit(
+                store,
+                vec![EventKind::ChildCompleted {
+                    step: Step(1),
+                    child_run_id: child_run,
+                    result: Payload::from_bytes(b"done".to_vec()),
+                }],
+            )
+            .unwrap();
+        assert!(store.outbox(10).unwrap().is_empty());
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+#[test]
+fn runs_are_listed_by_status_and_type() {
+    for_each_store(|store| {
+        let a = start(store, 1, "a", "checkout");
+        let mut b = start(store, 2, "b", "checkout");
+        let c = start(store, 3, "c", "ship");
+        let mut d = start(store, 4, "d", "checkout-extra");
+        b.commit(store, vec![workflow_completed()]).unwrap();
+        d.commit(
+            store,
+            vec![EventKind::WorkflowFailed {
+                failure: keel_storage::Failure::new(keel_storage::FailureKind::Panic, "p", false),
+            }],
+        )
+        .unwrap();
+        let ids = |f: RunFilter| -> Vec<_> {
+            let mut v: Vec<_> = store
+                .runs(&f)
+                .unwrap()
+                .into_iter()
+                .map(|m| m.run_id)
+                .collect();
+            v.sort();
+            v
+        };
+        let status = |s| RunFilter {
+            status: Some(s),
+            ..RunFilter::default()
+        };
+        assert_eq!(ids(status(RunStatus::Running)), vec![a.run, c.run]);
+        assert_eq!(ids(status(RunStatus::Completed)), vec![b.run]);
+        assert_eq!(ids(status(RunStatus::Failed)), vec![d.run]);
+        assert!(ids(status(RunStatus::Terminated)).is_empty());
+        // The type is matched whole, not as a prefix ("checkout-extra").
+        assert_eq!(
+            ids(RunFilter {
+                status: Some(RunStatus::Running),
+                workflow_type: Some("checkout".into()),
+                limit: None,
+            }),
+            vec![a.run]
+        );
+        assert!(ids(RunFilter {
+            status: Some(RunStatus::Failed),
+            workflow_type: Some("checkout".into()),
+            limit: None,
+        })
+        .is_empty());
+        assert_eq!(
+            ids(RunFilter {
+                status: None,
+                workflow_type: Some("checkout".into()),
+                limit: None,
+            }),
+            vec![a.run, b.run]
+        );
+        assert_eq!(ids(RunFilter::default()).len(), 4);
+        assert_eq!(
+            ids(RunFilter {
+                limit: Some(1),
+                ..status(RunStatus::Running)
+            })
+            .len(),
+            1
+        );
+        assert_eq!(
+            ids(RunFilter {
+                limit: Some(3),
+                ..RunFilter::default()
+            })
+            .len(),
+            3
+        );
+    });
+}
+
+#[test]
+fn a_batch_with_an_invalid_append_writes_nothing() {
+    for_each_store(|store| {
+        let existing = start(store, 1, "atom", "wf");
+        let before = dump(store);
+        let new_run = run_id(2);
+        let batch = CommitBatch {
+            appends: vec![
+                RunAppend {
+                    run_id: existing.run,
+                    events: vec![ev(2, 9_000, signal("s", b"first"))],
+                },
+                RunAppend {
+                    run_id: new_run,
+                    events: vec![ev(1, 9_000, started(new_run, "atom-2", "wf"))],
+                },
+                RunAppend {
+                    run_id: run_id(3),
+                    events: vec![ev(1, 9_000, signal("s", b"unknown run"))],
+                },
+            ],
+            parked: vec![(
+                existing.run,
+                Some(keel_storage::ParkInfo {
+                    at: Timestamp(9_000),
+                    kind: "panic".into(),
+                    reason: "r".into(),
+                }),
+            )],
+        };
+        let err = store.commit(batch).wait().unwrap_err();
+        assert!(matches!(err, Error::UnknownRun { .. }), "{err}");
+        assert_eq!(dump(store), before, "part of a refused batch was written");
+        assert!(store.run_meta(new_run).unwrap().is_none());
+        assert!(store.parked(existing.run).unwrap().is_none());
+
+        // Two appends to one run in one batch: the second must continue the
+        // first; a conflicting second append refuses the whole batch.
+        let conflicting = CommitBatch {
+            appends: vec![
+                RunAppend {
+                    run_id: existing.run,
+                    events: vec![ev(2, 9_000, signal("s", b"a"))],
+                },
+                RunAppend {
+                    run_id: existing.run,
+                    events: vec![ev(2, 9_000, signal("s", b"b"))],
+                },
+            ],
+            parked: Vec::new(),
+        };
+        let err = store.commit(conflicting).wait().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SeqGap {
+                    expected: Seq(3),
+                    found: Seq(2),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(dump(store), before);
+
+        // The valid version commits every part atomically.
+        let good = CommitBatch {
+            appends: vec![
+                RunAppend {
+                    run_id: existing.run,
+                    events: vec![ev(2, 9_000, signal("s", b"a"))],
+                },
+                RunAppend {
+                    run_id: new_run,
+                    events: vec![ev(1, 9_000, started(new_run, "atom-2", "wf"))],
+                },
+                RunAppend {
+                    run_id: existing.run,
+                    events: vec![ev(3, 9_000, signal("s", b"b"))],
+                },
+            ],
+            parked: vec![(
+                new_run,
+                Some(keel_storage::ParkInfo {
+                    at: Timestamp(9_000),
+                    kind: "crash_loop".into(),
+                    reason: "r".into(),
+                }),
+            )],
+        };
+        let ack = store.commit(good).wait().unwrap();
+        assert_eq!(ack.appends.len(), 3);
+        assert_eq!(ack.appends[2].first, Seq(3));
+        assert_eq!(store.history(existing.run).unwrap().len(), 3);
+        assert_eq!(store.parked(new_run).unwrap().unwrap().kind, "crash_loop");
+        // Clearing a parked marker.
+        store
+            .commit(CommitBatch {
+                appends: Vec::new(),
+                parked: vec![(new_run, None)],
+            })
+            .wait()
+            .unwrap();
+        assert!(store.parked(new_run).unwrap().is_none());
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+fn concurrent_distinct_runs(store: &dyn Store, threads: u64, commits: u64) {
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                let mut b = RunBuilder::new(run_id(1_000 + t), 1);
+                b.commit(store, vec![started(b.run, &format!("inst-{t}"), "wf")])
+                    .unwrap();
+                for i in 0..commits {
+                    b.commit(store, vec![signal("s", &i.to_le_bytes())])
+                        .unwrap();
+                }
+            });
+        }
+    });
+    for t in 0..threads {
+        let history = store.history(run_id(1_000 + t)).unwrap();
+        let seqs: Vec<u64> = history.iter().map(|e| e.seq.0).collect();
+        assert_eq!(seqs, (1..=commits + 1).collect::<Vec<_>>(), "run {t}");
+    }
+    let report = store.verify().unwrap();
+    assert!(report.ok, "{:?}", report.violations);
+    assert_eq!(report.runs, threads);
+    assert_eq!(report.events, threads * (commits + 1));
+}
+
+#[test]
+fn group_commit_many_threads_distinct_runs() {
+    for durability in [Durability::Sync, Durability::Buffered] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RocksStore::open(dir.path(), durability).unwrap();
+        concurrent_distinct_runs(&store, 64, 10);
+    }
+    concurrent_distinct_runs(&MemStore::new(Durability::Buffered), 64, 10);
+}
+
+fn race_same_run(store: &dyn Store) {
+    const RACERS: usize = 16;
+    let b = start(store, 1, "race", "wf");
+    let barrier = Barrier::new(RACERS);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..RACERS)
+            .map(|i| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    let r = commit(store, b.run, vec![ev(2, 5_000, signal("s", &[i as u8]))]);
+                    (i, r)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    check_one_winner(store, b.run, results);
+
+    // Queued without waiting, so they certainly meet in the writer's queue.
+    let handles: Vec<_> = (0..RACERS)
+        .map(|i| {
+            store.commit(CommitBatch::append(
+                b.run,
+                vec![ev(3, 6_000, signal("t", &[i as u8]))],
+            ))
+        })
+        .collect();
+    let results = handles
+        .into_iter()
+        .enumerate()
+        .map(|(i, h)| (i, h.wait()))
+        .collect();
+    check_one_winner(store, b.run, results);
+    assert_eq!(store.history(b.run).unwrap().len(), 3);
+}
+
+fn check_one_winner(
+    store: &dyn Store,
+    run: keel_storage::RunId,
+    results: Vec<(usize, keel_storage::Result<keel_storage::CommitAck>)>,
+) {
+    let winners: Vec<usize> = results
+        .iter()
+        .filter(|(_, r)| r.is_ok())
+        .map(|(i, _)| *i)
+        .collect();
+    assert_eq!(winners.len(), 1, "exactly one commit of a seq wins");
+    let seq = store.run_meta(run).unwrap().unwrap().next_seq.0 - 1;
+    for (_, r) in &results {
+        if let Err(e) = r {
+            assert!(
+                matches!(e, Error::SeqGap { expected, found, .. }
+                    if expected.0 == seq + 1 && found.0 == seq),
+                "{e}"
+            );
+        }
+    }
+    let last: Event = store.history(run).unwrap().pop().unwrap();
+    match last.kind {
+        EventKind::SignalReceived { payload, .. } => assert_eq!(payload.0, vec![winners[0] as u8]),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn racing_commits_to_one_run_have_exactly_one_winner() {
+    for_each_store(race_same_run);
+}

@@ -1,0 +1,384 @@
+// Goal: the persisted bytes of every history event kind never change by
+// accident, and bytes written by a released build keep decoding.
+// Method: one deterministic sample per `EventKind` variant (every optional
+// field filled, so a renamed or reordered field shows), encoded through the
+// record envelope and compared byte for byte with
+// `tests/data/golden/events/<Variant>.bin`; each golden file is also decoded
+// and compared with its sample. `KEEL_BLESS=1` rewrites the files. An
+// exhaustive `match` (no wildcard) makes a new variant a build error here
+// until it has a sample and a golden file.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use keel_storage::codec::{self, RecordKind};
+use keel_storage::event::{attempt_of, execution_of};
+use keel_storage::{
+    ActivityOptions, AttemptNo, CommandId, Event, EventKind, Failure, FailureKind, GroupEntry,
+    InstanceId, OperationKind, ParentClosePolicy, ParentRef, Payload, RetrySettings, RunId,
+    SelectKey, Seq, Step, Timestamp,
+};
+
+/// Number of `EventKind` variants; `ordinal` must map onto `0..VARIANTS`.
+const VARIANTS: usize = 29;
+
+/// A dense number per variant. No wildcard arm: adding a variant to
+/// `EventKind` fails to compile until it is listed here (and then the
+/// coverage test fails until `samples` has one).
+fn ordinal(kind: &EventKind) -> usize {
+    match kind {
+        EventKind::WorkflowStarted { .. } => 0,
+        EventKind::WorkflowCompleted { .. } => 1,
+        EventKind::WorkflowFailed { .. } => 2,
+        EventKind::WorkflowCancelRequested { .. } => 3,
+        EventKind::WorkflowCancelled { .. } => 4,
+        EventKind::WorkflowTerminated { .. } => 5,
+        EventKind::WorkflowContinuedAsNew { .. } => 6,
+        EventKind::ActivityScheduled { .. } => 7,
+        EventKind::ActivityAttemptFailed { .. } => 8,
+        EventKind::ActivityCompleted { .. } => 9,
+        EventKind::ActivityCancelRequested { .. } => 10,
+        EventKind::ActivityCancelled { .. } => 11,
+        EventKind::TimerStarted { .. } => 12,
+        EventKind::TimerFired { .. } => 13,
+        EventKind::TimerCancelled { .. } => 14,
+        EventKind::ChildScheduled { .. } => 15,
+        EventKind::ChildStarted { .. } => 16,
+        EventKind::ChildCompleted { .. } => 17,
+        EventKind::ChildFailed { .. } => 18,
+        EventKind::SignalReceived { .. } => 19,
+        EventKind::UpdateAccepted { .. } => 20,
+        EventKind::UpdateCompleted { .. } => 21,
+        EventKind::SideEffectRecorded { .. } => 22,
+        EventKind::SelectionWinnerRecorded { .. } => 23,
+        EventKind::SelectionOperationCancelled { .. } => 24,
+        EventKind::VersionMarker { .. } => 25,
+        EventKind::MemoUpserted { .. } => 26,
+        EventKind::SearchAttributesUpserted { .. } => 27,
+        EventKind::ScopeCancelled { .. } => 28,
+    }
+}
+
+fn run() -> RunId {
+    RunId::from_u64_pair(0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210)
+}
+
+fn other_run() -> RunId {
+    RunId::from_u64_pair(0x1111_2222_3333_4444, 0x5555_6666_7777_8888)
+}
+
+fn payload(text: &str) -> Payload {
+    Payload::encode(text).expect("encode payload")
+}
+
+fn failure() -> Failure {
+    Failure {
+        kind: FailureKind::Application,
+        message: "card declined".into(),
+        retryable: true,
+        details: Some(payload("details")),
+    }
+}
+
+fn group() -> Vec<GroupEntry> {
+    vec![
+        GroupEntry {
+            step: Step(2),
+            size: 3,
+            index: 1,
+        },
+        GroupEntry {
+            step: Step(4),
+            size: 2,
+            index: 0,
+        },
+    ]
+}
+
+/// One sample per variant, in declaration order, with fixed values.
+fn samples() -> Vec<Event> {
+    let run = run();
+    let kinds = vec![
+        EventKind::WorkflowStarted {
+            instance_id: InstanceId::new("order-42"),
+            run_id: run,
+            workflow_type: "checkout".into(),
+            input: payload("input"),
+            command_id: Some(CommandId::new("start-1")),
+            parent: Some(ParentRef {
+                instance_id: InstanceId::new("parent-7"),
+                run_id: other_run(),
+                step: Step(3),
+                close_policy: ParentClosePolicy::RequestCancel,
+            }),
+            continued_from: Some(other_run()),
+            random_seed: 0xdead_beef_cafe_f00d,
+        },
+        EventKind::WorkflowCompleted {
+            result: payload("result"),
+        },
+        EventKind::WorkflowFailed { failure: failure() },
+        EventKind::WorkflowCancelRequested {
+            command_id: Some(CommandId::new("cancel-1")),
+            reason: "user asked".into(),
+        },
+        EventKind::WorkflowCancelled {
+            reason: "user asked".into(),
+        },
+        EventKind::WorkflowTerminated {
+            reason: "operator".into(),
+        },
+        EventKind::WorkflowContinuedAsNew {
+            new_run_id: other_run(),
+            input: payload("next"),
+        },
+        EventKind::ActivityScheduled {
+            step: Step(5),
+            group: group(),
+            execution_id: execution_of(run, Step(5)),
+            activity_type: "charge_card".into(),
+            input: payload("charge"),
+            options: ActivityOptions {
+                start_to_close_ms: Some(30_000),
+                schedule_to_close_ms: Some(600_000),
+                heartbeat_ms: Some(5_000),
+                retry: Some(RetrySettings {
+                    attempts_max: 5,
+                    initial_delay_ms: 100,
+                    backoff_factor: 2.5,
+                    delay_max_ms: 60_000,
+                    jitter: "full".into(),
+                }),
+                profile: Some("payments".into()),
+            },
+        },
+        EventKind::ActivityAttemptFailed {
+            step: Step(5),
+            attempt_id: attempt_of(run, Step(5), AttemptNo(2)),
+            failure: failure(),
+            retry_at: Some(Timestamp(1_700_000_005_000)),
+        },
+        EventKind::ActivityCompleted {
+            step: Step(5),
+            attempt_id: attempt_of(run, Step(5), AttemptNo(3)),
+            result: payload("charged"),
+        },
+        EventKind::ActivityCancelRequested {
+            step: Step(6),
+            execution_id: execution_of(run, Step(6)),
+        },
+        EventKind::ActivityCancelled {
+            step: Step(6),
+            execution_id: execution_of(run, Step(6)),
+        },
+        EventKind::TimerStarted {
+            step: Step(7),
+            group: group(),
+            fire_at: Timestamp(1_700_000_060_000),
+        },
+        EventKind::TimerFired {
+            step: Step(7),
+            fire_at: Timestamp(1_700_000_060_000),
+        },
+        EventKind::TimerCancelled {
+            step: Step(8),
+            fire_at: Timestamp(1_700_000_090_000),
+        },
+        EventKind::ChildScheduled {
+            step: Step(9),
+            group: group(),
+            child_instance_id: InstanceId::for_child(run, Step(9)),
+            child_run_id: other_run(),
+            workflow_type: "ship".into(),
+            input: payload("ship it"),
+            close_policy: ParentClosePolicy::Abandon,
+        },
+        EventKind::ChildStarted {
+            step: Step(9),
+            child_run_id: other_run(),
+        },
+        EventKind::ChildCompleted {
+            step: Step(9),
+            child_run_id: other_run(),
+            result: payload("shipped"),
+        },
+        EventKind::ChildFailed {
+            step: Step(10),
+            child_run_id: other_run(),
+            failure: Failure {
+                kind: FailureKind::Terminated,
+                message: "terminated".into(),
+                retryable: false,
+                details: None,
+            },
+        },
+        EventKind::SignalReceived {
+            name: "approve".into(),
+            payload: payload("yes"),
+            command_id: Some(CommandId::new("signal-1")),
+        },
+        EventKind::UpdateAccepted {
+            update_id: CommandId::new("update-1"),
+            name: "set_address".into(),
+            payload: payload("street"),
+        },
+        EventKind::UpdateCompleted {
+            update_id: CommandId::new("update-1"),
+            result: payload("updated"),
+        },
+        EventKind::SideEffectRecorded {
+            step: Step(11),
+            value: payload("uuid"),
+        },
+        EventKind::SelectionWinnerRecorded {
+            step: Step(12),
+            member_index: 1,
+            key: SelectKey::Name("timeout".into()),
+            operation: OperationKind::Timer,
+            member_step: Step(14),
+        },
+        EventKind::SelectionOperationCancelled {
+            step: Step(12),
+            member_index: 0,
+            member_step: Step(13),
+        },
+        EventKind::VersionMarker {
+            step: Step(15),
+            change_id: "new-tax-rules".into(),
+            version: 2,
+        },
+        EventKind::MemoUpserted {
+            fields: vec![
+                ("owner".into(), payload("ann")),
+                ("tier".into(), payload("gold")),
+            ],
+        },
+        EventKind::SearchAttributesUpserted {
+            attributes: vec![("region".into(), payload("eu"))],
+        },
+        EventKind::ScopeCancelled {
+            step: Step(16),
+            reason: "select lost".into(),
+        },
+    ];
+    kinds
+        .into_iter()
+        .enumerate()
+        .map(|(i, kind)| Event {
+            seq: Seq(i as u64 + 1),
+            at: Timestamp(1_700_000_000_000 + i as u64 * 1_000),
+            kind,
+        })
+        .collect()
+}
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden/events")
+}
+
+fn blessing() -> bool {
+    std::env::var("KEEL_BLESS").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn samples_cover_every_variant_once() {
+    let samples = samples();
+    let ordinals: Vec<usize> = samples.iter().map(|e| ordinal(&e.kind)).collect();
+    assert_eq!(
+        ordinals,
+        (0..VARIANTS).collect::<Vec<_>>(),
+        "samples must list every EventKind variant exactly once, in order"
+    );
+    let names: BTreeSet<&str> = samples.iter().map(|e| e.kind.name()).collect();
+    assert_eq!(names.len(), VARIANTS, "EventKind::name() must be distinct");
+}
+
+#[test]
+fn encoding_matches_golden_bytes_and_golden_bytes_decode() {
+    // One test does both the blessing and the checks, so a parallel test
+    // never reads a half-written directory.
+    if blessing() {
+        write_golden();
+    }
+    let expected: BTreeSet<String> = samples()
+        .iter()
+        .map(|e| format!("{}.bin", e.kind.name()))
+        .collect();
+    let found: BTreeSet<String> = std::fs::read_dir(golden_dir())
+        .expect("golden directory exists (run with KEEL_BLESS=1 to create it)")
+        .map(|e| {
+            e.expect("dir entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    let missing: Vec<_> = expected.difference(&found).collect();
+    let stale: Vec<_> = found.difference(&expected).collect();
+    assert!(missing.is_empty(), "golden files missing: {missing:?}");
+    assert!(stale.is_empty(), "golden files for no variant: {stale:?}");
+
+    let mut failures = Vec::new();
+    for sample in samples() {
+        let name = sample.kind.name();
+        let path = golden_dir().join(format!("{name}.bin"));
+        let bytes = codec::encode(RecordKind::Event, &sample).expect("encode sample");
+        let golden = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) => {
+                failures.push(format!("{name}: cannot read {}: {e}", path.display()));
+                continue;
+            }
+        };
+        if bytes != golden {
+            failures.push(format!(
+                "{name}: encoding changed ({} bytes now, {} golden); if intended, bump the \
+                 schema version and re-bless with KEEL_BLESS=1",
+                bytes.len(),
+                golden.len()
+            ));
+        }
+        match codec::decode::<Event>(RecordKind::Event, &golden) {
+            Ok(decoded) if decoded == sample => {}
+            Ok(decoded) => failures.push(format!("{name}: golden decodes to {decoded:?}")),
+            Err(e) => failures.push(format!("{name}: golden does not decode: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn golden_bytes_use_named_fields_and_binary_payloads() {
+    // The schema rules (msgpack maps with field names, payloads as `bin`)
+    // are what make additive evolution possible; check them on the bytes.
+    let sample = &samples()[0];
+    let bytes = codec::encode(RecordKind::Event, sample).expect("encode");
+    let contains = |needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+    for field in [
+        "seq",
+        "at",
+        "kind",
+        "WorkflowStarted",
+        "instance_id",
+        "random_seed",
+    ] {
+        assert!(
+            contains(field.as_bytes()),
+            "field name {field} not in the bytes"
+        );
+    }
+    let input = payload("input").0;
+    let mut bin = vec![0xc4, input.len() as u8];
+    bin.extend_from_slice(&input);
+    assert!(contains(&bin), "payload is not stored as a msgpack bin");
+}
+
+fn write_golden() {
+    let dir = golden_dir();
+    std::fs::create_dir_all(&dir).expect("create golden dir");
+    for sample in samples() {
+        let bytes = codec::encode(RecordKind::Event, &sample).expect("encode sample");
+        std::fs::write(dir.join(format!("{}.bin", sample.kind.name())), bytes)
+            .expect("write golden");
+    }
+}

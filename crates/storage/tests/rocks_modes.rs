@@ -1,0 +1,406 @@
+// Goal: every way of opening a RocksDB data directory behaves as documented:
+// one exclusive writer (a second gets `Error::Locked`, even in the same
+// process), read-only beside a live writer (a snapshot as of its open),
+// secondary (follows the writer after `catch_up`), checkpoints, reopen after
+// close, and typed refusals for a missing directory, a foreign directory and
+// another schema version.
+// Method: real stores in tempdirs; the schema-version case writes the store
+// metadata record directly through the `rocksdb` crate after closing.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use keel_storage::codec::{self, RecordKind};
+use keel_storage::keys::{Cf, STORE_META_KEY};
+use keel_storage::{
+    CommitBatch, Durability, Error, OpenMode, RocksStore, Store, StoreMeta, SCHEMA_VERSION,
+};
+
+/// A writer holding two runs: one closed, one open.
+fn populated(path: &Path) -> (RocksStore, RunBuilder, RunBuilder) {
+    let store = RocksStore::open(path, Durability::Sync).unwrap();
+    let mut a = RunBuilder::new(run_id(1), 100);
+    a.commit(&store, vec![started(a.run, "a", "wf"), scheduled(a.run, 1)])
+        .unwrap();
+    a.commit(&store, vec![completed(a.run, 1, 1), workflow_completed()])
+        .unwrap();
+    let mut b = RunBuilder::new(run_id(2), 200);
+    b.commit(
+        &store,
+        vec![started(b.run, "b", "wf"), timer_started(1, 9_000)],
+    )
+    .unwrap();
+    (store, a, b)
+}
+
+#[test]
+fn second_writer_is_locked_out_even_in_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _, _) = populated(dir.path());
+    let err = RocksStore::open(dir.path(), Durability::Sync).unwrap_err();
+    assert!(
+        matches!(&err, Error::Locked { path } if path == dir.path()),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("read-only"),
+        "the message says what to do: {err}"
+    );
+    // Read-only and secondary opens are still allowed beside it.
+    RocksStore::open_read_only(dir.path()).unwrap();
+    RocksStore::open_secondary(dir.path()).unwrap();
+    // Once the writer closes, a new writer may open.
+    store.close().unwrap();
+    let again = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    assert_eq!(again.mode(), OpenMode::ReadWrite);
+}
+
+#[test]
+fn read_only_sees_what_was_committed_before_it_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let (writer, a, mut b) = populated(dir.path());
+    let reader = RocksStore::open_read_only(dir.path()).unwrap();
+    assert_eq!(reader.mode(), OpenMode::ReadOnly);
+    assert_eq!(
+        reader.history(a.run).unwrap(),
+        writer.history(a.run).unwrap()
+    );
+    assert_eq!(reader.history(b.run).unwrap().len(), 2);
+    assert_eq!(
+        reader
+            .due_timers(keel_storage::Timestamp(u64::MAX), 10)
+            .unwrap()
+            .len(),
+        1
+    );
+    // Later commits are not in its snapshot.
+    b.commit(&writer, vec![signal("later", b"x")]).unwrap();
+    assert_eq!(reader.history(b.run).unwrap().len(), 2);
+    // It refuses writes with a typed error.
+    let err = reader
+        .commit(CommitBatch::append(
+            b.run,
+            vec![ev(4, 1, signal("s", b"x"))],
+        ))
+        .wait()
+        .unwrap_err();
+    assert!(matches!(err, Error::ReadOnly), "{err}");
+    reader.sync().unwrap();
+    let report = reader.verify().unwrap();
+    assert!(report.ok, "{:?}", report.violations);
+    assert_eq!((report.runs, report.events), (2, 6));
+}
+
+#[test]
+fn secondary_follows_the_writer_after_catch_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let (writer, _, mut b) = populated(dir.path());
+    let secondary = RocksStore::open_secondary(dir.path()).unwrap();
+    assert_eq!(secondary.mode(), OpenMode::Secondary);
+    assert_eq!(secondary.history(b.run).unwrap().len(), 2);
+    b.commit(&writer, vec![signal("one", b"1"), signal("two", b"2")])
+        .unwrap();
+    let c = run_id(3);
+    commit(&writer, c, vec![ev(1, 300, started(c, "c", "wf"))]).unwrap();
+    secondary.catch_up().unwrap();
+    assert_eq!(
+        secondary.history(b.run).unwrap(),
+        writer.history(b.run).unwrap()
+    );
+    assert_eq!(secondary.run_meta(c).unwrap(), writer.run_meta(c).unwrap());
+    // Also across a flush (new SST files rather than WAL records).
+    b.commit(&writer, vec![signal("three", b"3")]).unwrap();
+    writer.flush().unwrap();
+    secondary.catch_up().unwrap();
+    assert_eq!(secondary.history(b.run).unwrap().len(), 5);
+    let err = secondary
+        .commit(CommitBatch::append(c, vec![ev(2, 1, signal("s", b"x"))]))
+        .wait()
+        .unwrap_err();
+    assert!(matches!(err, Error::ReadOnly), "{err}");
+    assert!(secondary.verify().unwrap().ok);
+}
+
+#[test]
+fn checkpoint_opens_and_holds_the_same_histories() {
+    let dir = tempfile::tempdir().unwrap();
+    let (writer, a, mut b) = populated(dir.path());
+    let cp_dir = tempfile::tempdir().unwrap();
+    let cp = cp_dir.path().join("checkpoint");
+    writer.checkpoint(&cp).unwrap();
+    // Commits after the checkpoint are not in it.
+    b.commit(&writer, vec![signal("after", b"x")]).unwrap();
+    let copy = RocksStore::open_read_only(&cp).unwrap();
+    assert_eq!(copy.history(a.run).unwrap(), writer.history(a.run).unwrap());
+    assert_eq!(copy.history(b.run).unwrap().len(), 2);
+    assert!(copy.verify().unwrap().ok);
+    drop(copy);
+    // A checkpoint is a full store: it opens read-write and takes commits.
+    let rw = RocksStore::open(&cp, Durability::Sync).unwrap();
+    let mut b2 = b.clone();
+    b2.next = 3;
+    b2.commit(&rw, vec![signal("fork", b"y")]).unwrap();
+    assert_eq!(rw.history(b.run).unwrap().len(), 3);
+    // An existing target directory is refused.
+    assert!(writer.checkpoint(&cp).is_err());
+}
+
+#[test]
+fn reopen_after_close_keeps_everything() {
+    for durability in [Durability::Sync, Durability::Buffered] {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, a, b) = populated(dir.path());
+        let before = dump(&store);
+        let histories = (store.history(a.run).unwrap(), store.history(b.run).unwrap());
+        store.close().unwrap();
+        let store = RocksStore::open(dir.path(), durability).unwrap();
+        assert_eq!(store.durability(), durability);
+        assert_eq!(dump(&store), before);
+        assert_eq!(
+            (store.history(a.run).unwrap(), store.history(b.run).unwrap()),
+            histories
+        );
+        // The reopened store continues the open run's seqs.
+        let mut b = b.clone();
+        b.commit(&store, vec![signal("after-reopen", b"x")])
+            .unwrap();
+        store.sync().unwrap();
+        drop(store);
+        let store = RocksStore::open_read_only(dir.path()).unwrap();
+        assert_eq!(store.history(b.run).unwrap().len(), 3);
+        assert!(store.verify().unwrap().ok);
+    }
+}
+
+#[test]
+fn missing_and_foreign_directories_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope");
+    let err = RocksStore::open_read_only(&missing).unwrap_err();
+    assert!(
+        matches!(&err, Error::NotFound { path } if path == &missing),
+        "{err}"
+    );
+    let err = RocksStore::open_secondary(&missing).unwrap_err();
+    assert!(matches!(err, Error::NotFound { .. }), "{err}");
+    assert!(
+        !missing.exists(),
+        "a read-only open must not create the directory"
+    );
+
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::write(foreign.join("notes.txt"), b"hello").unwrap();
+    let err = RocksStore::open_read_only(&foreign).unwrap_err();
+    assert!(
+        matches!(&err, Error::NotKeel { path, .. } if path == &foreign),
+        "{err}"
+    );
+    let err = RocksStore::open(&foreign, Durability::Sync).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+    assert_eq!(
+        std::fs::read_dir(&foreign).unwrap().count(),
+        1,
+        "nothing created"
+    );
+
+    // A file where a directory should be.
+    let err = RocksStore::open_read_only(foreign.join("notes.txt")).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+
+    // A RocksDB directory that is not keel's.
+    let other = dir.path().join("other-rocks");
+    {
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        let db = rocksdb::DB::open(&opts, &other).unwrap();
+        db.put(b"k", b"v").unwrap();
+    }
+    let err = RocksStore::open_read_only(&other).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+    let err = RocksStore::open(&other, Durability::Sync).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+
+    // An empty directory opens read-write as a new store.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    RocksStore::open(&empty, Durability::Sync).unwrap();
+}
+
+/// Overwrites the store metadata record of a closed store.
+fn write_store_meta(path: &Path, bytes: Vec<u8>) {
+    let opts = rocksdb::Options::default();
+    let names = rocksdb::DB::list_cf(&opts, path).unwrap();
+    let db = rocksdb::DB::open_cf(&opts, path, &names).unwrap();
+    let cf = db.cf_handle(Cf::Meta.name()).unwrap();
+    db.put_cf(&cf, STORE_META_KEY, bytes).unwrap();
+}
+
+#[test]
+fn another_schema_version_is_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _, _) = populated(dir.path());
+    store.close().unwrap();
+    let meta = StoreMeta {
+        format: "keel".into(),
+        schema_version: 99,
+        created_by: "keel from the future".into(),
+    };
+    write_store_meta(
+        dir.path(),
+        codec::encode(RecordKind::StoreMeta, &meta).unwrap(),
+    );
+    let opens: [fn(&Path) -> keel_storage::Result<RocksStore>; 3] = [
+        |p| RocksStore::open(p, Durability::Sync),
+        |p| RocksStore::open_read_only(p),
+        |p| RocksStore::open_secondary(p),
+    ];
+    for open in opens {
+        let err = open(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, Error::SchemaVersion { found: 99, expected } if expected == SCHEMA_VERSION),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("99") && text.contains(&SCHEMA_VERSION.to_string()),
+            "{text}"
+        );
+    }
+
+    // Another format name, and undecodable metadata: not keel.
+    let foreign = StoreMeta {
+        format: "other".into(),
+        schema_version: SCHEMA_VERSION,
+        created_by: "x".into(),
+    };
+    write_store_meta(
+        dir.path(),
+        codec::encode(RecordKind::StoreMeta, &foreign).unwrap(),
+    );
+    let err = RocksStore::open_read_only(dir.path()).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+    write_store_meta(dir.path(), b"garbage".to_vec());
+    let err = RocksStore::open(dir.path(), Durability::Sync).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+}
+
+#[test]
+fn commits_queued_before_close_are_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RocksStore::open(dir.path(), Durability::Buffered).unwrap();
+    let run = run_id(1);
+    commit(&store, run, vec![ev(1, 1, started(run, "q", "wf"))]).unwrap();
+    let handles: Vec<_> = (2..50u64)
+        .map(|seq| {
+            store.commit(CommitBatch::append(
+                run,
+                vec![ev(seq, seq, signal("s", b"x"))],
+            ))
+        })
+        .collect();
+    store.close().unwrap();
+    for h in handles {
+        h.wait().unwrap();
+    }
+    let store = RocksStore::open_read_only(dir.path()).unwrap();
+    assert_eq!(store.history(run).unwrap().len(), 49);
+}
+
+/// Finds `needle` in the `.sst` files of `dir`: (file, offset) of each hit.
+pub fn find_in_ssts(dir: &Path, needle: &[u8]) -> Vec<(std::path::PathBuf, usize)> {
+    let mut hits = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "sst") {
+            let bytes = std::fs::read(&path).unwrap();
+            for (i, w) in bytes.windows(needle.len()).enumerate() {
+                if w == needle {
+                    hits.push((path.clone(), i));
+                }
+            }
+        }
+    }
+    hits
+}
+
+#[test]
+fn damaged_table_at_open_is_not_reported_as_locked() {
+    // RocksDB reads each table's properties block when it opens; a damaged
+    // one fails the open with "block checksum mismatch". That is corruption,
+    // not another writer holding the lock.
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _, _) = populated(dir.path());
+    store.flush().unwrap();
+    store.close().unwrap();
+    let hits = find_in_ssts(dir.path(), b"leveldb.BytewiseComparator");
+    assert!(!hits.is_empty(), "no table properties found");
+    let (file, at) = &hits[0];
+    let mut bytes = std::fs::read(file).unwrap();
+    bytes[at + 10] ^= 0x20;
+    std::fs::write(file, bytes).unwrap();
+    for err in [
+        RocksStore::open(dir.path(), Durability::Sync).unwrap_err(),
+        RocksStore::open_read_only(dir.path()).unwrap_err(),
+    ] {
+        assert!(
+            !matches!(err, Error::Locked { .. }),
+            "damage reported as a lock: {err}"
+        );
+        assert!(err.to_string().contains("checksum"), "{err}");
+    }
+}
+
+const HOLD_DIR_VAR: &str = "KEEL_TEST_HOLD_DIR";
+const READY_LINE: &str = "keel-test-writer-ready";
+
+/// Not a test on its own: the child process of
+/// `second_writer_in_another_process_is_locked_out`. It opens the store
+/// named by `KEEL_TEST_HOLD_DIR`, says so on stdout and holds it until its
+/// stdin closes.
+#[test]
+#[ignore = "helper process for second_writer_in_another_process_is_locked_out"]
+fn helper_hold_writer_open() {
+    let dir = std::env::var(HOLD_DIR_VAR).expect("run by the parent test only");
+    let store = RocksStore::open(dir, Durability::Sync).unwrap();
+    println!("{READY_LINE}");
+    std::io::Write::flush(&mut std::io::stdout()).unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest).unwrap();
+    store.close().unwrap();
+}
+
+#[test]
+fn second_writer_in_another_process_is_locked_out() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().unwrap();
+    populated(dir.path()).0.close().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "helper_hold_writer_open",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(HOLD_DIR_VAR, dir.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = lines.by_ref().any(|l| l.unwrap().trim() == READY_LINE);
+    assert!(ready, "helper process did not open the store");
+    let err = RocksStore::open(dir.path(), Durability::Sync).unwrap_err();
+    let read_only = RocksStore::open_read_only(dir.path()).map(|s| s.history(run_id(1)));
+    drop(child.stdin.take());
+    // Keep reading so the helper can print its own test summary.
+    lines.for_each(drop);
+    assert!(child.wait().unwrap().success());
+    assert!(matches!(err, Error::Locked { .. }), "{err}");
+    assert_eq!(read_only.unwrap().unwrap().len(), 4);
+    // After the other process exits, the lock is free.
+    RocksStore::open(dir.path(), Durability::Sync).unwrap();
+}
