@@ -12,16 +12,26 @@ use serde::Serialize;
 
 use crate::output::{max_rss_mb, percentile, progress};
 
+#[path = "bench_store.rs"]
+mod bench_store;
+
 /// Benchmarks.
 #[derive(Subcommand, Debug)]
 pub(crate) enum BenchCommand {
     /// W1: N workflows of 3 sequential no-op activities, Sync durability.
     W1(W1Args),
+    /// Storage only: commits/s and latency of concurrent committers, Sync
+    /// and Buffered, beside the disk's own fsync rate.
+    Append(bench_store::AppendArgs),
+    /// Storage only: events/s decoded offline from a 1M-event log.
+    Read(bench_store::ReadArgs),
 }
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::W1(args) => w1(args),
+        BenchCommand::Append(args) => bench_store::append(args),
+        BenchCommand::Read(args) => bench_store::read(args),
     }
 }
 
