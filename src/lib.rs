@@ -1,1 +1,5 @@
-//! keel end-to-end tests and examples live in `tests/` and `examples/`.
+//! keel's end-to-end tests and examples. [`seeds`] holds the seed
+//! documents' examples as keel workflows, shared by `examples/` and
+//! `tests/`.
+
+pub mod seeds;

@@ -241,6 +241,11 @@ impl<A: Activity> std::fmt::Debug for ActivityCall<A> {
 }
 
 impl<A: Activity> ActivityCall<A> {
+    /// The durable step, once the call has been issued.
+    pub fn step(&self) -> Option<Step> {
+        self.step
+    }
+
     /// Limit on one attempt, from dispatch to result.
     pub fn start_to_close(mut self, d: Duration) -> Self {
         self.options.start_to_close_ms = Some(d.as_millis() as u64);
@@ -353,6 +358,21 @@ pub struct Timer {
     core: Rc<RefCell<Core>>,
     duration: Duration,
     step: Option<Step>,
+}
+
+impl Timer {
+    pub(crate) fn new(core: Rc<RefCell<Core>>, duration: Duration) -> Self {
+        Timer {
+            core,
+            duration,
+            step: None,
+        }
+    }
+
+    /// The durable step, once the timer has been started.
+    pub fn step(&self) -> Option<Step> {
+        self.step
+    }
 }
 
 impl Future for Timer {

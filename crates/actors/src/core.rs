@@ -16,6 +16,20 @@ use keel_storage::{
 
 use crate::machine::MachineError;
 
+/// An `all` barrier whose leaves are being issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ActiveGroup {
+    /// The barrier's durable step.
+    pub step: Step,
+    /// Its size (leaves, or members for a limited barrier).
+    pub size: u32,
+    /// The index the next leaf gets.
+    pub next: u32,
+    /// Whether each leaf advances the index (plain `all`) or the barrier
+    /// sets it per member (limited fan-out).
+    pub per_leaf: bool,
+}
+
 /// How a command's wait ended.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Resolution {
@@ -96,7 +110,7 @@ pub(crate) struct Core {
     pub signal_waits: BTreeMap<String, usize>,
     general_waiters: Vec<Waker>,
     pub cancel_requested: Option<String>,
-    pub group_stack: Vec<GroupEntry>,
+    pub group_stack: Vec<ActiveGroup>,
     pub error: Option<MachineError>,
     pub open: BTreeMap<Step, OpenWait>,
     pub seen_commands: HashSet<CommandId>,
@@ -156,9 +170,24 @@ impl Core {
         s
     }
 
-    /// The group path of a command issued now.
-    pub(crate) fn group(&self) -> GroupPath {
-        self.group_stack.clone()
+    /// The group path of a leaf issued now. Barriers that count leaves
+    /// advance their index for the next leaf.
+    pub(crate) fn group(&mut self) -> GroupPath {
+        let path = self
+            .group_stack
+            .iter()
+            .map(|g| GroupEntry {
+                step: g.step,
+                size: g.size,
+                index: g.next,
+            })
+            .collect();
+        for g in &mut self.group_stack {
+            if g.per_leaf {
+                g.next += 1;
+            }
+        }
+        path
     }
 
     /// Appends a new event to the pending batch.

@@ -7,6 +7,7 @@
 //! only then runs effects. The simulator drives the same pure part.
 
 pub mod activity;
+pub mod concurrency;
 pub mod context;
 mod core;
 pub mod executor;
@@ -16,6 +17,7 @@ pub mod workflow;
 
 pub use crate::core::{format_group, OpenWait, WaitKind};
 pub use activity::{Activity, ActivityContext, ActivityError, ActivityRegistry};
+pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
 pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
 pub use machine::{Input, MachineError, RunMachine, StartSpec, Verdict};
 pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};

@@ -132,9 +132,15 @@ impl<W: Workflow> ErasedWorkflow for Typed<W> {
 }
 
 /// Workflows known to an engine, a simulation or a replayer, by name.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct WorkflowRegistry {
     map: BTreeMap<&'static str, Arc<dyn ErasedWorkflow>>,
+}
+
+impl Default for WorkflowRegistry {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl fmt::Debug for WorkflowRegistry {
@@ -144,9 +150,13 @@ impl fmt::Debug for WorkflowRegistry {
 }
 
 impl WorkflowRegistry {
-    /// An empty registry.
+    /// A registry holding only the system workflows (`keel.async`).
     pub fn new() -> Self {
-        Self::default()
+        let mut r = WorkflowRegistry {
+            map: BTreeMap::new(),
+        };
+        r.register_erased(Arc::new(crate::concurrency::AsyncSystem));
+        r
     }
 
     /// Registers `W` under its name. A second registration of the same name

@@ -44,6 +44,13 @@
 //! # Ok(()) }
 //! ```
 
+pub mod replay;
+
+pub use replay::{Bundle, ReplayOutcome, Replayer};
+
+pub use keel_actors::concurrency::{
+    All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,
+};
 pub use keel_actors::shell::{
     AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, ReusePolicy,
     RunDescription, StartOutcome,
@@ -53,8 +60,9 @@ pub use keel_actors::{
     RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
 };
 pub use keel_storage::{
-    AttemptId, AttemptNo, CommandId, Durability, ExecutionId, Failure, FailureKind, InstanceId,
-    Outcome, Payload, RunId, RunStatus, Seq, Step, Timestamp,
+    AttemptId, AttemptNo, CommandId, Durability, ExecutionId, Failure, FailureKind, GroupEntry,
+    InstanceId, OperationKind, Outcome, ParentClosePolicy, Payload, RunId, RunStatus, SelectKey,
+    Seq, Step, Timestamp,
 };
 
 /// The storage layer, for inspection tools (`keel` CLI) and custom stores.

@@ -25,6 +25,10 @@ pub(crate) enum BenchCommand {
     Append(bench_store::AppendArgs),
     /// Storage only: events/s decoded offline from a 1M-event log.
     Read(bench_store::ReadArgs),
+    /// Offline replay: events/s replaying a ~1M-event log with the Replayer.
+    Replay(keel_cli::replay_bench::ReplayBenchArgs),
+    /// Time to the first event line of `keel show` on a 100,000-event history.
+    Show(keel_cli::replay_bench::ShowBenchArgs),
 }
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -32,6 +36,8 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::W1(args) => w1(args),
         BenchCommand::Append(args) => bench_store::append(args),
         BenchCommand::Read(args) => bench_store::read(args),
+        BenchCommand::Replay(args) => keel_cli::replay_bench::replay(args),
+        BenchCommand::Show(args) => keel_cli::replay_bench::show(args),
     }
 }
 

@@ -364,7 +364,9 @@ fn read_log_event(run: RunId, i: u64, len: u64, at: u64) -> Event {
 pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
     let per_run = args.events_per_run.max(2);
     let runs = args.events.div_ceil(per_run).max(1);
-    let dir = tempfile::Builder::new().prefix("keel-bench-read").tempdir()?;
+    let dir = tempfile::Builder::new()
+        .prefix("keel-bench-read")
+        .tempdir()?;
     let path = dir.path().join("data");
 
     // Build: Buffered, commits pipelined (256 in flight), one run per commit.
@@ -402,8 +404,11 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
     let (mut events, mut bytes) = (0u64, 0u64);
     let mut failure = None;
-    store.view().scan(Cf::Events, &[], &[], &mut |_, v| {
-        match codec::decode::<Event>(RecordKind::Event, v) {
+    store.view().scan(
+        Cf::Events,
+        &[],
+        &[],
+        &mut |_, v| match codec::decode::<Event>(RecordKind::Event, v) {
             Ok(e) => {
                 std::hint::black_box(&e);
                 events += 1;
@@ -414,8 +419,8 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
                 failure = Some(e);
                 false
             }
-        }
-    })?;
+        },
+    )?;
     if let Some(e) = failure {
         anyhow::bail!("event record does not decode: {e}");
     }

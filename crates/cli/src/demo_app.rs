@@ -12,23 +12,23 @@ use keel::{
 use serde::{Deserialize, Serialize};
 
 /// Orders above this many cents wait for a manual approval signal.
-pub(crate) const APPROVAL_CENTS_MIN: u64 = 50_000;
+pub const APPROVAL_CENTS_MIN: u64 = 50_000;
 
 /// One order.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub(crate) struct Order {
-    pub(crate) id: u64,
-    pub(crate) cents: u64,
-    pub(crate) sku: String,
+pub struct Order {
+    pub id: u64,
+    pub cents: u64,
+    pub sku: String,
 }
 
 /// What a processed order returns.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub(crate) struct Receipt {
-    pub(crate) charge: String,
-    pub(crate) reservation: String,
-    pub(crate) approved_by: Option<String>,
-    pub(crate) tracking: String,
+pub struct Receipt {
+    pub charge: String,
+    pub reservation: String,
+    pub approved_by: Option<String>,
+    pub tracking: String,
 }
 
 fn deterministic_fail(id: u64, attempt: u32) -> bool {
@@ -37,8 +37,8 @@ fn deterministic_fail(id: u64, attempt: u32) -> bool {
     id % 20 == 3 && attempt == 1
 }
 
-#[derive(Default)]
-pub(crate) struct ChargeCard;
+#[derive(Default, Debug)]
+pub struct ChargeCard;
 impl Activity for ChargeCard {
     const NAME: &'static str = "demo.charge";
     type Input = Order;
@@ -51,8 +51,8 @@ impl Activity for ChargeCard {
     }
 }
 
-#[derive(Default)]
-pub(crate) struct ReserveInventory;
+#[derive(Default, Debug)]
+pub struct ReserveInventory;
 impl Activity for ReserveInventory {
     const NAME: &'static str = "demo.reserve";
     type Input = Order;
@@ -62,8 +62,8 @@ impl Activity for ReserveInventory {
     }
 }
 
-#[derive(Default)]
-pub(crate) struct Ship;
+#[derive(Default, Debug)]
+pub struct Ship;
 impl Activity for Ship {
     const NAME: &'static str = "demo.ship";
     type Input = Order;
@@ -73,8 +73,8 @@ impl Activity for Ship {
     }
 }
 
-#[derive(Default)]
-pub(crate) struct Notify;
+#[derive(Default, Debug)]
+pub struct Notify;
 impl Activity for Notify {
     const NAME: &'static str = "demo.notify";
     type Input = String;
@@ -85,7 +85,8 @@ impl Activity for Notify {
 }
 
 /// The order workflow.
-pub(crate) struct ProcessOrder;
+#[derive(Debug)]
+pub struct ProcessOrder;
 impl Workflow for ProcessOrder {
     const NAME: &'static str = "demo.order";
     type Input = Order;
@@ -126,14 +127,14 @@ impl Workflow for ProcessOrder {
 }
 
 /// Registers the demo's workflows.
-pub(crate) fn workflows() -> WorkflowRegistry {
+pub fn workflows() -> WorkflowRegistry {
     let mut r = WorkflowRegistry::new();
     r.register::<ProcessOrder>();
     r
 }
 
 /// The n-th demo order (every tenth is large and needs approval).
-pub(crate) fn order(id: u64) -> Order {
+pub fn order(id: u64) -> Order {
     let cents = if id % 10 == 9 {
         75_000
     } else {

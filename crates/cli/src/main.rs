@@ -7,18 +7,18 @@
 
 mod bench;
 mod demo;
-mod demo_app;
-mod output;
-mod verify;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+// The shared commands, helpers and the demo's workflows live in the library
+// (`keel_cli`), so that `crate::output`, `crate::demo_app` and
+// `crate::registry()` keep working for the binary's own modules.
+use keel_cli::{demo_app, output, registry};
 
 /// Durable workflows for Rust: demo, inspection, replay, simulation, benchmarks.
 #[derive(Parser, Debug)]
-#[command(name = "keel", version, about)]
+#[command(name = "keel", version, about, long_about = keel_cli::LONG_ABOUT)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -31,16 +31,8 @@ enum Command {
     /// (internal) The engine process the demo starts and kills.
     #[command(hide = true)]
     DemoWorker(demo::WorkerArgs),
-    /// Check a data directory: gaps, checksums, duplicate terminal events,
-    /// derived state. Exit 0 clean, 1 violations, 2 cannot open.
-    Verify {
-        /// The data directory.
-        #[arg(long, default_value = "keel-data")]
-        data: PathBuf,
-        /// Print one JSON object.
-        #[arg(long)]
-        json: bool,
-    },
+    #[command(flatten)]
+    Tool(keel_cli::Command),
     /// Measure keel on this machine.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -58,7 +50,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::DemoWorker(args) => demo::worker(args),
-        Command::Verify { data, json } => verify::run(&data, json),
+        Command::Tool(cmd) => Ok(keel_cli::run(cmd, &registry())),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -8,7 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use keel_storage::RocksStore;
 
 /// A progress bar on stderr, hidden when stderr is not a terminal.
-pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
+pub fn progress(len: u64, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -26,7 +26,7 @@ pub(crate) fn progress(len: u64, what: &str) -> ProgressBar {
 
 /// Opens a data directory for inspection beside a possibly running engine:
 /// as a secondary (follows the writer), falling back to read-only.
-pub(crate) fn open_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
+pub fn open_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
     match RocksStore::open_secondary(data) {
         Ok(s) => {
             s.catch_up()?;
@@ -42,7 +42,7 @@ pub(crate) fn open_for_reading(data: &Path) -> Result<RocksStore, keel_storage::
 }
 
 /// Peak resident memory of this process in MiB (Linux), 0 where unknown.
-pub(crate) fn max_rss_mb() -> f64 {
+pub fn max_rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -55,7 +55,7 @@ pub(crate) fn max_rss_mb() -> f64 {
 }
 
 /// Percentile of sorted samples.
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

@@ -52,7 +52,10 @@ fn killed_twenty_times_then_everything_completes_once() {
     assert!(report.ok, "verify: {:?}", report.violations);
     let mut completed = 0;
     for i in 0..WORKFLOWS {
-        let run = store.resolve(&format!("crash-{i}")).unwrap().expect("started");
+        let run = store
+            .resolve(&format!("crash-{i}"))
+            .unwrap()
+            .expect("started");
         let meta = store.run_meta(run).unwrap().unwrap();
         assert_eq!(meta.status, RunStatus::Completed, "crash-{i}");
         completed += 1;

@@ -188,8 +188,39 @@ pub fn decode<T: DeserializeOwned>(expected: RecordKind, bytes: &[u8]) -> Result
     decode_body(body)
 }
 
+/// A visitor that accepts no value, so probing with it reads one marker and
+/// stops (the end-of-body check of [`decode_body`]'s fast path).
+struct NothingMore;
+
+impl serde::de::Visitor<'_> for NothingMore {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the end of the record")
+    }
+}
+
 /// Decodes a msgpack body, refusing trailing bytes (rmp-serde ignores them).
 pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, Error> {
+    // Fast path: decode straight from the slice (no copy of every string
+    // and byte field through an intermediate buffer, which is most of the
+    // cost of a scan). That reader cannot say how many bytes are left, so
+    // the end is probed with a visitor that accepts nothing and consumes
+    // nothing beyond one marker: only an empty rest fails on reading the
+    // marker itself. Every other outcome (a decode error, trailing bytes)
+    // falls through to the slow path, which produces the exact typed error.
+    {
+        let mut de = rmp_serde::Deserializer::from_read_ref(body);
+        if let Ok(value) = T::deserialize(&mut de) {
+            if let Err(rmp_serde::decode::Error::InvalidMarkerRead(e)) =
+                serde::Deserializer::deserialize_any(&mut de, NothingMore)
+            {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    return Ok(value);
+                }
+            }
+        }
+    }
     let mut de = rmp_serde::Deserializer::new(body);
     let value = T::deserialize(&mut de).map_err(|e| Error::Body(e.to_string()))?;
     let rest = de.into_inner();
@@ -250,5 +281,17 @@ mod tests {
             decode::<(String, u32)>(RecordKind::Run, &longer),
             Err(Error::TrailingBytes(1))
         ));
+        // Trailing bytes that start a value the body then lacks (a map
+        // header, a string header): still trailing bytes, counted exactly.
+        for tail in [&[0x81u8][..], &[0xa3, b'a'], &[0xdc, 0x00]] {
+            let mut longer = bytes.clone();
+            longer.extend_from_slice(tail);
+            let crc = checksum(&longer[..4], &longer[HEADER_BYTES..]);
+            longer[4..8].copy_from_slice(&crc.to_le_bytes());
+            assert_eq!(
+                decode::<(String, u32)>(RecordKind::Run, &longer),
+                Err(Error::TrailingBytes(tail.len()))
+            );
+        }
     }
 }

@@ -107,17 +107,51 @@ impl PreparedBatch {
     }
 }
 
+/// Which commit checks run. Production always runs [`Checks::ALL`]; only
+/// the simulator's deliberately broken engine (`keel sim --break
+/// no-attempt-dedupe`) switches the duplicate-terminal check off, to prove
+/// that its own checker catches what the store would have refused.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Checks {
+    /// Refuse a second terminal event for a durable id (and a result for an
+    /// attempt that is no longer pending).
+    pub duplicate_terminals: bool,
+}
+
+impl Checks {
+    /// Every check on: the production setting.
+    pub const ALL: Checks = Checks {
+        duplicate_terminals: true,
+    };
+}
+
+impl Default for Checks {
+    fn default() -> Self {
+        Checks::ALL
+    }
+}
+
 /// Validates a whole batch against `base` and returns its writes; on any
 /// error nothing of the batch is kept.
 pub fn apply_batch(base: &dyn KvRead, prepared: &PreparedBatch) -> Result<(Writes, CommitAck)> {
+    apply_batch_checked(base, prepared, Checks::ALL)
+}
+
+/// [`apply_batch`] with a choice of checks (fault injection only).
+pub fn apply_batch_checked(
+    base: &dyn KvRead,
+    prepared: &PreparedBatch,
+    checks: Checks,
+) -> Result<(Writes, CommitAck)> {
     let mut overlay = Overlay::new(base);
     let mut ack = CommitAck::default();
     for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
-        ack.appends.push(apply_append(
+        ack.appends.push(apply_append_checked(
             &mut overlay,
             append.run_id,
             &append.events,
             encoded,
+            checks,
         )?);
     }
     for (run, info) in &prepared.batch.parked {
@@ -204,6 +238,17 @@ pub fn apply_append(
     events: &[Event],
     encoded: &[Vec<u8>],
 ) -> Result<AppendAck> {
+    apply_append_checked(out, run, events, encoded, Checks::ALL)
+}
+
+/// [`apply_append`] with a choice of checks (fault injection only).
+pub fn apply_append_checked(
+    out: &mut dyn KvWrite,
+    run: RunId,
+    events: &[Event],
+    encoded: &[Vec<u8>],
+    checks: Checks,
+) -> Result<AppendAck> {
     debug_assert_eq!(events.len(), encoded.len());
     let invalid = |detail: String| Error::InvalidCommit { run, detail };
     let (first, last) = match (events.first(), events.last()) {
@@ -244,7 +289,7 @@ pub fn apply_append(
         for key in event.kind.terminal_keys() {
             let dk = keys::dedupe_key(run, &key);
             let found: Option<DedupeEntry> = read_record(out, Cf::Dedupe, RecordKind::Dedupe, &dk)?;
-            if let Some(entry) = found {
+            if let Some(entry) = found.filter(|_| checks.duplicate_terminals) {
                 return Err(Error::DuplicateTerminal {
                     run,
                     key,
@@ -257,7 +302,7 @@ pub fn apply_append(
                 enc(RecordKind::Dedupe, &DedupeEntry { seq: event.seq })?,
             );
         }
-        derive_event(out, run, &mut meta, event)?;
+        derive_event(out, run, &mut meta, event, checks)?;
         out.put(Cf::Events, keys::event_key(run, event.seq), bytes.clone());
     }
     let mut meta = meta.expect("the first event of a new run is WorkflowStarted");
@@ -347,6 +392,7 @@ fn derive_event(
     run: RunId,
     meta: &mut Option<RunMeta>,
     event: &Event,
+    checks: Checks,
 ) -> Result<()> {
     let invalid = |detail: String| Error::InvalidCommit { run, detail };
     if let EventKind::WorkflowStarted {
@@ -470,6 +516,17 @@ fn derive_event(
             };
             out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
         }
+        // Without the duplicate check, a result for an attempt that is no
+        // longer pending is let through unchanged (the broken engine's
+        // duplicate commit); the pending task stays as it was.
+        EventKind::ActivityAttemptFailed {
+            step, attempt_id, ..
+        }
+        | EventKind::ActivityCompleted {
+            step, attempt_id, ..
+        } if !checks.duplicate_terminals
+            && pending_task(out, run, *step).ok().map(|t| t.attempt)
+                != Some(attempt_id.attempt) => {}
         EventKind::ActivityAttemptFailed {
             step,
             attempt_id,

@@ -217,6 +217,24 @@ impl fmt::Display for SelectKey {
     }
 }
 
+impl From<&str> for SelectKey {
+    fn from(s: &str) -> Self {
+        SelectKey::Name(s.to_string())
+    }
+}
+
+impl From<String> for SelectKey {
+    fn from(s: String) -> Self {
+        SelectKey::Name(s)
+    }
+}
+
+impl From<u64> for SelectKey {
+    fn from(i: u64) -> Self {
+        SelectKey::Index(i)
+    }
+}
+
 /// The kind of a `select` member's operation.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub enum OperationKind {

@@ -4,7 +4,7 @@
 
 use parking_lot::Mutex;
 
-use crate::derive::{apply_batch, CommitBatch, PreparedBatch};
+use crate::derive::{apply_batch_checked, Checks, CommitBatch, PreparedBatch};
 use crate::error::{Error, Result};
 use crate::keys::Cf;
 use crate::kv::{mutations_of, KvRead, Maps, Mutation};
@@ -27,6 +27,7 @@ struct Inner {
     durable: Maps,
     unsynced: Vec<Vec<Mutation>>,
     fail_next: u32,
+    checks: Checks,
 }
 
 /// An in-memory keel store.
@@ -66,6 +67,18 @@ impl MemStore {
             inner.durable.apply(m);
         }
         inner.live = inner.durable.clone();
+    }
+
+    /// Switches the duplicate-terminal check on or off (fault injection for
+    /// the simulator's deliberately broken engine; never off in production).
+    pub fn set_duplicate_terminal_check(&self, on: bool) {
+        self.inner.lock().checks.duplicate_terminals = on;
+    }
+
+    /// Runs `f` on the synced column families: what a crash right now would
+    /// keep (the simulator checks that effects only follow durable events).
+    pub fn with_durable<R>(&self, f: impl FnOnce(&Maps) -> R) -> R {
+        f(&self.inner.lock().durable)
     }
 
     /// Commits written but not yet synced.
@@ -119,7 +132,8 @@ impl Store for MemStore {
             inner.fail_next -= 1;
             return CommitHandle::ready(Err(Error::CommitFailed("injected commit failure".into())));
         }
-        let result = apply_batch(&inner.live, &prepared).map(|(w, ack)| (mutations_of(w), ack));
+        let result = apply_batch_checked(&inner.live, &prepared, inner.checks)
+            .map(|(w, ack)| (mutations_of(w), ack));
         CommitHandle::ready(result.map(|(mutations, ack)| {
             inner.live.apply(&mutations);
             match self.durability {

@@ -441,6 +441,9 @@ impl Shared {
                 let _ = w.send(outcome.clone());
             }
         }
+        crate::concurrency::unbind_async(run);
+        let this = self.clone();
+        actix::spawn(async move { this.apply_close_policies(run).await });
         if let Some(p) = parent {
             let this = self.clone();
             actix::spawn(async move { this.deliver_child_result(p, run, outcome).await });
@@ -448,6 +451,43 @@ impl Shared {
             let this = self.clone();
             let new_run = *new_run;
             actix::spawn(async move { this.continue_run(run, new_run).await });
+        }
+    }
+
+    /// Applies each open child's parent close policy: terminate it, ask it
+    /// to cancel, or leave it running.
+    async fn apply_close_policies(self: Arc<Self>, run: RunId) {
+        let Ok(history) = self.store.history(run) else {
+            return;
+        };
+        for step in pending_steps(&history)
+            .into_iter()
+            .filter(|p| p.kind == "child")
+        {
+            let policy = history.iter().find_map(|e| match &e.kind {
+                EventKind::ChildScheduled {
+                    step: s,
+                    close_policy,
+                    ..
+                } if *s == step.step => Some(*close_policy),
+                _ => None,
+            });
+            let Some(child) = step.child_run else {
+                continue;
+            };
+            let input = match policy {
+                Some(keel_storage::ParentClosePolicy::Terminate) => Input::Terminate {
+                    reason: format!("parent {run} closed"),
+                },
+                Some(keel_storage::ParentClosePolicy::RequestCancel) => Input::CancelRequested {
+                    reason: format!("parent {run} closed"),
+                    command_id: None,
+                },
+                _ => continue,
+            };
+            if let Err(e) = self.deliver(child, input).await {
+                debug!(child = %child, error = %e, "close policy not applied");
+            }
         }
     }
 
@@ -762,6 +802,21 @@ impl Engine {
     fn recover(&self) -> Result<(), EngineError> {
         let s = &self.shared;
         let now = s.now();
+        // Async children run closures their parents bind when they replay:
+        // activate those parents before anything can reach the children.
+        let async_children = s.store.runs(&RunFilter {
+            status: Some(RunStatus::Running),
+            workflow_type: Some(crate::concurrency::ASYNC_WORKFLOW_TYPE.to_string()),
+            limit: None,
+        })?;
+        for child in async_children {
+            if let Some(p) = child.parent {
+                let addr = s.actor_for(p.run_id);
+                if let Ok(Err(e)) = futures::executor::block_on(addr.send(Describe)) {
+                    warn!(parent = %p.run_id, error = %e, "parent of an async child did not activate");
+                }
+            }
+        }
         let timers = s.store.due_timers(Timestamp(u64::MAX), usize::MAX)?;
         let tasks = s.store.tasks(usize::MAX)?;
         let outbox = s.store.outbox(usize::MAX)?;

@@ -1,0 +1,545 @@
+//! Offline replay: re-run workflow code against committed histories without
+//! running effects, and report the first divergence.
+//!
+//! A [`Replayer`] holds a [`WorkflowRegistry`] (the workflow code of the
+//! build being checked) and replays histories from three sources: a portable
+//! [`Bundle`] file written by `keel export`, one run of a data directory, or
+//! every run of a data directory that matches a [`RunFilter`]. Each run ends
+//! in a [`RunReport`] whose [`ReplayOutcome`] is success, the first
+//! divergence (step, recorded command, issued command), or another error
+//! with its kind. Replaying the open runs of a production directory with the
+//! code about to be deployed is the check that the deploy will not park them.
+//!
+//! ```no_run
+//! use keel::replay::{Bundle, Replayer};
+//! use keel::WorkflowRegistry;
+//!
+//! # fn demo(registry: WorkflowRegistry) -> Result<(), keel::replay::Error> {
+//! let replayer = Replayer::new(registry);
+//! let report = replayer.replay_bundle(&Bundle::read("order-9.bundle")?);
+//! assert!(report.outcome.is_ok(), "{}", report.outcome);
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+
+use keel_actors::{MachineError, RunMachine, WorkflowRegistry};
+use keel_storage::codec::{self, RecordKind};
+use keel_storage::{Event, EventKind, RunFilter, RunId, RunMeta, RunStatus, Seq, Step, Store};
+use serde::{Deserialize, Serialize};
+
+/// The `format` field of every bundle.
+pub const BUNDLE_FORMAT: &str = "keel-bundle";
+
+/// The bundle layout version this build writes, and the newest it reads.
+pub const BUNDLE_VERSION: u32 = 1;
+
+/// Most problem reports a [`ReplaySummary`] keeps; past it only counts grow.
+pub const REPLAY_PROBLEMS_MAX: usize = 1000;
+
+/// Why a bundle or a store could not be replayed at all. A run whose code
+/// diverges is not an error: it is a [`RunReport`] with a failed outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A bundle file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the file system said.
+        source: std::io::Error,
+    },
+    /// The bytes are not an intact keel record (truncated, bad checksum,
+    /// wrong kind, newer version, body that does not decode).
+    #[error("bad bundle: {0}")]
+    Codec(#[from] codec::Error),
+    /// The record decoded but is not a keel bundle.
+    #[error("bad bundle: format is {found:?}, expected {BUNDLE_FORMAT:?}")]
+    Format {
+        /// The format field found.
+        found: String,
+    },
+    /// A bundle layout version this build does not read.
+    #[error("bad bundle: layout version {found}, this build reads up to {BUNDLE_VERSION}")]
+    Version {
+        /// The version found.
+        found: u32,
+    },
+    /// The bundle's run and events do not agree.
+    #[error("bad bundle: {0}")]
+    Inconsistent(String),
+    /// No run or instance by that id in the store.
+    #[error("unknown instance or run {0:?}")]
+    UnknownRun(String),
+    /// The store failed (including a corrupt record).
+    #[error(transparent)]
+    Store(#[from] keel_storage::Error),
+}
+
+/// A portable, checksummed copy of one run's history: its derived metadata
+/// and every event. Written inside a keel record envelope of kind
+/// [`RecordKind::Bundle`] (magic, kind, version, CRC32C over the whole body),
+/// so a truncated or damaged file is refused, never misread.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct Bundle {
+    /// Always [`BUNDLE_FORMAT`].
+    pub format: String,
+    /// The layout version, [`BUNDLE_VERSION`] when written by this build.
+    pub version: u32,
+    /// The run's metadata as the store had it at export.
+    pub run: RunMeta,
+    /// The run's history, contiguous from seq 1.
+    pub events: Vec<Event>,
+}
+
+impl Bundle {
+    /// A bundle of `events`, checked like a decoded one.
+    pub fn new(run: RunMeta, events: Vec<Event>) -> Result<Self, Error> {
+        let bundle = Bundle {
+            format: BUNDLE_FORMAT.to_string(),
+            version: BUNDLE_VERSION,
+            run,
+            events,
+        };
+        bundle.check()?;
+        Ok(bundle)
+    }
+
+    /// Reads the run `id` (a run id or an instance id) from a store. Events
+    /// are read up to the run's metadata as first read, so a bundle taken
+    /// beside a live engine is one consistent prefix of the history.
+    pub fn from_store(store: &dyn Store, id: &str) -> Result<Self, Error> {
+        let run = store
+            .resolve(id)?
+            .ok_or_else(|| Error::UnknownRun(id.to_string()))?;
+        let meta = store
+            .run_meta(run)?
+            .ok_or_else(|| Error::UnknownRun(id.to_string()))?;
+        let last = meta.next_seq.0.saturating_sub(1);
+        let mut events = Vec::with_capacity(last.min(1 << 20) as usize);
+        store.for_each_event(run, Seq::FIRST, &mut |e| {
+            if e.seq.0 > last {
+                return false;
+            }
+            events.push(e);
+            true
+        })?;
+        Bundle::new(meta, events)
+    }
+
+    /// The record bytes: a keel envelope around the msgpack body.
+    pub fn encode(&self) -> Result<Vec<u8>, Error> {
+        Ok(codec::encode(RecordKind::Bundle, self)?)
+    }
+
+    /// Decodes and checks bundle bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Self, Error> {
+        let bundle: Bundle = codec::decode(RecordKind::Bundle, bytes)?;
+        bundle.check()?;
+        Ok(bundle)
+    }
+
+    /// Reads and checks a bundle file.
+    pub fn read(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::decode(&bytes)
+    }
+
+    /// Writes the bundle to `path` through a temporary file and a rename, so
+    /// a crash never leaves half a bundle under the final name.
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<(), Error> {
+        let path = path.as_ref();
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let bytes = self.encode()?;
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        std::fs::write(&tmp, &bytes).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// True when the history ends with an event that closes the run.
+    pub fn is_closed(&self) -> bool {
+        self.run.status.is_closed() || self.events.last().is_some_and(|e| closes(&e.kind))
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if self.format != BUNDLE_FORMAT {
+            return Err(Error::Format {
+                found: self.format.clone(),
+            });
+        }
+        if self.version == 0 || self.version > BUNDLE_VERSION {
+            return Err(Error::Version {
+                found: self.version,
+            });
+        }
+        let Some(first) = self.events.first() else {
+            return Err(Error::Inconsistent("no events".into()));
+        };
+        match &first.kind {
+            EventKind::WorkflowStarted { run_id, .. } if *run_id == self.run.run_id => {}
+            EventKind::WorkflowStarted { run_id, .. } => {
+                return Err(Error::Inconsistent(format!(
+                    "metadata is for run {}, the history starts run {run_id}",
+                    self.run.run_id
+                )))
+            }
+            other => {
+                return Err(Error::Inconsistent(format!(
+                    "the first event is {}, expected WorkflowStarted",
+                    other.name()
+                )))
+            }
+        }
+        for (i, e) in self.events.iter().enumerate() {
+            let expected = i as u64 + 1;
+            if e.seq.0 != expected {
+                return Err(Error::Inconsistent(format!(
+                    "expected seq {expected}, found seq {}",
+                    e.seq
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn closes(kind: &EventKind) -> bool {
+    kind.closes_run() || matches!(kind, EventKind::WorkflowTerminated { .. })
+}
+
+/// How replaying one run ended.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum ReplayOutcome {
+    /// The code issued exactly the recorded commands (and, for a closed
+    /// run, closed it the same way).
+    Ok,
+    /// The first command the code issued differently from history.
+    Diverged {
+        /// The step.
+        step: Step,
+        /// What history holds there.
+        recorded: String,
+        /// What the code issued instead.
+        issued: String,
+    },
+    /// Replay stopped for another reason (panic, unknown workflow type,
+    /// input that no longer decodes, malformed or unreadable history).
+    Failed {
+        /// A short kind: a [`MachineError::kind`], `not_closed`, `corrupt`
+        /// or `replay_panic`.
+        kind: String,
+        /// The step, where known.
+        step: Option<Step>,
+        /// What happened.
+        message: String,
+    },
+}
+
+impl ReplayOutcome {
+    /// True for [`ReplayOutcome::Ok`].
+    pub fn is_ok(&self) -> bool {
+        matches!(self, ReplayOutcome::Ok)
+    }
+
+    /// `ok`, `non_determinism`, or the failure's kind.
+    pub fn kind(&self) -> &str {
+        match self {
+            ReplayOutcome::Ok => "ok",
+            ReplayOutcome::Diverged { .. } => "non_determinism",
+            ReplayOutcome::Failed { kind, .. } => kind,
+        }
+    }
+
+    fn from_machine(e: MachineError) -> Self {
+        match e {
+            MachineError::NonDeterminism {
+                step,
+                recorded,
+                issued,
+            } => ReplayOutcome::Diverged {
+                step,
+                recorded,
+                issued,
+            },
+            other => ReplayOutcome::Failed {
+                kind: other.kind().to_string(),
+                step: other.step(),
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for ReplayOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReplayOutcome::Ok => f.write_str("ok"),
+            ReplayOutcome::Diverged {
+                step,
+                recorded,
+                issued,
+            } => write!(
+                f,
+                "diverged at step {step}: history recorded {recorded}, the code issued {issued}"
+            ),
+            ReplayOutcome::Failed { kind, message, .. } => write!(f, "{kind}: {message}"),
+        }
+    }
+}
+
+/// The replay of one run.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+pub struct RunReport {
+    /// The run.
+    pub run_id: RunId,
+    /// Its instance.
+    pub instance_id: String,
+    /// Its workflow type.
+    pub workflow_type: String,
+    /// Its recorded status.
+    pub status: RunStatus,
+    /// Events replayed.
+    pub events: u64,
+    /// How the replay ended.
+    #[serde(flatten)]
+    pub outcome: ReplayOutcome,
+}
+
+/// The replay of many runs: counts, and the runs that did not replay.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize)]
+pub struct ReplaySummary {
+    /// Runs replayed.
+    pub replayed: u64,
+    /// Events replayed.
+    pub events: u64,
+    /// Runs that replayed cleanly.
+    pub ok: u64,
+    /// Runs whose code diverged from history.
+    pub diverged: u64,
+    /// Runs whose replay failed otherwise.
+    pub failed: u64,
+    /// The runs that diverged or failed, at most [`REPLAY_PROBLEMS_MAX`].
+    pub problems: Vec<RunReport>,
+    /// True when more problems happened than `problems` lists.
+    pub truncated: bool,
+}
+
+impl ReplaySummary {
+    /// True when every run replayed cleanly.
+    pub fn is_ok(&self) -> bool {
+        self.diverged == 0 && self.failed == 0
+    }
+
+    /// Counts one run's report.
+    pub fn add(&mut self, report: RunReport) {
+        self.replayed += 1;
+        self.events += report.events;
+        match report.outcome {
+            ReplayOutcome::Ok => {
+                self.ok += 1;
+                return;
+            }
+            ReplayOutcome::Diverged { .. } => self.diverged += 1,
+            ReplayOutcome::Failed { .. } => self.failed += 1,
+        }
+        if self.problems.len() < REPLAY_PROBLEMS_MAX {
+            self.problems.push(report);
+        } else {
+            self.truncated = true;
+        }
+    }
+}
+
+/// Replays committed histories against the workflow code of a registry.
+#[derive(Clone, Debug)]
+pub struct Replayer {
+    registry: WorkflowRegistry,
+}
+
+impl Replayer {
+    /// A replayer for the workflows of `registry`.
+    pub fn new(registry: WorkflowRegistry) -> Self {
+        Replayer { registry }
+    }
+
+    /// The workflows this replayer knows.
+    pub fn registry(&self) -> &WorkflowRegistry {
+        &self.registry
+    }
+
+    /// Replays one history. `closed` says the run was closed when the
+    /// history was taken; the replayed code must then close it too.
+    ///
+    /// Besides the divergences the run machine finds while matching
+    /// recorded commands, this reports code that issues new commands after
+    /// the last recorded input: every commit holds an input together with
+    /// the commands it caused, so a complete history leaves nothing to
+    /// issue, and the engine would leave such a run waiting on a command
+    /// that was never committed.
+    pub fn replay_events(&self, history: Vec<Event>, closed: bool) -> ReplayOutcome {
+        let recorded = history.len() as u64;
+        let step_max = history
+            .iter()
+            .filter_map(|e| e.kind.step())
+            .max()
+            .unwrap_or_default();
+        let replayed = catch_unwind(AssertUnwindSafe(|| {
+            RunMachine::replay(&self.registry, history)
+        }));
+        let machine = match replayed {
+            Ok(Ok(m)) => m,
+            Ok(Err(e)) => return ReplayOutcome::from_machine(e),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".into());
+                return ReplayOutcome::Failed {
+                    kind: "replay_panic".into(),
+                    step: None,
+                    message: format!("replay panicked: {message}"),
+                };
+            }
+        };
+        let extra = machine.next_seq().0.saturating_sub(recorded + 1);
+        if extra > 0 {
+            let new_wait = machine.open_waits().into_iter().find(|w| w.step > step_max);
+            let (step, issued) = match new_wait {
+                Some(w) => {
+                    let what = match w.kind {
+                        keel_actors::WaitKind::Activity => format!("schedule activity {}", w.name),
+                        keel_actors::WaitKind::Timer => "start timer".to_string(),
+                        keel_actors::WaitKind::Child => format!("start child {}", w.name),
+                    };
+                    (w.step, format!("{what} at step {}", w.step))
+                }
+                None if machine.is_closed() => (
+                    Step(step_max.0 + 1),
+                    "a close of the run (it finishes here now)".to_string(),
+                ),
+                None => (
+                    Step(step_max.0 + 1),
+                    format!("{extra} new event(s) past the end of history"),
+                ),
+            };
+            return ReplayOutcome::Diverged {
+                step,
+                recorded: format!("nothing (history ends at seq {recorded}; the run waits)"),
+                issued,
+            };
+        }
+        if closed && !machine.is_closed() {
+            return ReplayOutcome::Failed {
+                kind: "not_closed".into(),
+                step: None,
+                message: format!(
+                    "the history is closed but the replayed run is still open after {recorded} events"
+                ),
+            };
+        }
+        ReplayOutcome::Ok
+    }
+
+    /// Replays a bundle.
+    pub fn replay_bundle(&self, bundle: &Bundle) -> RunReport {
+        let closed = bundle.is_closed();
+        RunReport {
+            run_id: bundle.run.run_id,
+            instance_id: bundle.run.instance_id.to_string(),
+            workflow_type: bundle.run.workflow_type.clone(),
+            status: bundle.run.status,
+            events: bundle.events.len() as u64,
+            outcome: self.replay_events(bundle.events.clone(), closed),
+        }
+    }
+
+    /// Reads and replays a bundle file.
+    pub fn replay_file(&self, path: impl AsRef<Path>) -> Result<RunReport, Error> {
+        Ok(self.replay_bundle(&Bundle::read(path)?))
+    }
+
+    /// Replays one run of a store, by run id or instance id.
+    pub fn replay_id(&self, store: &dyn Store, id: &str) -> Result<RunReport, Error> {
+        let run = store
+            .resolve(id)?
+            .ok_or_else(|| Error::UnknownRun(id.to_string()))?;
+        let meta = store
+            .run_meta(run)?
+            .ok_or_else(|| Error::UnknownRun(id.to_string()))?;
+        Ok(self.replay_meta(store, &meta))
+    }
+
+    /// Replays one run given its metadata. A history that cannot be read
+    /// (a corrupt record) is reported as a failed outcome of kind `corrupt`.
+    pub fn replay_meta(&self, store: &dyn Store, meta: &RunMeta) -> RunReport {
+        let last = meta.next_seq.0.saturating_sub(1);
+        let mut events = Vec::with_capacity(last.min(1 << 20) as usize);
+        let read = store.for_each_event(meta.run_id, Seq::FIRST, &mut |e| {
+            if e.seq.0 > last {
+                return false;
+            }
+            events.push(e);
+            true
+        });
+        let count = events.len() as u64;
+        let outcome = match read {
+            Ok(()) => self.replay_events(events, meta.status.is_closed()),
+            Err(e) => ReplayOutcome::Failed {
+                kind: "corrupt".into(),
+                step: None,
+                message: e.to_string(),
+            },
+        };
+        RunReport {
+            run_id: meta.run_id,
+            instance_id: meta.instance_id.to_string(),
+            workflow_type: meta.workflow_type.clone(),
+            status: meta.status,
+            events: count,
+            outcome,
+        }
+    }
+
+    /// Replays every run of `store` that matches `filter`, calling `each`
+    /// after every run (for progress and streaming output).
+    pub fn replay_store(
+        &self,
+        store: &dyn Store,
+        filter: &RunFilter,
+        each: &mut dyn FnMut(&RunReport),
+    ) -> Result<ReplaySummary, Error> {
+        let mut summary = ReplaySummary::default();
+        for meta in store.runs(filter)? {
+            let report = self.replay_meta(store, &meta);
+            each(&report);
+            summary.add(report);
+        }
+        Ok(summary)
+    }
+
+    /// Rebuilds a run's machine from its history (to look at what the code
+    /// waits for: signals, coroutines, open steps).
+    pub fn rebuild(&self, history: Vec<Event>) -> Result<RunMachine, MachineError> {
+        catch_unwind(AssertUnwindSafe(|| {
+            RunMachine::replay(&self.registry, history)
+        }))
+        .unwrap_or_else(|_| {
+            Err(MachineError::Panic {
+                message: "replay panicked".into(),
+            })
+        })
+    }
+}

@@ -1,0 +1,183 @@
+//! keel-cli as a library: the inspection, verify, export and replay
+//! commands of the `keel` binary, over any set of workflows.
+//!
+//! The `keel` binary builds its command line from [`Command`] plus its own
+//! demo, simulation and benchmark commands, and replays with [`registry()`].
+//! An application builds the same tool over its own workflows in a few
+//! lines, so `keel replay` checks *its* code against *its* histories:
+//!
+//! ```no_run
+//! // src/bin/keel-ops.rs
+//! # mod app { pub fn workflows() -> keel::WorkflowRegistry { keel::WorkflowRegistry::new() } }
+//! fn main() -> std::process::ExitCode {
+//!     keel_cli::main_with(app::workflows())
+//! }
+//! ```
+//!
+//! Data goes to stdout and everything else (progress, errors) to stderr;
+//! the exit codes are in [`LONG_ABOUT`].
+
+pub mod demo_app;
+pub mod inspect;
+#[doc(hidden)]
+pub mod output;
+#[doc(hidden)]
+pub mod replay_bench;
+pub mod replay_cmd;
+mod table;
+mod verify;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use keel::WorkflowRegistry;
+
+/// The long help of `keel` and of every tool built with [`main_with`]: what
+/// the tool does and its exit codes.
+pub const LONG_ABOUT: &str = "\
+Durable workflows for Rust: inspect, verify, export and replay keel data
+directories (and, in the keel binary, run the demo, simulate and measure).
+
+Every command opens --data (default keel-data) read-only, as a secondary
+that follows a running engine, so it works beside a live engine. Data goes
+to stdout (tables for people, --json for scripts); progress and errors go to
+stderr.
+
+Exit codes:
+  0  success
+  1  a check failed: verify found violations, replay diverged or failed,
+     or a record read from the data directory is corrupt
+  2  bad arguments, a data directory that cannot be opened, an unknown
+     instance or run id, or a bundle that is missing, truncated or fails
+     its checksum";
+
+/// The workflows compiled into the `keel` binary: what `keel replay` and
+/// `keel describe` run. Register new built-in workflows here.
+pub fn registry() -> WorkflowRegistry {
+    demo_app::workflows()
+}
+
+/// The commands shared by the `keel` binary and tools built with
+/// [`main_with`].
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// List runs, newest first, optionally by status and workflow type.
+    List(inspect::ListArgs),
+    /// Print a run's history, one line per event (streams).
+    Show(inspect::ShowArgs),
+    /// Status, pending steps, children, parked reason of a run.
+    Describe(inspect::DescribeArgs),
+    /// Check a data directory: gaps, checksums, duplicate terminal events,
+    /// derived state. Exit 0 clean, 1 violations, 2 cannot open.
+    Verify(inspect::VerifyArgs),
+    /// Write a run's history to a portable, checksummed bundle file.
+    Export(inspect::ExportArgs),
+    /// Write a consistent copy of a data directory (a RocksDB checkpoint).
+    Checkpoint(inspect::CheckpointArgs),
+    /// Replay histories (bundles, runs by id, or every open run) against
+    /// the workflow code of this build; exit 1 on any divergence.
+    Replay(replay_cmd::ReplayArgs),
+}
+
+/// Runs one command and returns its exit code. Errors are printed to
+/// stderr as one line starting with `keel: `.
+pub fn run(command: Command, registry: &WorkflowRegistry) -> ExitCode {
+    let result = match command {
+        Command::List(args) => inspect::list(args),
+        Command::Show(args) => inspect::show(args),
+        Command::Describe(args) => inspect::describe(args, registry),
+        Command::Verify(args) => verify::run(&args.data, args.json),
+        Command::Export(args) => inspect::export(args),
+        Command::Checkpoint(args) => inspect::checkpoint(args),
+        Command::Replay(args) => replay_cmd::run(args, registry),
+    };
+    finish(result)
+}
+
+/// Turns a command's result into an exit code, printing an error as one
+/// line on stderr: code 1 for corrupt data, 2 for everything else unless
+/// the error says otherwise.
+pub fn finish(result: anyhow::Result<ExitCode>) -> ExitCode {
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let line = format!("{e:#}").replace('\n', " ");
+            eprintln!("keel: {line}");
+            ExitCode::from(exit_code_of(&e))
+        }
+    }
+}
+
+/// An error that carries its exit code.
+#[derive(Debug)]
+pub(crate) struct Exit {
+    pub(crate) code: u8,
+    pub(crate) message: String,
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Exit {}
+
+/// An error with exit code 2 (bad input).
+pub(crate) fn bad_input(message: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(Exit {
+        code: 2,
+        message: message.into(),
+    })
+}
+
+fn exit_code_of(e: &anyhow::Error) -> u8 {
+    for cause in e.chain() {
+        if let Some(exit) = cause.downcast_ref::<Exit>() {
+            return exit.code;
+        }
+        let storage = cause.downcast_ref::<keel_storage::Error>().or_else(|| {
+            match cause.downcast_ref::<keel::replay::Error>() {
+                Some(keel::replay::Error::Store(s)) => Some(s),
+                _ => None,
+            }
+        });
+        if matches!(storage, Some(keel_storage::Error::Corrupt { .. })) {
+            return 1;
+        }
+    }
+    2
+}
+
+/// Sends `tracing` output (level from `KEEL_LOG`, default `warn`) to stderr.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keel",
+    version,
+    about = "Inspect, verify, export and replay keel data directories",
+    long_about = LONG_ABOUT
+)]
+struct ToolCli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The `keel` inspection and replay tool over your own workflows: parses
+/// the command line (`list`, `show`, `describe`, `verify`, `export`,
+/// `checkpoint`, `replay`) and runs it with `registry` as the code that
+/// `replay` checks. Call it from your binary's `main`.
+pub fn main_with(registry: WorkflowRegistry) -> ExitCode {
+    let cli = ToolCli::parse();
+    init_tracing();
+    run(cli.command, &registry)
+}
