@@ -251,6 +251,8 @@ where
     limit: usize,
     next_index: u32,
     open: BTreeMap<u32, I::Item>,
+    by_step: HashMap<Step, u32>,
+    stepless: std::collections::BTreeSet<u32>,
     results: Vec<Option<<I::Item as Branch>::Output>>,
     keep: bool,
     done: u32,
@@ -293,17 +295,41 @@ where
             }
         };
         loop {
-            // Poll open members; collect finished ones.
+            // Poll only the members that can have progressed: leaves whose
+            // step has a resolution waiting, and members without a single
+            // step (nested barriers). The cost per input follows what
+            // changed, not how many members are open.
+            let mut candidates: Vec<u32> = {
+                let core = this.core.borrow();
+                core.resolved
+                    .keys()
+                    .filter_map(|s| this.by_step.get(s).copied())
+                    .collect()
+            };
+            candidates.extend(this.stepless.iter().copied());
+            candidates.sort_unstable();
             let mut finished = Vec::new();
-            for (i, m) in this.open.iter_mut() {
+            for i in candidates {
+                let Some(m) = this.open.get_mut(&i) else {
+                    continue;
+                };
                 match m.poll_branch(cx) {
-                    Poll::Ready(Ok(v)) => finished.push((*i, Some(v))),
+                    Poll::Ready(Ok(v)) => finished.push((i, Some(v))),
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {}
                 }
             }
             for (i, v) in finished {
-                this.open.remove(&i);
+                if let Some(m) = this.open.remove(&i) {
+                    match m.leaf_step() {
+                        Some(s) => {
+                            this.by_step.remove(&s);
+                        }
+                        None => {
+                            this.stepless.remove(&i);
+                        }
+                    }
+                }
                 this.done += 1;
                 if this.keep {
                     this.results[i as usize] = v;
@@ -334,6 +360,14 @@ where
                     }
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {
+                        match member.leaf_step() {
+                            Some(s) => {
+                                this.by_step.insert(s, index);
+                            }
+                            None => {
+                                this.stepless.insert(index);
+                            }
+                        }
                         this.open.insert(index, member);
                     }
                 }
@@ -525,6 +559,8 @@ impl WorkflowContext {
             limit: limit.max(1),
             next_index: 0,
             open: BTreeMap::new(),
+            by_step: HashMap::new(),
+            stepless: Default::default(),
             results: if keep {
                 (0..size).map(|_| None).collect()
             } else {

@@ -20,6 +20,9 @@ mod bench_store;
 pub(crate) enum BenchCommand {
     /// W1: N workflows of 3 sequential no-op activities, Sync durability.
     W1(W1Args),
+    /// W2: one workflow fanning out to N no-op activities (`all`, or
+    /// `all_limited` with `--limit`).
+    W2(crate::bench_fanout::W2Args),
     /// Storage only: commits/s and latency of concurrent committers, Sync
     /// and Buffered, beside the disk's own fsync rate.
     Append(bench_store::AppendArgs),
@@ -34,6 +37,7 @@ pub(crate) enum BenchCommand {
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::W1(args) => w1(args),
+        BenchCommand::W2(args) => crate::bench_fanout::w2(args),
         BenchCommand::Append(args) => bench_store::append(args),
         BenchCommand::Read(args) => bench_store::read(args),
         BenchCommand::Replay(args) => keel_cli::replay_bench::replay(args),

@@ -22,9 +22,9 @@ use keel_storage::{
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::bad_input;
 use crate::output::open_for_reading;
 use crate::table::{time, to_stdout, Table};
-use crate::{bad_input, Exit};
 
 /// Characters of a payload `show` prints for people.
 const PREVIEW_CHARS_MAX: usize = 60;
@@ -869,30 +869,34 @@ pub(crate) fn checkpoint(args: CheckpointArgs) -> anyhow::Result<ExitCode> {
             args.dir.display()
         )));
     }
-    let store = open(&args.data)?;
-    let result = store.checkpoint(&args.dir).or_else(|first| {
-        // A read-only or secondary handle may refuse to checkpoint; with no
-        // engine running, a read-write handle can (it fails as `Locked`
-        // beside a live engine, which is the error worth reporting).
-        drop(store);
-        if let Ok(rw) = RocksStore::open(&args.data, keel_storage::Durability::Sync) {
+    let cannot = |e: &dyn std::fmt::Display| {
+        bad_input(format!(
+            "cannot checkpoint {} to {}: {e}",
+            args.data.display(),
+            args.dir.display()
+        ))
+    };
+    // Refuse a missing or foreign directory before trying a read-write
+    // open, which would create a store there.
+    drop(open(&args.data)?);
+    // Without a running engine, a read-write handle takes a complete
+    // checkpoint (RocksDB flushes its memtables first).
+    match RocksStore::open(&args.data, keel_storage::Durability::Sync) {
+        Ok(rw) => {
             let r = rw.checkpoint(&args.dir);
             rw.close()?;
-            r
-        } else {
-            Err(first)
+            if let Err(e) = r {
+                let _ = std::fs::remove_dir_all(&args.dir);
+                return Err(cannot(&e));
+            }
         }
-    });
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&args.dir);
-        return Err(anyhow::Error::new(Exit {
-            code: 2,
-            message: format!(
-                "cannot checkpoint {} to {}: {e}",
-                args.data.display(),
-                args.dir.display()
-            ),
-        }));
+        Err(keel_storage::Error::Locked { .. }) => checkpoint_beside_engine(&args)?,
+        Err(e) => {
+            return Err(bad_input(format!(
+                "cannot open {}: {e}",
+                args.data.display()
+            )))
+        }
     }
     eprintln!(
         "checkpoint of {} written to {}",
@@ -900,4 +904,44 @@ pub(crate) fn checkpoint(args: CheckpointArgs) -> anyhow::Result<ExitCode> {
         args.dir.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Beside a running engine only a secondary handle is possible, and its
+/// checkpoint holds the table files but not what the engine has in its
+/// write-ahead log only. The copy is therefore checked against the
+/// secondary's view (every run at the same seq) and refused when short.
+fn checkpoint_beside_engine(args: &CheckpointArgs) -> anyhow::Result<()> {
+    let source = open(&args.data)?;
+    let refuse = |detail: String| -> anyhow::Error {
+        let _ = std::fs::remove_dir_all(&args.dir);
+        bad_input(format!(
+            "cannot checkpoint {} while an engine runs on it: {detail}; stop the engine, or call RocksStore::checkpoint inside the engine process",
+            args.data.display()
+        ))
+    };
+    if let Err(e) = source.checkpoint(&args.dir) {
+        return Err(refuse(e.to_string()));
+    }
+    let copy = match RocksStore::open_read_only(&args.dir) {
+        Ok(c) => c,
+        Err(_) => {
+            return Err(refuse(
+                "the engine's recent writes are only in its write-ahead log, which a checkpoint from outside cannot include".into(),
+            ))
+        }
+    };
+    let want = source.runs(&RunFilter::default())?;
+    let mut short = 0usize;
+    for m in &want {
+        if copy.run_meta(m.run_id)?.map(|c| c.next_seq) != Some(m.next_seq) {
+            short += 1;
+        }
+    }
+    if short > 0 {
+        return Err(refuse(format!(
+            "{short} of {} runs have events only in the engine's write-ahead log",
+            want.len()
+        )));
+    }
+    Ok(())
 }

@@ -6,7 +6,9 @@
 //! directory that cannot be opened.
 
 mod bench;
+mod bench_fanout;
 mod demo;
+mod sim;
 
 use std::process::ExitCode;
 
@@ -36,6 +38,10 @@ enum Command {
     /// Measure keel on this machine.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Run the deterministic simulator: workflows under seeded faults,
+    /// every invariant checked. Exit 0 all held, 1 a violation, 2 bad
+    /// arguments.
+    Sim(sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +58,7 @@ fn main() -> ExitCode {
         Command::DemoWorker(args) => demo::worker(args),
         Command::Tool(cmd) => Ok(keel_cli::run(cmd, &registry())),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Sim(args) => sim::run(args),
     };
     match result {
         Ok(code) => code,

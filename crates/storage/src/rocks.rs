@@ -8,6 +8,7 @@
 //! validation is answered with its error and leaves no trace in the batch.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -65,12 +66,18 @@ impl std::fmt::Debug for RocksStore {
     }
 }
 
+/// Memory all memtables together may use before RocksDB flushes them.
+pub const MEMTABLES_BYTES_MAX: usize = 64 << 20;
+
 fn db_options(mode: OpenMode) -> Options {
     let mut opts = Options::default();
     opts.create_if_missing(mode == OpenMode::ReadWrite);
     opts.create_missing_column_families(mode == OpenMode::ReadWrite);
     opts.set_max_background_jobs(2);
     opts.set_write_buffer_size(64 << 20);
+    // One budget for the memtables of every family: memory follows this
+    // limit, not the amount of history written.
+    opts.set_db_write_buffer_size(MEMTABLES_BYTES_MAX);
     opts.set_max_open_files(if mode == OpenMode::Secondary { -1 } else { 512 });
     // Records carry their own CRC32C, and an uncompressed block keeps a
     // damaged record local to itself, so `verify` can name its run and seq.
@@ -414,18 +421,26 @@ fn answer(answers: Answers) {
 /// a third of the writer's time under many committers; so answers of a
 /// group larger than [`ANSWER_INLINE_MAX`] go to a second thread and the
 /// writer starts on the next group at once. Answers are only ever sent after
-/// the group's write returned, and the answer thread is joined before the
-/// writer exits, so closing the store still answers every queued commit.
+/// the group's write returned, in commit order (a small group is answered
+/// inline only when the answer thread has nothing left to send), and the
+/// answer thread is joined before the writer exits, so closing the store
+/// still answers every queued commit.
 fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
     let (answer_tx, answer_rx) = crossbeam_channel::unbounded::<Answers>();
-    let answerer = std::thread::Builder::new()
-        .name("keel-answer".into())
-        .spawn(move || {
-            for answers in answer_rx {
-                answer(answers);
-            }
-        })
-        .ok();
+    // Groups handed to the answer thread and not yet fully answered.
+    let handed = Arc::new(AtomicUsize::new(0));
+    let answerer = {
+        let handed = handed.clone();
+        std::thread::Builder::new()
+            .name("keel-answer".into())
+            .spawn(move || {
+                for answers in answer_rx {
+                    answer(answers);
+                    handed.fetch_sub(1, Ordering::AcqRel);
+                }
+            })
+            .ok()
+    };
     let mut wo = WriteOptions::default();
     wo.set_sync(durability == Durability::Sync);
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
@@ -465,7 +480,7 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
             ok = written.is_ok(),
             "group committed"
         );
-        let inline = group.len() <= ANSWER_INLINE_MAX;
+        let inline = group.len() <= ANSWER_INLINE_MAX && handed.load(Ordering::Acquire) == 0;
         let answers: Answers = group
             .drain(..)
             .zip(results)
@@ -479,8 +494,14 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
             .collect();
         if inline || answerer.is_none() {
             answer(answers);
-        } else if let Err(crossbeam_channel::SendError(answers)) = answer_tx.send(answers) {
-            answer(answers);
+        } else {
+            handed.fetch_add(1, Ordering::AcqRel);
+            if let Err(crossbeam_channel::SendError(answers)) = answer_tx.send(answers) {
+                // Unreachable while the answer thread lives (it holds the
+                // receiver until this sender is dropped).
+                handed.fetch_sub(1, Ordering::AcqRel);
+                answer(answers);
+            }
         }
     }
     drop(answer_tx);

@@ -172,6 +172,7 @@ pub struct EngineBuilder {
     workflows: WorkflowRegistry,
     activities: ActivityRegistry,
     config: EngineConfig,
+    profiles: HashMap<String, Arc<keel_resilience::CompiledPipeline<Failure>>>,
 }
 
 impl std::fmt::Debug for EngineBuilder {
@@ -233,6 +234,20 @@ impl EngineBuilder {
         self
     }
 
+    /// Registers a compiled resilience pipeline as profile `name`.
+    /// Activity calls that name it (`.profile(name)`) are admitted through
+    /// its circuit breaker, rate limit and bulkhead in this engine process;
+    /// their retries, backoff and deadline stay durable (the call's own
+    /// retry policy and timeouts).
+    pub fn resilience_profile(
+        mut self,
+        name: &str,
+        pipeline: keel_resilience::CompiledPipeline<Failure>,
+    ) -> Self {
+        self.profiles.insert(name.to_string(), Arc::new(pipeline));
+        self
+    }
+
     /// Registers every workflow of `registry`.
     pub fn workflows(mut self, registry: &WorkflowRegistry) -> Self {
         for name in registry.names() {
@@ -260,7 +275,13 @@ impl EngineBuilder {
                 Arc::new(RocksStore::open(dir, self.config.durability)?)
             }
         };
-        Engine::start(store, self.workflows, self.activities, self.config)
+        Engine::start(
+            store,
+            self.workflows,
+            self.activities,
+            self.config,
+            self.profiles,
+        )
     }
 }
 
@@ -282,6 +303,7 @@ pub(crate) struct Shared {
     pub(crate) timers: OnceLock<Addr<TimerService>>,
     pub(crate) workers: OnceLock<Addr<Workers>>,
     pub(crate) activity_rt: tokio::runtime::Handle,
+    pub(crate) profiles: HashMap<String, Arc<keel_resilience::CompiledPipeline<Failure>>>,
     rng: Mutex<u64>,
     pub(crate) next_epoch: AtomicU64,
     in_flight: AtomicUsize,
@@ -728,6 +750,7 @@ impl Engine {
             workflows: WorkflowRegistry::new(),
             activities: ActivityRegistry::new(),
             config: EngineConfig::default(),
+            profiles: HashMap::new(),
         }
     }
 
@@ -736,6 +759,7 @@ impl Engine {
         workflows: WorkflowRegistry,
         activities: ActivityRegistry,
         config: EngineConfig,
+        profiles: HashMap<String, Arc<keel_resilience::CompiledPipeline<Failure>>>,
     ) -> Result<Self, EngineError> {
         let activity_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.activity_threads.max(1))
@@ -768,6 +792,7 @@ impl Engine {
                     timers: OnceLock::new(),
                     workers: OnceLock::new(),
                     activity_rt: rt_handle,
+                    profiles,
                     rng: Mutex::new(seed),
                     next_epoch: AtomicU64::new(0),
                     in_flight: AtomicUsize::new(0),
@@ -953,6 +978,9 @@ pub struct AttemptView {
     pub expires_at: Timestamp,
     /// Deliveries of this attempt so far (1 + redeliveries).
     pub deliveries: u32,
+    /// The resilience policy that refused or delayed the attempt, while it
+    /// waits to be offered again (`expires_at` is then when it was refused).
+    pub delayed_by: Option<String>,
 }
 
 /// What `describe` reports about a run.

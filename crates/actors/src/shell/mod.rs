@@ -34,3 +34,9 @@ pub const DELIVERY_ATTEMPTS_MAX: u32 = 8;
 pub const RUN_RESTARTS_MAX: u32 = 5;
 /// How often the worker supervisor checks leases.
 pub const LEASE_SWEEP_MS: u64 = 50;
+/// Overall deadline of an attempt admitted through a resilience profile
+/// when the call has no schedule-to-close limit.
+pub const PROFILE_DEADLINE_MS_DEFAULT: u64 = 3_600_000;
+/// How long an attempt a resilience policy refused waits before it is
+/// offered again.
+pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;

@@ -23,7 +23,9 @@ use tokio::sync::watch;
 use tracing::{debug, info_span, warn, Instrument};
 
 use super::engine::{AttemptView, Shared};
-use super::{LEASE_REDELIVERIES_MAX, LEASE_SWEEP_MS};
+use super::{
+    LEASE_REDELIVERIES_MAX, LEASE_SWEEP_MS, PROFILE_DEADLINE_MS_DEFAULT, PROFILE_REJECTION_RETRY_MS,
+};
 use crate::activity::ActivityContext;
 use crate::machine::Input;
 
@@ -85,6 +87,16 @@ struct AttemptDone {
 }
 
 #[derive(Message)]
+#[rtype(result = "()")]
+struct AttemptRejected {
+    run_id: RunId,
+    step: Step,
+    attempt: AttemptNo,
+    epoch: LeaseEpoch,
+    policy: String,
+}
+
+#[derive(Message)]
 #[rtype(result = "Vec<AttemptView>")]
 pub(crate) struct Leases {
     pub(crate) run_id: RunId,
@@ -105,6 +117,9 @@ pub(crate) struct Workers {
     inflight: HashMap<(RunId, Step), InFlight>,
     queue: VecDeque<AttemptTask>,
     launched: u64,
+    /// Attempts a resilience policy refused, waiting to be offered again:
+    /// the policy and when.
+    delayed: HashMap<(RunId, Step), (AttemptTask, String, Timestamp)>,
 }
 
 impl Workers {
@@ -114,6 +129,7 @@ impl Workers {
             inflight: HashMap::new(),
             queue: VecDeque::new(),
             launched: 0,
+            delayed: HashMap::new(),
         }
     }
 
@@ -164,8 +180,69 @@ impl Workers {
             }
         };
         let span = info_span!("attempt", run_id = %run_id, step = step.0, attempt = attempt.0, epoch = epoch.0);
+        let profile = match task.options.profile.as_deref() {
+            None => None,
+            Some(name) => match self.shared.profiles.get(name) {
+                Some(p) => Some(p.clone()),
+                None => {
+                    let name = name.to_string();
+                    let failure = Failure::new(
+                        FailureKind::Application,
+                        format!("unknown resilience profile {name:?}"),
+                        false,
+                    );
+                    self.report(run_id, step, attempt, Err(failure));
+                    return;
+                }
+            },
+        };
+        let execution = task.execution_id.to_string();
+        let deadline_ms = task
+            .options
+            .schedule_to_close_ms
+            .map(|ms| {
+                task.scheduled_at
+                    .0
+                    .saturating_add(ms)
+                    .saturating_sub(now.0)
+                    .max(1)
+            })
+            .unwrap_or(PROFILE_DEADLINE_MS_DEFAULT);
         self.shared.activity_rt.spawn(
             async move {
+                // Per-process admission (breaker, rate limit, bulkhead) in
+                // the pipeline's fixed order. A rejection never reaches the
+                // activity and never counts as a dependency failure; the
+                // attempt is offered again later.
+                let mut admission = None;
+                if let Some(p) = &profile {
+                    let admitted = keel_resilience::Safety::idempotent(&execution)
+                        .map_err(|e| e.to_string())
+                        .and_then(|safety| {
+                            p.new_context(Duration::from_millis(deadline_ms), safety, &execution)
+                                .map_err(|e| e.to_string())
+                        })
+                        .and_then(|ctx| {
+                            p.admit(&ctx, attempt.0 > 1)
+                                .map_err(|r| r.reason().to_string())
+                        });
+                    match admitted {
+                        Ok(mut a) => {
+                            a.mark_dispatched();
+                            admission = Some(a);
+                        }
+                        Err(policy) => {
+                            addr.do_send(AttemptRejected {
+                                run_id,
+                                step,
+                                attempt,
+                                epoch,
+                                policy,
+                            });
+                            return;
+                        }
+                    }
+                }
                 let result = match AssertUnwindSafe(body).catch_unwind().await {
                     Ok(r) => r,
                     Err(p) => {
@@ -181,6 +258,13 @@ impl Workers {
                         ))
                     }
                 };
+                if let (Some(a), Some(p)) = (admission, &profile) {
+                    let verdict = match &result {
+                        Ok(_) => keel_resilience::Verdict::Success,
+                        Err(f) => p.classifier().classify(f).verdict,
+                    };
+                    a.settle(verdict);
+                }
                 addr.do_send(AttemptDone {
                     run_id,
                     step,
@@ -366,6 +450,7 @@ impl Handler<AttemptDone> for Workers {
         let key = (msg.run_id, msg.step);
         match self.inflight.get(&key) {
             Some(f) if f.task.attempt == msg.attempt => {
+                self.delayed.remove(&key);
                 if f.epoch != msg.epoch {
                     debug!(run_id = %msg.run_id, step = msg.step.0, "result from an earlier lease holder wins");
                 }
@@ -376,6 +461,29 @@ impl Handler<AttemptDone> for Workers {
                 debug!(run_id = %msg.run_id, step = msg.step.0, attempt = msg.attempt.0, "late result dropped")
             }
         }
+        self.fill(ctx);
+    }
+}
+
+impl Handler<AttemptRejected> for Workers {
+    type Result = ();
+
+    fn handle(&mut self, msg: AttemptRejected, ctx: &mut Self::Context) {
+        let key = (msg.run_id, msg.step);
+        let Some(f) = self.inflight.get(&key) else {
+            return;
+        };
+        if f.task.attempt != msg.attempt || f.epoch != msg.epoch {
+            return;
+        }
+        let f = self.inflight.remove(&key).expect("checked above");
+        let now = self.shared.now();
+        debug!(run_id = %msg.run_id, step = msg.step.0, policy = %msg.policy, "attempt delayed by a resilience policy");
+        self.delayed.insert(key, (f.task.clone(), msg.policy, now));
+        self.shared.timers().do_send(super::timers::ScheduleTask {
+            task: f.task,
+            due: now.plus_ms(PROFILE_REJECTION_RETRY_MS),
+        });
         self.fill(ctx);
     }
 }
@@ -399,8 +507,26 @@ impl Handler<Leases> for Workers {
                 epoch: f.epoch.0,
                 expires_at: f.expires_at,
                 deliveries: f.deliveries,
+                delayed_by: None,
             })
             .collect();
+        for ((run, step), (task, policy, at)) in &self.delayed {
+            if *run == msg.run_id && !self.inflight.contains_key(&(*run, *step)) {
+                out.push(AttemptView {
+                    step: *step,
+                    attempt_id: keel_storage::AttemptId {
+                        execution: task.execution_id,
+                        attempt: task.attempt,
+                    }
+                    .to_string(),
+                    lease_owner: String::new(),
+                    epoch: 0,
+                    expires_at: *at,
+                    deliveries: 0,
+                    delayed_by: Some(policy.clone()),
+                });
+            }
+        }
         out.sort_by_key(|a| a.step);
         MessageResult(out)
     }
