@@ -2,4 +2,5 @@
 //! documents' examples as keel workflows, shared by `examples/` and
 //! `tests/`.
 
+pub mod import;
 pub mod seeds;

@@ -43,8 +43,8 @@ fn every_golden_history_replays_with_the_current_code() {
                 continue;
             }
         };
-        // A golden history is a finished run: replay must also close it.
-        assert!(bundle.is_closed(), "{} is not closed", path.display());
+        // The replayer checks that a closed history closes again and that
+        // an open one issues nothing past its end.
         let report = replayer.replay_bundle(&bundle);
         if !report.outcome.is_ok() {
             failures.push(format!("{}: {}", path.display(), report.outcome));

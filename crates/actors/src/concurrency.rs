@@ -451,6 +451,7 @@ impl<W: Workflow> ChildCall<W> {
                             EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
                             _ => None,
                         };
+                        let owner = core.current_owner;
                         core.open.insert(
                             step,
                             OpenWait {
@@ -463,6 +464,7 @@ impl<W: Workflow> ChildCall<W> {
                                 options: None,
                                 fire_at: None,
                                 child_run,
+                                owner,
                             },
                         );
                     }

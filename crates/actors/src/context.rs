@@ -29,6 +29,7 @@ pub(crate) type Spawn = Pin<Box<dyn Future<Output = ()>>>;
 pub struct WorkflowContext {
     pub(crate) core: Rc<RefCell<Core>>,
     pub(crate) spawns: Rc<RefCell<Vec<Spawn>>>,
+    pub(crate) scope_registry: crate::scope::ScopeRegistry,
 }
 
 impl std::fmt::Debug for WorkflowContext {
@@ -322,6 +323,7 @@ impl<A: Activity> Future for ActivityCall<A> {
                             EventKind::ActivityScheduled { options, .. } => options.clone(),
                             _ => this.options.clone(),
                         };
+                        let owner = core.current_owner;
                         core.open.insert(
                             step,
                             OpenWait {
@@ -334,6 +336,7 @@ impl<A: Activity> Future for ActivityCall<A> {
                                 options: Some(options),
                                 fire_at: None,
                                 child_run: None,
+                                owner,
                             },
                         );
                     }
@@ -398,6 +401,7 @@ impl Future for Timer {
                             EventKind::TimerStarted { fire_at, .. } => fire_at,
                             _ => fire_at,
                         };
+                        let owner = core.current_owner;
                         core.open.insert(
                             step,
                             OpenWait {
@@ -410,6 +414,7 @@ impl Future for Timer {
                                 options: None,
                                 fire_at: Some(fire_at),
                                 child_run: None,
+                                owner,
                             },
                         );
                     }

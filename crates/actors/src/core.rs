@@ -72,6 +72,8 @@ pub struct OpenWait {
     pub fire_at: Option<Timestamp>,
     /// For children: the child's run.
     pub child_run: Option<RunId>,
+    /// The scope and coroutine that issued it, if a scope's coroutine did.
+    pub owner: Option<(Step, u32)>,
 }
 
 /// The result of issuing a command.
@@ -115,6 +117,12 @@ pub(crate) struct Core {
     pub open: BTreeMap<Step, OpenWait>,
     pub seen_commands: HashSet<CommandId>,
     pub closed: bool,
+    /// The scope coroutine being polled (scope step, coroutine index).
+    pub current_owner: Option<(Step, u32)>,
+    /// Set while the machine is being dropped: scopes must not issue.
+    pub tearing_down: bool,
+    /// Memo fields, latest value per name.
+    pub memo: BTreeMap<String, Payload>,
 }
 
 impl Core {
@@ -145,6 +153,9 @@ impl Core {
             open: BTreeMap::new(),
             seen_commands: HashSet::new(),
             closed: false,
+            current_owner: None,
+            tearing_down: false,
+            memo: BTreeMap::new(),
         }
     }
 

@@ -12,6 +12,7 @@ pub mod context;
 mod core;
 pub mod executor;
 pub mod machine;
+pub mod scope;
 pub mod shell;
 pub mod workflow;
 
@@ -20,4 +21,5 @@ pub use activity::{Activity, ActivityContext, ActivityError, ActivityRegistry};
 pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
 pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
 pub use machine::{Input, MachineError, RunMachine, StartSpec, Verdict};
+pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
 pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};

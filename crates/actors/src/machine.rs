@@ -223,6 +223,16 @@ impl std::fmt::Debug for RunMachine {
     }
 }
 
+impl Drop for RunMachine {
+    fn drop(&mut self) {
+        // Coroutines are dropped with the executor; scopes they own must not
+        // issue cancellation commands into a machine that is going away.
+        if let Ok(mut core) = self.core.try_borrow_mut() {
+            core.tearing_down = true;
+        }
+    }
+}
+
 impl RunMachine {
     fn empty(registry: &WorkflowRegistry, started: &EventKind) -> Result<Self, MachineError> {
         let EventKind::WorkflowStarted {
@@ -554,6 +564,7 @@ impl RunMachine {
             let ctx = WorkflowContext {
                 core: self.core.clone(),
                 spawns: self.spawns.clone(),
+                scope_registry: Default::default(),
             };
             let body = self
                 .registry

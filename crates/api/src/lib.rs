@@ -59,6 +59,7 @@ pub use keel_actors::{
     format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, MachineError,
     RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
 };
+pub use keel_actors::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
 pub use keel_storage::{
     AttemptId, AttemptNo, CommandId, Durability, ExecutionId, Failure, FailureKind, GroupEntry,
     InstanceId, OperationKind, Outcome, ParentClosePolicy, Payload, RunId, RunStatus, SelectKey,

@@ -543,3 +543,234 @@ impl Replayer {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    // Goal: bundles round-trip and refuse damage with typed errors; replay
+    // reports success, a recorded-command mismatch, new commands past the
+    // end of history, and unknown workflow types, each with its kind.
+    // Method: histories made by the run machine from one workflow version,
+    // replayed with that version and with changed ones.
+    use super::*;
+    use keel_actors::machine::{Input, StartSpec};
+    use keel_actors::WorkflowError;
+    use keel_actors::{Activity, ActivityContext, ActivityError, Workflow, WorkflowContext};
+    use keel_storage::{AttemptNo, InstanceId, Payload, Seq, Timestamp};
+
+    #[derive(Default)]
+    struct A;
+    impl Activity for A {
+        const NAME: &'static str = "t.a";
+        type Input = u32;
+        type Output = u32;
+        async fn run(&self, _: ActivityContext, i: u32) -> Result<u32, ActivityError> {
+            Ok(i)
+        }
+    }
+
+    #[derive(Default)]
+    struct B;
+    impl Activity for B {
+        const NAME: &'static str = "t.b";
+        type Input = u32;
+        type Output = u32;
+        async fn run(&self, _: ActivityContext, i: u32) -> Result<u32, ActivityError> {
+            Ok(i)
+        }
+    }
+
+    /// Version 1: A, then wait for `go`.
+    struct V1;
+    impl Workflow for V1 {
+        const NAME: &'static str = "t.flow";
+        type Input = u32;
+        type Output = u32;
+        async fn run(ctx: WorkflowContext, i: u32) -> Result<u32, WorkflowError> {
+            let a = ctx.activity::<A>(i).await?;
+            let go = ctx.wait_signal::<u32>("go").await?;
+            Ok(a + go)
+        }
+    }
+
+    /// Version 2: A, then B (new), then wait for `go`.
+    struct V2;
+    impl Workflow for V2 {
+        const NAME: &'static str = "t.flow";
+        type Input = u32;
+        type Output = u32;
+        async fn run(ctx: WorkflowContext, i: u32) -> Result<u32, WorkflowError> {
+            let a = ctx.activity::<A>(i).await?;
+            let b = ctx.activity::<B>(a).await?;
+            let go = ctx.wait_signal::<u32>("go").await?;
+            Ok(b + go)
+        }
+    }
+
+    /// Version 3: B first.
+    struct V3;
+    impl Workflow for V3 {
+        const NAME: &'static str = "t.flow";
+        type Input = u32;
+        type Output = u32;
+        async fn run(ctx: WorkflowContext, i: u32) -> Result<u32, WorkflowError> {
+            Ok(ctx.activity::<B>(i).await?)
+        }
+    }
+
+    fn registry<W: Workflow>() -> WorkflowRegistry {
+        let mut r = WorkflowRegistry::new();
+        r.register::<W>();
+        r
+    }
+
+    /// V1's history: started, A scheduled and completed, then (when
+    /// `close`) the signal and the completion.
+    fn history(close: bool) -> (RunMeta, Vec<Event>) {
+        let run_id = RunId::from_u64_pair(9, 9);
+        let spec = StartSpec {
+            run_id,
+            instance_id: InstanceId::new("t-1"),
+            workflow_type: "t.flow".into(),
+            input: Payload::encode(&5u32).unwrap(),
+            command_id: None,
+            parent: None,
+            continued_from: None,
+            random_seed: 1,
+        };
+        let reg = registry::<V1>();
+        let (mut m, mut events) = RunMachine::start(&reg, spec, Timestamp(1)).unwrap();
+        let input = Input::ActivityCompleted {
+            step: Step(1),
+            attempt: AttemptNo::FIRST,
+            result: Payload::encode(&5u32).unwrap(),
+        };
+        events.extend(m.handle(input, Timestamp(2)).unwrap());
+        if close {
+            let go = Input::Signal {
+                name: "go".into(),
+                payload: Payload::encode(&1u32).unwrap(),
+                command_id: None,
+            };
+            events.extend(m.handle(go, Timestamp(3)).unwrap());
+            assert!(m.is_closed());
+        }
+        let meta = RunMeta {
+            run_id,
+            instance_id: InstanceId::new("t-1"),
+            workflow_type: "t.flow".into(),
+            status: if close {
+                RunStatus::Completed
+            } else {
+                RunStatus::Running
+            },
+            next_seq: Seq(events.len() as u64 + 1),
+            parent: None,
+            started_at: Timestamp(1),
+            updated_at: Timestamp(3),
+            closed_at: None,
+            outcome: None,
+            cancel_requested: false,
+        };
+        (meta, events)
+    }
+
+    #[test]
+    fn bundles_round_trip_and_refuse_damage() {
+        let (meta, events) = history(true);
+        let bundle = Bundle::new(meta.clone(), events.clone()).unwrap();
+        let bytes = bundle.encode().unwrap();
+        assert_eq!(Bundle::decode(&bytes).unwrap(), bundle);
+        let mut flipped = bytes.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        assert!(matches!(
+            Bundle::decode(&flipped),
+            Err(Error::Codec(codec::Error::Checksum { .. }))
+        ));
+        assert!(matches!(
+            Bundle::decode(&bytes[..bytes.len() / 2]),
+            Err(Error::Codec(_))
+        ));
+        let mut gap = events.clone();
+        gap.remove(1);
+        assert!(matches!(
+            Bundle::new(meta.clone(), gap),
+            Err(Error::Inconsistent(_))
+        ));
+        let mut other = meta.clone();
+        other.run_id = RunId::from_u64_pair(1, 2);
+        assert!(matches!(
+            Bundle::new(other, events.clone()),
+            Err(Error::Inconsistent(_))
+        ));
+        let foreign = Bundle {
+            format: "zip".into(),
+            ..bundle.clone()
+        };
+        let bytes = codec::encode(RecordKind::Bundle, &foreign).unwrap();
+        assert!(matches!(Bundle::decode(&bytes), Err(Error::Format { .. })));
+        let newer = Bundle {
+            version: BUNDLE_VERSION + 1,
+            ..bundle
+        };
+        let bytes = codec::encode(RecordKind::Bundle, &newer).unwrap();
+        assert!(matches!(Bundle::decode(&bytes), Err(Error::Version { .. })));
+    }
+
+    #[test]
+    fn replay_reports_each_outcome_with_its_kind() {
+        let (meta, closed) = history(true);
+        let (_, open) = history(false);
+        let v1 = Replayer::new(registry::<V1>());
+        assert_eq!(v1.replay_events(closed.clone(), true), ReplayOutcome::Ok);
+        assert_eq!(v1.replay_events(open.clone(), false), ReplayOutcome::Ok);
+        let report = v1.replay_bundle(&Bundle::new(meta, closed.clone()).unwrap());
+        assert!(report.outcome.is_ok() && report.events == closed.len() as u64);
+
+        // A recorded command that the code now issues differently.
+        match Replayer::new(registry::<V3>()).replay_events(closed.clone(), true) {
+            ReplayOutcome::Diverged {
+                step,
+                recorded,
+                issued,
+            } => {
+                assert_eq!(step, Step(1));
+                assert!(
+                    recorded.contains("t.a") && issued.contains("t.b"),
+                    "{recorded} / {issued}"
+                );
+            }
+            other => panic!("expected a divergence, got {other}"),
+        }
+
+        // New code that issues a command after the last recorded input: the
+        // engine would wait on a command that was never committed.
+        let v2 = Replayer::new(registry::<V2>());
+        match v2.replay_events(open, false) {
+            ReplayOutcome::Diverged {
+                step,
+                recorded,
+                issued,
+            } => {
+                assert_eq!(step, Step(2));
+                assert!(recorded.starts_with("nothing"), "{recorded}");
+                assert!(issued.contains("schedule activity t.b"), "{issued}");
+            }
+            other => panic!("expected a divergence, got {other}"),
+        }
+        // On the closed history V2 diverges where history recorded the close.
+        assert_eq!(
+            v2.replay_events(closed.clone(), true).kind(),
+            "non_determinism"
+        );
+
+        let none = Replayer::new(WorkflowRegistry::new());
+        let out = none.replay_events(closed, true);
+        assert_eq!(out.kind(), "unknown_workflow_type", "{out}");
+        assert!(!out.is_ok());
+        assert_eq!(
+            none.replay_events(Vec::new(), false).kind(),
+            "invalid_history"
+        );
+    }
+}

@@ -23,6 +23,8 @@ pub(crate) enum BenchCommand {
     /// W2: one workflow fanning out to N no-op activities (`all`, or
     /// `all_limited` with `--limit`).
     W2(crate::bench_fanout::W2Args),
+    /// Memory per run of N runs waiting on a signal, cached or passivated.
+    Idle(crate::bench_fanout::IdleArgs),
     /// Storage only: commits/s and latency of concurrent committers, Sync
     /// and Buffered, beside the disk's own fsync rate.
     Append(bench_store::AppendArgs),
@@ -38,6 +40,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::W1(args) => w1(args),
         BenchCommand::W2(args) => crate::bench_fanout::w2(args),
+        BenchCommand::Idle(args) => crate::bench_fanout::idle(args),
         BenchCommand::Append(args) => bench_store::append(args),
         BenchCommand::Read(args) => bench_store::read(args),
         BenchCommand::Replay(args) => keel_cli::replay_bench::replay(args),

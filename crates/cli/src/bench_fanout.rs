@@ -129,3 +129,134 @@ pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// Arguments of `keel bench idle`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct IdleArgs {
+    /// Workflows to start; each then waits on a signal.
+    #[arg(long, default_value_t = 100_000)]
+    runs: u64,
+    /// Keep every run's actor and machine in memory (`cached`) or keep at
+    /// most 1,000 and passivate the rest (`passivated`).
+    #[arg(long, default_value = "passivated")]
+    mode: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+struct WaitForSignal;
+impl Workflow for WaitForSignal {
+    const NAME: &'static str = "bench.idle";
+    type Input = u64;
+    type Output = String;
+    async fn run(ctx: WorkflowContext, _i: u64) -> Result<String, WorkflowError> {
+        Ok(ctx.wait_signal::<String>("go").await?)
+    }
+}
+
+#[derive(Serialize)]
+struct IdleReport {
+    workload: String,
+    runs: u64,
+    mode: String,
+    rss_before_mb: f64,
+    rss_after_mb: f64,
+    bytes_per_run: f64,
+    store_memory_mb: f64,
+    bytes_per_run_excluding_store: f64,
+    start_s: f64,
+}
+
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Memory per run of N runs waiting on a signal, cached or passivated.
+pub(crate) fn idle(args: IdleArgs) -> anyhow::Result<ExitCode> {
+    let cached = match args.mode.as_str() {
+        "cached" => true,
+        "passivated" => false,
+        other => anyhow::bail!("--mode must be cached or passivated, not {other:?}"),
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("keel-bench-idle")
+        .tempdir()?;
+    let config = keel::EngineConfig {
+        run_cache_max: if cached {
+            args.runs as usize + 1
+        } else {
+            1_000
+        },
+        ..Default::default()
+    };
+    let engine = Engine::builder()
+        .data_dir(dir.path())
+        .config(config)
+        .register_workflow::<WaitForSignal>()
+        .build()?;
+    let client = engine.client();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let before = rss_mb();
+    let t0 = Instant::now();
+    rt.block_on(async {
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(256));
+        let mut tasks = Vec::new();
+        for i in 0..args.runs {
+            let permit = sem.clone().acquire_owned().await?;
+            let c = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let _p = permit;
+                c.start::<WaitForSignal>(&format!("idle-{i}"), &i).await
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        Ok::<(), anyhow::Error>(())
+    })?;
+    let start_s = t0.elapsed().as_secs_f64();
+    // Let passivation and RocksDB settle before reading memory.
+    std::thread::sleep(Duration::from_millis(500));
+    let after = rss_mb();
+    let store_mb = engine.store().memory_bytes().unwrap_or(0) as f64 / (1024.0 * 1024.0);
+    let report = IdleReport {
+        workload: format!("idle runs={} mode={}", args.runs, args.mode),
+        runs: args.runs,
+        mode: args.mode.clone(),
+        rss_before_mb: before,
+        rss_after_mb: after,
+        bytes_per_run: (after - before).max(0.0) * 1024.0 * 1024.0 / args.runs as f64,
+        store_memory_mb: store_mb,
+        bytes_per_run_excluding_store: (after - before - store_mb).max(0.0) * 1024.0 * 1024.0
+            / args.runs as f64,
+        start_s,
+    };
+    engine.shutdown(Duration::from_secs(10));
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{}: {:.0} bytes per run, {:.0} excluding the store's {:.0} MiB of memtables and caches (rss {:.0} -> {:.0} MiB), started in {:.1} s",
+            report.workload,
+            report.bytes_per_run,
+            report.bytes_per_run_excluding_store,
+            report.store_memory_mb,
+            report.rss_before_mb,
+            report.rss_after_mb,
+            report.start_s
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -211,6 +211,7 @@ pub(crate) fn list(args: ListArgs) -> anyhow::Result<ExitCode> {
 /// One field of an event line.
 enum Field<'a> {
     Text(String),
+    Number(u64),
     Payload(&'a Payload),
 }
 
@@ -281,7 +282,7 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             retry_at,
             ..
         } => vec![
-            ("attempt", text(attempt_id.attempt)),
+            ("attempt", Field::Number(attempt_id.attempt.0.into())),
             (
                 "retry_at",
                 text(retry_at.map_or("none (execution failed)".into(), time)),
@@ -291,7 +292,7 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
         K::ActivityCompleted {
             attempt_id, result, ..
         } => vec![
-            ("attempt", text(attempt_id.attempt)),
+            ("attempt", Field::Number(attempt_id.attempt.0.into())),
             ("result", Field::Payload(result)),
         ],
         K::ActivityCancelRequested { execution_id, .. }
@@ -365,22 +366,25 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             member_step,
             ..
         } => vec![
-            ("member", text(member_index)),
+            ("member", Field::Number((*member_index).into())),
             ("key", text(key)),
             ("operation", text(format!("{operation:?}"))),
-            ("member_step", text(member_step)),
+            ("member_step", Field::Number(member_step.0.into())),
         ],
         K::SelectionOperationCancelled {
             member_index,
             member_step,
             ..
         } => vec![
-            ("member", text(member_index)),
-            ("member_step", text(member_step)),
+            ("member", Field::Number((*member_index).into())),
+            ("member_step", Field::Number(member_step.0.into())),
         ],
         K::VersionMarker {
             change_id, version, ..
-        } => vec![("change", text(change_id)), ("version", text(version))],
+        } => vec![
+            ("change", text(change_id)),
+            ("version", Field::Number((*version).into())),
+        ],
         K::MemoUpserted { fields: pairs } | K::SearchAttributesUpserted { attributes: pairs } => {
             let names: Vec<&str> = pairs.iter().map(|(n, _)| n.as_str()).collect();
             vec![("names", text(names.join(",")))]
@@ -420,6 +424,7 @@ fn event_json(e: &Event) -> Value {
     for (name, f) in fields(e) {
         let v = match f {
             Field::Text(s) => Value::String(s),
+            Field::Number(n) => json!(n),
             Field::Payload(p) => payload_json(p),
         };
         obj.insert(name.into(), v);
@@ -443,6 +448,7 @@ fn event_line(e: &Event, w: &ShowWidths) -> String {
         }
         let v = match f {
             Field::Text(s) => s,
+            Field::Number(n) => n.to_string(),
             Field::Payload(p) => p.preview(PREVIEW_CHARS_MAX),
         };
         detail.push_str(name);
@@ -470,6 +476,7 @@ pub(crate) fn show(args: ShowArgs) -> anyhow::Result<ExitCode> {
     };
     let mut read = Ok(());
     let mut count = 0u64;
+    let mut reader_gone = false;
     to_stdout(|out| {
         if !args.json {
             writeln!(
@@ -503,6 +510,7 @@ pub(crate) fn show(args: ShowArgs) -> anyhow::Result<ExitCode> {
             match written {
                 Ok(()) => true,
                 Err(e) => {
+                    reader_gone = e.kind() == std::io::ErrorKind::BrokenPipe;
                     io_err = Some(e);
                     false
                 }
@@ -511,7 +519,7 @@ pub(crate) fn show(args: ShowArgs) -> anyhow::Result<ExitCode> {
         io_err.map_or(Ok(()), Err)
     })?;
     read.with_context(|| format!("reading run {}", meta.run_id))?;
-    if count < last {
+    if count < last && !reader_gone {
         eprintln!("printed {count} of {last} events");
     }
     Ok(ExitCode::SUCCESS)
@@ -559,6 +567,8 @@ struct Description {
     parent: Option<String>,
     cancel_requested: bool,
     outcome: Option<String>,
+    /// A completed run's result, decoded.
+    result: Option<Value>,
     parked: Option<keel_storage::ParkInfo>,
     pending: Vec<PendingView>,
     /// Signals the code waits for, from replaying the history with this
@@ -691,6 +701,10 @@ fn describe_run(
             .map(|p| format!("{} step {}", p.run_id, p.step)),
         cancel_requested: meta.cancel_requested,
         outcome: meta.outcome.as_ref().map(outcome_text),
+        result: match &meta.outcome {
+            Some(Outcome::Completed(p)) => Some(payload_json(p)),
+            _ => None,
+        },
         parked: store.parked(meta.run_id)?,
         pending,
         signal_waits,

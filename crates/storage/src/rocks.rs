@@ -399,6 +399,26 @@ impl Store for RocksStore {
     fn durability(&self) -> Durability {
         self.durability
     }
+
+    fn memory_bytes(&self) -> Option<u64> {
+        let mut total = 0;
+        for cf in Cf::ALL {
+            let h = self.db.cf_handle(cf.name())?;
+            for p in [
+                "rocksdb.cur-size-all-mem-tables",
+                "rocksdb.estimate-table-readers-mem",
+                "rocksdb.block-cache-usage",
+            ] {
+                total += self
+                    .db
+                    .property_int_value_cf(&h, p)
+                    .ok()
+                    .flatten()
+                    .unwrap_or(0);
+            }
+        }
+        Some(total)
+    }
 }
 
 /// Groups of at most this many commits are answered by the writer itself;

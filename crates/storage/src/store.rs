@@ -112,6 +112,12 @@ pub trait Store: Send + Sync + 'static {
     /// The durability mode commits are acknowledged under.
     fn durability(&self) -> Durability;
 
+    /// Bytes the store holds in memory for buffering and caching (memtables,
+    /// table readers, block cache), where the backend can tell.
+    fn memory_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// A run's whole history.
     fn history(&self, run: RunId) -> Result<Vec<Event>> {
         self.history_from(run, Seq::FIRST)

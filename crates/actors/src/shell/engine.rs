@@ -1016,6 +1016,20 @@ pub struct RunDescription {
     pub cancel_requested: bool,
     /// Why it is parked, if it is.
     pub parked: Option<ParkInfo>,
+    /// Memo fields (latest value of each, as JSON text), e.g. progress.
+    pub memo: Vec<(String, String)>,
+}
+
+fn memo_of(history: &[keel_storage::Event]) -> Vec<(String, String)> {
+    let mut memo: BTreeMap<String, String> = BTreeMap::new();
+    for e in history {
+        if let EventKind::MemoUpserted { fields } = &e.kind {
+            for (k, v) in fields {
+                memo.insert(k.clone(), v.preview(200));
+            }
+        }
+    }
+    memo.into_iter().collect()
 }
 
 /// A cloneable handle for starting, signalling, awaiting and inspecting
@@ -1263,6 +1277,7 @@ impl Client {
             children: kids,
             cancel_requested: meta.cancel_requested,
             parked: store.parked(run)?,
+            memo: memo_of(&history),
         })
     }
 

@@ -1,0 +1,660 @@
+//! The invariants the simulator checks, independently of the store's own
+//! validation.
+//!
+//! During a run (after every step, on the runs the step touched, and on
+//! every run after a crash): the log is append-only and gap-free (a shadow
+//! copy of every acknowledged event must still be in the store, byte for
+//! byte); at most one committed terminal event per durable id (computed
+//! from the events with `EventKind::terminal_keys`, not from the store's
+//! dedupe records); every effect names an event that is already durable;
+//! a `select` winner, once acknowledged, never changes. At the end: offline
+//! replay of every final history reproduces it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use keel_actors::{Input, RunMachine, StartSpec, WorkflowRegistry};
+use keel_storage::codec::{self, RecordKind};
+use keel_storage::event::DurableKey;
+use keel_storage::keys::{self, Cf};
+use keel_storage::{AttemptNo, Event, EventKind, RunFilter, RunId, SelectKey, Seq, Step};
+use serde::Serialize;
+
+use crate::store::SimStore;
+
+/// What kind of invariant a violation breaks.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ViolationKind {
+    /// An acknowledged event changed, or a history has a gap.
+    LogRewritten,
+    /// An acknowledged event is gone after a crash.
+    AckedCommitLost,
+    /// A durable id has two committed terminal events.
+    DuplicateTerminal,
+    /// An effect ran for an event that was not durable.
+    EffectBeforeDurable,
+    /// An acknowledged `select` winner changed.
+    SelectWinnerChanged,
+    /// The store refused a commit the engine believed valid.
+    CommitRefused,
+    /// A run was parked.
+    Parked,
+    /// A workflow did not finish after the faults stopped.
+    NotFinished,
+    /// A workflow finished with another outcome than the fault-free run.
+    OutcomeMismatch,
+    /// Offline replay of a final history does not reproduce it.
+    ReplayMismatch,
+    /// An instance ran more than one run chain.
+    DuplicateRun,
+    /// `verify` found the store inconsistent.
+    VerifyFailed,
+    /// The simulation did not settle within its step or time limit.
+    NoQuiescence,
+}
+
+impl ViolationKind {
+    /// The kebab-case name used in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            ViolationKind::LogRewritten => "log-rewritten",
+            ViolationKind::AckedCommitLost => "acked-commit-lost",
+            ViolationKind::DuplicateTerminal => "duplicate-terminal",
+            ViolationKind::EffectBeforeDurable => "effect-before-durable",
+            ViolationKind::SelectWinnerChanged => "select-winner-changed",
+            ViolationKind::CommitRefused => "commit-refused",
+            ViolationKind::Parked => "parked",
+            ViolationKind::NotFinished => "not-finished",
+            ViolationKind::OutcomeMismatch => "outcome-mismatch",
+            ViolationKind::ReplayMismatch => "replay-mismatch",
+            ViolationKind::DuplicateRun => "duplicate-run",
+            ViolationKind::VerifyFailed => "verify-failed",
+            ViolationKind::NoQuiescence => "no-quiescence",
+        }
+    }
+}
+
+impl fmt::Display for ViolationKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One broken invariant.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+pub struct Violation {
+    /// Which invariant.
+    pub kind: ViolationKind,
+    /// Virtual time it was found at, in milliseconds.
+    pub at_ms: u64,
+    /// What was expected and what was found.
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{} at {} ms] {}", self.kind, self.at_ms, self.detail)
+    }
+}
+
+#[derive(Default)]
+struct Shadow {
+    /// Encoded bytes of every event known durable: acknowledged, or found
+    /// in the store after a crash.
+    events: BTreeMap<Seq, Vec<u8>>,
+    /// Terminal durable ids of those events.
+    terminals: BTreeMap<DurableKey, Seq>,
+}
+
+/// The checker's own record of what was acknowledged.
+#[derive(Default)]
+pub(crate) struct Checker {
+    runs: BTreeMap<RunId, Shadow>,
+    winners: BTreeMap<(RunId, Step), (u32, SelectKey)>,
+    touched: BTreeSet<RunId>,
+    pub(crate) violations: Vec<Violation>,
+}
+
+pub(crate) fn encode_event(e: &Event) -> Vec<u8> {
+    codec::encode(RecordKind::Event, e).expect("an event the machine produced encodes")
+}
+
+impl Checker {
+    fn violate(&mut self, kind: ViolationKind, at_ms: u64, detail: String) {
+        self.violations.push(Violation {
+            kind,
+            at_ms,
+            detail,
+        });
+    }
+
+    pub(crate) fn failed(&self) -> bool {
+        !self.violations.is_empty()
+    }
+
+    /// Marks a run as touched by this step (its commit was written).
+    pub(crate) fn touch(&mut self, run: RunId) {
+        self.touched.insert(run);
+    }
+
+    /// Records events as durable: acknowledged by the group commit, or
+    /// found in the store after a crash.
+    pub(crate) fn durable(&mut self, run: RunId, events: &[Event], now: u64) {
+        self.touched.insert(run);
+        for e in events {
+            let bytes = encode_event(e);
+            let shadow = self.runs.entry(run).or_default();
+            if let Some(old) = shadow.events.get(&e.seq) {
+                if *old != bytes {
+                    self.violate(
+                        ViolationKind::LogRewritten,
+                        now,
+                        format!(
+                            "run {run} seq {}: acknowledged twice with different contents ({})",
+                            e.seq,
+                            e.kind.name()
+                        ),
+                    );
+                }
+                continue;
+            }
+            shadow.events.insert(e.seq, bytes);
+            let mut dup = None;
+            for key in e.kind.terminal_keys() {
+                match shadow.terminals.get(&key) {
+                    Some(first) if *first != e.seq => dup = Some((key, *first)),
+                    Some(_) => {}
+                    None => {
+                        shadow.terminals.insert(key, e.seq);
+                    }
+                }
+            }
+            if let Some((key, first)) = dup {
+                self.violate(
+                    ViolationKind::DuplicateTerminal,
+                    now,
+                    format!(
+                        "run {run}: {key} has terminal events at seq {first} and seq {} ({})",
+                        e.seq,
+                        e.kind.name()
+                    ),
+                );
+            }
+            if let EventKind::SelectionWinnerRecorded {
+                step,
+                member_index,
+                key,
+                ..
+            } = &e.kind
+            {
+                let winner = (*member_index, key.clone());
+                match self.winners.get(&(run, *step)) {
+                    Some(w) if *w != winner => {
+                        let detail = format!(
+                            "run {run} select at step {step}: winner {} ({}) became {} ({})",
+                            w.0, w.1, winner.0, winner.1
+                        );
+                        self.violate(ViolationKind::SelectWinnerChanged, now, detail);
+                    }
+                    Some(_) => {}
+                    None => {
+                        self.winners.insert((run, *step), winner);
+                    }
+                }
+            }
+        }
+    }
+
+    /// An effect is about to run for `event` of `run`: the event must be
+    /// durable already, with exactly these contents.
+    pub(crate) fn effect(
+        &mut self,
+        store: &SimStore,
+        run: RunId,
+        event: &Event,
+        what: &str,
+        now: u64,
+    ) {
+        let durable = store.durable_event(run, event.seq);
+        if durable.as_deref() != Some(encode_event(event).as_slice()) {
+            let found = if durable.is_some() {
+                "other contents"
+            } else {
+                "nothing"
+            };
+            self.violate(
+                ViolationKind::EffectBeforeDurable,
+                now,
+                format!(
+                    "{what} for run {run} seq {} ({}) ran while the durable log holds {found} there",
+                    event.seq,
+                    event.kind.name()
+                ),
+            );
+        }
+    }
+
+    /// After a crash: every acknowledged event must still be there, and
+    /// whatever the store kept is durable from now on.
+    pub(crate) fn after_crash(&mut self, store: &SimStore, now: u64) {
+        let known: Vec<RunId> = self.runs.keys().copied().collect();
+        for run in known {
+            self.check_run(store, run, now, true);
+        }
+        let metas = match store.store().runs(&RunFilter::default()) {
+            Ok(m) => m,
+            Err(e) => {
+                self.violate(
+                    ViolationKind::LogRewritten,
+                    now,
+                    format!("runs unreadable after the crash: {e}"),
+                );
+                return;
+            }
+        };
+        for meta in metas {
+            match store.store().history(meta.run_id) {
+                Ok(h) => self.durable(meta.run_id, &h, now),
+                Err(e) => self.violate(
+                    ViolationKind::LogRewritten,
+                    now,
+                    format!("run {} unreadable after the crash: {e}", meta.run_id),
+                ),
+            }
+        }
+        self.touched.clear();
+    }
+
+    /// Checks the runs touched since the last call.
+    pub(crate) fn check_touched(&mut self, store: &SimStore, now: u64) {
+        let touched = std::mem::take(&mut self.touched);
+        for run in touched {
+            self.check_run(store, run, now, false);
+        }
+    }
+
+    /// Checks every run.
+    pub(crate) fn check_all(&mut self, store: &SimStore, now: u64) {
+        let known: Vec<RunId> = self.runs.keys().copied().collect();
+        for run in known {
+            self.check_run(store, run, now, false);
+        }
+        self.touched.clear();
+    }
+
+    /// The store's history of `run` is gap-free from seq 1, holds every
+    /// shadow event byte for byte, and its events beyond the shadow close
+    /// no durable id twice.
+    fn check_run(&mut self, store: &SimStore, run: RunId, now: u64, after_crash: bool) {
+        let mut expected = Seq::FIRST;
+        let mut problems: Vec<(ViolationKind, String)> = Vec::new();
+        let mut tail: Vec<Vec<u8>> = Vec::new();
+        let shadow = self.runs.get(&run);
+        let mut matched = 0usize;
+        let scan = store.store().view().scan(
+            Cf::Events,
+            run.as_bytes(),
+            &keys::event_key(run, Seq::FIRST),
+            &mut |k, v| {
+                let seq = keys::parse_event_key(k).map(|(_, s)| s);
+                if seq != Some(expected) {
+                    problems.push((
+                        ViolationKind::LogRewritten,
+                        format!("run {run}: expected seq {expected}, found {seq:?} (a gap)"),
+                    ));
+                    return false;
+                }
+                match shadow.and_then(|s| s.events.get(&expected)) {
+                    Some(bytes) if bytes.as_slice() == v => matched += 1,
+                    Some(_) => problems.push((
+                        ViolationKind::LogRewritten,
+                        format!("run {run} seq {expected}: an acknowledged event was rewritten"),
+                    )),
+                    None => tail.push(v.to_vec()),
+                }
+                expected = expected.next();
+                true
+            },
+        );
+        if let Err(e) = scan {
+            problems.push((
+                ViolationKind::LogRewritten,
+                format!("run {run}: events unreadable: {e}"),
+            ));
+        }
+        let shadow_len = shadow.map_or(0, |s| s.events.len());
+        if matched < shadow_len {
+            let lost = shadow
+                .map(|s| {
+                    s.events
+                        .keys()
+                        .filter(|seq| **seq >= expected)
+                        .map(|s| s.0.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .unwrap_or_default();
+            let kind = if after_crash {
+                ViolationKind::AckedCommitLost
+            } else {
+                ViolationKind::LogRewritten
+            };
+            problems.push((
+                kind,
+                format!("run {run}: acknowledged events at seq {lost} are no longer in the store"),
+            ));
+        }
+        // Events written but not known durable yet: decode them for the
+        // terminal-id check (few: the group commit acknowledges quickly).
+        let mut seen: BTreeMap<DurableKey, Seq> =
+            shadow.map(|s| s.terminals.clone()).unwrap_or_default();
+        for bytes in tail {
+            let e: Event = match codec::decode(RecordKind::Event, &bytes) {
+                Ok(e) => e,
+                Err(err) => {
+                    problems.push((
+                        ViolationKind::LogRewritten,
+                        format!("run {run}: an event does not decode: {err}"),
+                    ));
+                    continue;
+                }
+            };
+            for key in e.kind.terminal_keys() {
+                if let Some(first) = seen.get(&key) {
+                    problems.push((
+                        ViolationKind::DuplicateTerminal,
+                        format!(
+                            "run {run}: {key} has terminal events at seq {first} and seq {} ({})",
+                            e.seq,
+                            e.kind.name()
+                        ),
+                    ));
+                } else {
+                    seen.insert(key, e.seq);
+                }
+            }
+        }
+        for (kind, detail) in problems {
+            self.violate(kind, now, detail);
+        }
+    }
+
+    /// The winners acknowledged so far must match the final histories.
+    pub(crate) fn check_winners(&mut self, histories: &BTreeMap<RunId, Vec<Event>>, now: u64) {
+        let mut problems = Vec::new();
+        for ((run, step), (index, key)) in &self.winners {
+            let found = histories.get(run).and_then(|h| {
+                h.iter().find_map(|e| match &e.kind {
+                    EventKind::SelectionWinnerRecorded {
+                        step: s,
+                        member_index,
+                        key,
+                        ..
+                    } if s == step => Some((*member_index, key.clone())),
+                    _ => None,
+                })
+            });
+            if found.as_ref() != Some(&(*index, key.clone())) {
+                problems.push(format!(
+                    "run {run} select at step {step}: acknowledged winner {index} ({key}), final history has {found:?}"
+                ));
+            }
+        }
+        for p in problems {
+            self.violate(ViolationKind::SelectWinnerChanged, now, p);
+        }
+    }
+}
+
+/// True for the events that are inputs (the machine is handed them), as
+/// opposed to commands workflow code issues.
+fn is_input(kind: &EventKind) -> bool {
+    matches!(
+        kind,
+        EventKind::WorkflowStarted { .. }
+            | EventKind::ActivityCompleted { .. }
+            | EventKind::ActivityAttemptFailed { .. }
+            | EventKind::ActivityCancelled { .. }
+            | EventKind::TimerFired { .. }
+            | EventKind::ChildStarted { .. }
+            | EventKind::ChildCompleted { .. }
+            | EventKind::ChildFailed { .. }
+            | EventKind::SignalReceived { .. }
+            | EventKind::WorkflowCancelRequested { .. }
+            | EventKind::WorkflowTerminated { .. }
+    )
+}
+
+/// The live input that produced an input event, where it can be rebuilt
+/// exactly (a failed attempt with a retry carries a jitter draw that history
+/// does not keep).
+fn input_of(kind: &EventKind) -> Option<Input> {
+    Some(match kind.clone() {
+        EventKind::ActivityCompleted {
+            step,
+            attempt_id,
+            result,
+        } => Input::ActivityCompleted {
+            step,
+            attempt: attempt_id.attempt,
+            result,
+        },
+        EventKind::ActivityAttemptFailed {
+            step,
+            attempt_id,
+            failure,
+            retry_at: None,
+        } => Input::ActivityFailed {
+            step,
+            attempt: attempt_id.attempt,
+            failure,
+            jitter: 0,
+        },
+        EventKind::ActivityCancelled { step, .. } => Input::ActivityCancelled { step },
+        EventKind::TimerFired { step, .. } => Input::TimerFired { step },
+        EventKind::ChildStarted { step, child_run_id } => {
+            Input::ChildStarted { step, child_run_id }
+        }
+        EventKind::ChildCompleted {
+            step,
+            child_run_id,
+            result,
+        } => Input::ChildCompleted {
+            step,
+            child_run_id,
+            result,
+        },
+        EventKind::ChildFailed {
+            step,
+            child_run_id,
+            failure,
+        } => Input::ChildFailed {
+            step,
+            child_run_id,
+            failure,
+        },
+        EventKind::SignalReceived {
+            name,
+            payload,
+            command_id,
+        } => Input::Signal {
+            name,
+            payload,
+            command_id,
+        },
+        EventKind::WorkflowCancelRequested { command_id, reason } => {
+            Input::CancelRequested { reason, command_id }
+        }
+        EventKind::WorkflowTerminated { reason } => Input::Terminate { reason },
+        _ => return None,
+    })
+}
+
+/// The start spec recorded in a `WorkflowStarted` event.
+pub(crate) fn spec_of(kind: &EventKind) -> Option<StartSpec> {
+    match kind.clone() {
+        EventKind::WorkflowStarted {
+            instance_id,
+            run_id,
+            workflow_type,
+            input,
+            command_id,
+            parent,
+            continued_from,
+            random_seed,
+        } => Some(StartSpec {
+            run_id,
+            instance_id,
+            workflow_type,
+            input,
+            command_id,
+            parent,
+            continued_from,
+            random_seed,
+        }),
+        _ => None,
+    }
+}
+
+/// Offline replay of a closed run's final history reproduces it: replay
+/// succeeds and ends closed, and re-running the last input on a machine
+/// replayed up to it produces exactly the recorded tail (the final commit).
+pub(crate) fn replay_check(reg: &WorkflowRegistry, history: &[Event]) -> Result<(), String> {
+    let m = RunMachine::replay(reg, history.to_vec()).map_err(|e| format!("replay failed: {e}"))?;
+    if !m.is_closed() {
+        return Err("replay of the final history does not end closed".into());
+    }
+    let k = history
+        .iter()
+        .rposition(|e| is_input(&e.kind))
+        .ok_or("the history has no input")?;
+    let input_event = &history[k];
+    let produced = if k == 0 {
+        let spec = spec_of(&input_event.kind).ok_or("the first event is not WorkflowStarted")?;
+        RunMachine::start(reg, spec, input_event.at)
+            .map_err(|e| format!("re-running the start failed: {e}"))?
+            .1
+    } else {
+        let Some(input) = input_of(&input_event.kind) else {
+            return Ok(());
+        };
+        let mut m = RunMachine::replay(reg, history[..k].to_vec())
+            .map_err(|e| format!("replay up to seq {} failed: {e}", input_event.seq))?;
+        m.handle(input, input_event.at)
+            .map_err(|e| format!("re-running seq {} failed: {e}", input_event.seq))?
+    };
+    if produced.as_slice() != &history[k..] {
+        let names = |es: &[Event]| {
+            es.iter()
+                .map(|e| format!("{}:{}", e.seq, e.kind.name()))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        return Err(format!(
+            "re-running the last input (seq {}) produced [{}], history has [{}]",
+            input_event.seq,
+            names(&produced),
+            names(&history[k..])
+        ));
+    }
+    Ok(())
+}
+
+/// The attempt number an input refers to, for traces.
+pub(crate) fn attempt_of(input: &Input) -> Option<AttemptNo> {
+    match input {
+        Input::ActivityCompleted { attempt, .. } | Input::ActivityFailed { attempt, .. } => {
+            Some(*attempt)
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Goal: each in-run detector of the checker fires on exactly what it
+    // guards against, independently of the engine model (the simulator's
+    // broken modes are usually caught by an earlier detector, so these
+    // prove the later ones can fail too). Method: drive the checker by hand
+    // against an in-memory store: acknowledge without syncing and crash,
+    // run an effect for an unsynced event, acknowledge two terminal events
+    // for one command id.
+
+    use super::*;
+    use crate::store::{SimStore, StoreKind};
+    use keel_storage::{CommandId, CommitBatch, CrashMode, InstanceId, Payload, Timestamp};
+
+    fn started(run: RunId) -> Event {
+        Event {
+            seq: Seq::FIRST,
+            at: Timestamp(1),
+            kind: EventKind::WorkflowStarted {
+                instance_id: InstanceId::new("i"),
+                run_id: run,
+                workflow_type: "w".into(),
+                input: Payload::default(),
+                command_id: None,
+                parent: None,
+                continued_from: None,
+                random_seed: 0,
+            },
+        }
+    }
+
+    fn signal(seq: u64, command: &str) -> Event {
+        Event {
+            seq: Seq(seq),
+            at: Timestamp(2),
+            kind: EventKind::SignalReceived {
+                name: "s".into(),
+                payload: Payload::default(),
+                command_id: Some(CommandId::new(command)),
+            },
+        }
+    }
+
+    #[test]
+    fn an_acknowledged_commit_dropped_by_a_crash_is_reported() {
+        let mut store = SimStore::open(StoreKind::Mem).expect("opens");
+        let run = RunId::from_u64_pair(1, 1);
+        let events = vec![started(run)];
+        store
+            .commit(CommitBatch::append(run, events.clone()))
+            .expect("commits");
+        let mut c = Checker::default();
+        c.durable(run, &events, 1);
+        c.check_touched(&store, 1);
+        assert!(c.violations.is_empty(), "{:?}", c.violations);
+        store.crash(CrashMode::DropUnsynced).expect("crashes");
+        c.after_crash(&store, 2);
+        assert_eq!(c.violations[0].kind, ViolationKind::AckedCommitLost);
+    }
+
+    #[test]
+    fn an_effect_for_an_unsynced_event_is_reported_and_a_synced_one_is_not() {
+        let mut store = SimStore::open(StoreKind::Mem).expect("opens");
+        let run = RunId::from_u64_pair(1, 2);
+        let e = started(run);
+        store
+            .commit(CommitBatch::append(run, vec![e.clone()]))
+            .expect("commits");
+        let mut c = Checker::default();
+        c.effect(&store, run, &e, "dispatch", 1);
+        assert_eq!(c.violations.len(), 1);
+        assert_eq!(c.violations[0].kind, ViolationKind::EffectBeforeDurable);
+        store.sync().expect("syncs");
+        c.effect(&store, run, &e, "dispatch", 2);
+        assert_eq!(c.violations.len(), 1);
+    }
+
+    #[test]
+    fn two_terminal_events_for_one_command_id_are_reported() {
+        let run = RunId::from_u64_pair(1, 3);
+        let mut c = Checker::default();
+        c.durable(run, &[started(run), signal(2, "c1"), signal(3, "c2")], 1);
+        assert!(c.violations.is_empty(), "{:?}", c.violations);
+        c.durable(run, &[signal(4, "c1")], 2);
+        assert_eq!(c.violations[0].kind, ViolationKind::DuplicateTerminal);
+    }
+}

@@ -1,0 +1,795 @@
+//! Workloads: which workflows a simulation starts, when, and which signals
+//! and cancels their clients send; plus the default mix `keel sim` runs.
+//!
+//! The default mix is a table of shapes ([`SHAPES`]), one entry per
+//! feature. A new feature (parallel `all`, `select` with a deadline, nested
+//! barriers, children, scopes) is one more entry: a workflow type, its mock
+//! activities in [`register_default`], and a builder that plans instances
+//! whose outcome does not depend on timing (the simulator compares every
+//! outcome with a fault-free run).
+
+use std::time::Duration;
+
+use keel_actors::{
+    Activity, ActivityContext, ActivityError, RetryPolicy, Workflow, WorkflowContext, WorkflowError,
+};
+use keel_storage::{CommandId, Payload};
+use rand::RngExt;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::sim::{SimError, Simulation};
+
+/// What a client sends to a started workflow.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ClientOpKind {
+    /// A signal; with a command id the client retries it until it is
+    /// acknowledged (and the engine must deduplicate the retries).
+    Signal {
+        /// Signal name.
+        name: String,
+        /// Encoded payload.
+        payload: Payload,
+        /// Deduplication id.
+        command_id: Option<CommandId>,
+    },
+    /// A cancellation request.
+    Cancel {
+        /// Why.
+        reason: String,
+        /// Deduplication id.
+        command_id: Option<CommandId>,
+    },
+}
+
+/// One client request, sent at `at_ms` of virtual time (or once the start is
+/// acknowledged, if that is later).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClientOp {
+    /// When the client sends it, in virtual milliseconds.
+    pub at_ms: u64,
+    /// What it sends.
+    pub kind: ClientOpKind,
+}
+
+/// One workflow instance to start and drive.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkflowPlan {
+    /// The instance id.
+    pub instance: String,
+    /// The registered workflow type.
+    pub workflow_type: String,
+    /// Encoded input.
+    pub input: Payload,
+    /// When the client starts it.
+    pub start_at_ms: u64,
+    /// What the client sends after the start.
+    pub ops: Vec<ClientOp>,
+    /// Whether the workflow ignores cancellation (so a stray cancel cannot
+    /// change its outcome and the simulator may send one).
+    pub ignores_cancel: bool,
+}
+
+/// The instances a simulation runs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Workload {
+    pub(crate) plans: Vec<WorkflowPlan>,
+    pub(crate) error: Option<String>,
+}
+
+impl Workload {
+    /// An empty workload.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts workflow `W` as `instance` at time 0.
+    pub fn start<W: Workflow>(self, instance: &str, input: &W::Input) -> Self {
+        self.start_at::<W>(instance, input, 0)
+    }
+
+    /// Starts workflow `W` as `instance` at `at_ms`.
+    pub fn start_at<W: Workflow>(mut self, instance: &str, input: &W::Input, at_ms: u64) -> Self {
+        match Payload::encode(input) {
+            Ok(input) => self.plans.push(WorkflowPlan {
+                instance: instance.to_string(),
+                workflow_type: W::NAME.to_string(),
+                input,
+                start_at_ms: at_ms,
+                ops: Vec::new(),
+                ignores_cancel: false,
+            }),
+            Err(e) => self.fail(format!("input of {instance} does not encode: {e}")),
+        }
+        self
+    }
+
+    /// Sends signal `name` to `instance` at `at_ms`, with `command_id` as
+    /// its deduplication id (the client retries it until acknowledged).
+    pub fn signal<T: Serialize>(
+        mut self,
+        instance: &str,
+        name: &str,
+        payload: &T,
+        at_ms: u64,
+        command_id: &str,
+    ) -> Self {
+        match Payload::encode(payload) {
+            Ok(payload) => self.push_op(
+                instance,
+                ClientOp {
+                    at_ms,
+                    kind: ClientOpKind::Signal {
+                        name: name.to_string(),
+                        payload,
+                        command_id: Some(CommandId::new(command_id)),
+                    },
+                },
+            ),
+            Err(e) => self.fail(format!("signal {name} payload does not encode: {e}")),
+        }
+        self
+    }
+
+    /// Requests cancellation of `instance` at `at_ms`.
+    pub fn cancel(mut self, instance: &str, reason: &str, at_ms: u64, command_id: &str) -> Self {
+        self.push_op(
+            instance,
+            ClientOp {
+                at_ms,
+                kind: ClientOpKind::Cancel {
+                    reason: reason.to_string(),
+                    command_id: Some(CommandId::new(command_id)),
+                },
+            },
+        );
+        self
+    }
+
+    /// Marks `instance` as ignoring cancellation, so the `stray-command`
+    /// fault may also send it cancels.
+    pub fn ignores_cancel(mut self, instance: &str) -> Self {
+        if let Some(p) = self.plans.iter_mut().find(|p| p.instance == instance) {
+            p.ignores_cancel = true;
+        }
+        self
+    }
+
+    /// Adds a whole plan.
+    pub fn plan(mut self, plan: WorkflowPlan) -> Self {
+        if self.plans.iter().any(|p| p.instance == plan.instance) {
+            self.fail(format!("instance {} is planned twice", plan.instance));
+        }
+        self.plans.push(plan);
+        self
+    }
+
+    /// The planned instances.
+    pub fn plans(&self) -> &[WorkflowPlan] {
+        &self.plans
+    }
+
+    fn push_op(&mut self, instance: &str, op: ClientOp) {
+        match self.plans.iter_mut().find(|p| p.instance == instance) {
+            Some(p) => p.ops.push(op),
+            None => self.fail(format!(
+                "{instance} is not started by this workload (start it first)"
+            )),
+        }
+    }
+
+    fn fail(&mut self, msg: String) {
+        self.error.get_or_insert(msg);
+    }
+
+    pub(crate) fn check(&self) -> Result<(), SimError> {
+        match &self.error {
+            Some(e) => Err(SimError::Workload(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The default mix: `workflows` instances, every shape at least once
+    /// when there are enough, the rest drawn by weight.
+    pub fn default_mix(rng: &mut ChaCha8Rng, workflows: usize) -> Workload {
+        let mut w = Workload::new();
+        let total: u32 = SHAPES.iter().map(|s| s.weight).sum();
+        for i in 0..workflows {
+            let shape = if i < SHAPES.len() {
+                &SHAPES[i]
+            } else {
+                let mut pick = rng.random_range(0..total);
+                SHAPES
+                    .iter()
+                    .find(|s| {
+                        if pick < s.weight {
+                            true
+                        } else {
+                            pick -= s.weight;
+                            false
+                        }
+                    })
+                    .expect("the pick is below the total weight")
+            };
+            let plan = (shape.build)(rng, &format!("{}-{i}", shape.name));
+            w.plans.push(plan);
+        }
+        w
+    }
+}
+
+/// One entry of the default mix.
+#[derive(Debug)]
+pub struct Shape {
+    /// Name, used as the instance id prefix.
+    pub name: &'static str,
+    /// Relative frequency.
+    pub weight: u32,
+    /// Plans one instance.
+    pub build: fn(&mut ChaCha8Rng, &str) -> WorkflowPlan,
+}
+
+/// The default mix, one entry per feature.
+pub const SHAPES: &[Shape] = &[
+    Shape {
+        name: "sequential",
+        weight: 3,
+        build: plan_sequential,
+    },
+    Shape {
+        name: "signals",
+        weight: 2,
+        build: plan_signals,
+    },
+    Shape {
+        name: "timers",
+        weight: 2,
+        build: plan_timers,
+    },
+    Shape {
+        name: "retries",
+        weight: 2,
+        build: plan_retries,
+    },
+    Shape {
+        name: "cancel",
+        weight: 1,
+        build: plan_cancel,
+    },
+    Shape {
+        name: "continue",
+        weight: 1,
+        build: plan_continue,
+    },
+    Shape {
+        name: "all",
+        weight: 2,
+        build: plan_all,
+    },
+    Shape {
+        name: "select-deadline",
+        weight: 2,
+        build: plan_select,
+    },
+    Shape {
+        name: "nested-barriers",
+        weight: 1,
+        build: plan_nested,
+    },
+    Shape {
+        name: "children",
+        weight: 2,
+        build: plan_children,
+    },
+    // Later features are one entry each (scopes, async closures: the
+    // latter bind closures in a process-wide table the simulator cannot
+    // crash and rebuild per seed).
+];
+
+/// Registers the default mix's workflows and mock activities.
+pub fn register_default(sim: Simulation) -> Simulation {
+    sim.register_workflow::<SequentialWf>()
+        .register_workflow::<SignalsWf>()
+        .register_workflow::<TimersWf>()
+        .register_workflow::<RetriesWf>()
+        .register_workflow::<CancelWf>()
+        .register_workflow::<LoopWf>()
+        .register_workflow::<ParallelWf>()
+        .register_workflow::<SelectWf>()
+        .register_workflow::<NestedWf>()
+        .register_workflow::<ChildrenWf>()
+        .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
+        .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
+}
+
+fn plan(rng: &mut ChaCha8Rng, instance: &str, workflow_type: &str, input: Payload) -> WorkflowPlan {
+    WorkflowPlan {
+        instance: instance.to_string(),
+        workflow_type: workflow_type.to_string(),
+        input,
+        start_at_ms: rng.random_range(0..500),
+        ops: Vec::new(),
+        ignores_cancel: true,
+    }
+}
+
+fn encode<T: Serialize>(v: &T) -> Payload {
+    Payload::encode(v).expect("the default workload's inputs always encode")
+}
+
+fn plan_sequential(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = SeqIn {
+        value: rng.random_range(0..1000),
+        steps: rng.random_range(1..=4),
+    };
+    plan(rng, instance, SequentialWf::NAME, encode(&input))
+}
+
+fn plan_signals(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let count: u32 = rng.random_range(1..=3);
+    let mut p = plan(rng, instance, SignalsWf::NAME, encode(&count));
+    for k in 0..count {
+        let command_id = Some(CommandId::new(format!("{instance}/sig-{k}")));
+        let payload = encode(&rng.random_range(1u64..100));
+        let at_ms = p.start_at_ms + rng.random_range(0..1500);
+        let sends = if rng.random_bool(0.5) { 2 } else { 1 };
+        for extra in 0..sends {
+            // A second send with the same command id: a client retry that
+            // the engine must deduplicate.
+            p.ops.push(ClientOp {
+                at_ms: at_ms + extra * rng.random_range(0..400),
+                kind: ClientOpKind::Signal {
+                    name: "add".into(),
+                    payload: payload.clone(),
+                    command_id: command_id.clone(),
+                },
+            });
+        }
+    }
+    p
+}
+
+fn plan_timers(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let n = rng.random_range(1..=3);
+    let input = TimersIn {
+        value: rng.random_range(0..1000),
+        delays_ms: (0..n).map(|_| rng.random_range(1..2000)).collect(),
+    };
+    plan(rng, instance, TimersWf::NAME, encode(&input))
+}
+
+fn plan_retries(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let value = rng.random_range(0..1000);
+    let input = match rng.random_range(0..4) {
+        // Fails its first attempts, then succeeds; one attempt is kept
+        // spare so that injected failures cannot exhaust the policy.
+        0 | 1 => {
+            let fail_first = rng.random_range(1..=3);
+            RetriesIn {
+                value,
+                fail_first,
+                attempts_max: fail_first + 2,
+            }
+        }
+        // Never succeeds: the policy runs out and the workflow fails.
+        2 => RetriesIn {
+            value,
+            fail_first: u32::MAX,
+            attempts_max: rng.random_range(1..=3),
+        },
+        // A failure no retry helps: fails at once.
+        _ => RetriesIn {
+            value,
+            fail_first: FATAL,
+            attempts_max: 3,
+        },
+    };
+    plan(rng, instance, RetriesWf::NAME, encode(&input))
+}
+
+fn plan_cancel(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let steps = rng.random_range(1..=4);
+    let mut p = plan(rng, instance, CancelWf::NAME, encode(&steps));
+    p.ignores_cancel = false;
+    let at_ms = p.start_at_ms + rng.random_range(0..800);
+    let command_id = Some(CommandId::new(format!("{instance}/cancel")));
+    for extra in 0..2 {
+        p.ops.push(ClientOp {
+            at_ms: at_ms + extra * rng.random_range(0..300),
+            kind: ClientOpKind::Cancel {
+                reason: "client cancelled".into(),
+                command_id: command_id.clone(),
+            },
+        });
+    }
+    p
+}
+
+fn plan_continue(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = LoopIn {
+        iteration: 0,
+        iterations: rng.random_range(2..=3),
+        value: rng.random_range(0..1000),
+    };
+    plan(rng, instance, LoopWf::NAME, encode(&input))
+}
+
+fn plan_all(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let n = rng.random_range(2..=5);
+    let values: Vec<u64> = (0..n).map(|_| rng.random_range(0..1000)).collect();
+    plan(rng, instance, ParallelWf::NAME, encode(&values))
+}
+
+fn plan_select(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = SelectIn {
+        value: rng.random_range(0..1000),
+        timer_wins: rng.random_bool(0.5),
+        deadline_ms: rng.random_range(10..1500),
+    };
+    plan(rng, instance, SelectWf::NAME, encode(&input))
+}
+
+fn plan_nested(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = NestedIn {
+        value: rng.random_range(0..1000),
+        fail_first: rng.random_range(0..=2),
+    };
+    plan(rng, instance, NestedWf::NAME, encode(&input))
+}
+
+fn plan_children(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let n = rng.random_range(1..=3);
+    let values: Vec<u64> = (0..n).map(|_| rng.random_range(0..1000)).collect();
+    plan(rng, instance, ChildrenWf::NAME, encode(&values))
+}
+
+/// `fail_first` value that makes [`Flaky`] fail with a non-retryable error.
+pub const FATAL: u32 = u32::MAX - 1;
+
+fn transform(x: u64) -> u64 {
+    x.wrapping_mul(3).wrapping_add(1) % 1_000_003
+}
+
+fn flaky(input: &FlakyIn, attempt: u32) -> Result<u64, ActivityError> {
+    if input.fail_first == FATAL {
+        Err(ActivityError::fatal("flaky: broken by design"))
+    } else if attempt <= input.fail_first {
+        Err(ActivityError::retryable("flaky: attempt failed"))
+    } else {
+        Ok(input.value + 100)
+    }
+}
+
+/// Activity `sim.transform`: a pure function of its input.
+#[derive(Debug, Default)]
+pub struct Transform;
+
+impl Activity for Transform {
+    const NAME: &'static str = "sim.transform";
+    type Input = u64;
+    type Output = u64;
+
+    async fn run(&self, _ctx: ActivityContext, x: u64) -> Result<u64, ActivityError> {
+        Ok(transform(x))
+    }
+}
+
+/// Input of [`Flaky`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FlakyIn {
+    /// The value.
+    pub value: u64,
+    /// Attempts that fail before one succeeds ([`FATAL`]: fail fatally).
+    pub fail_first: u32,
+}
+
+/// Activity `sim.flaky`: fails its first attempts.
+#[derive(Debug, Default)]
+pub struct Flaky;
+
+impl Activity for Flaky {
+    const NAME: &'static str = "sim.flaky";
+    type Input = FlakyIn;
+    type Output = u64;
+
+    async fn run(&self, ctx: ActivityContext, input: FlakyIn) -> Result<u64, ActivityError> {
+        flaky(&input, ctx.attempt().0)
+    }
+}
+
+/// Input of [`SequentialWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SeqIn {
+    /// Start value.
+    pub value: u64,
+    /// Activities in sequence.
+    pub steps: u32,
+}
+
+/// `sim.sequential`: activities one after another.
+#[derive(Debug)]
+pub struct SequentialWf;
+
+impl Workflow for SequentialWf {
+    const NAME: &'static str = "sim.sequential";
+    type Input = SeqIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: SeqIn) -> Result<u64, WorkflowError> {
+        let mut v = input.value;
+        for _ in 0..input.steps {
+            v = ctx.activity::<Transform>(v).await?;
+        }
+        Ok(v)
+    }
+}
+
+/// `sim.signals`: sums `count` signals named `add`, then transforms the sum.
+#[derive(Debug)]
+pub struct SignalsWf;
+
+impl Workflow for SignalsWf {
+    const NAME: &'static str = "sim.signals";
+    type Input = u32;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, count: u32) -> Result<u64, WorkflowError> {
+        let mut sum = 0u64;
+        for _ in 0..count {
+            sum += ctx.wait_signal::<u64>("add").await?;
+        }
+        Ok(ctx.activity::<Transform>(sum).await?)
+    }
+}
+
+/// Input of [`TimersWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TimersIn {
+    /// Start value.
+    pub value: u64,
+    /// A timer of each length, each followed by an activity.
+    pub delays_ms: Vec<u64>,
+}
+
+/// `sim.timers`: durable timers between activities.
+#[derive(Debug)]
+pub struct TimersWf;
+
+impl Workflow for TimersWf {
+    const NAME: &'static str = "sim.timers";
+    type Input = TimersIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: TimersIn) -> Result<u64, WorkflowError> {
+        let mut v = input.value;
+        for d in input.delays_ms {
+            ctx.timer(Duration::from_millis(d)).await;
+            v = ctx.activity::<Transform>(v).await?;
+        }
+        Ok(v)
+    }
+}
+
+/// Input of [`RetriesWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RetriesIn {
+    /// The value.
+    pub value: u64,
+    /// Attempts that fail first.
+    pub fail_first: u32,
+    /// The retry policy's attempts.
+    pub attempts_max: u32,
+}
+
+/// `sim.retries`: one flaky activity under an exponential retry policy.
+#[derive(Debug)]
+pub struct RetriesWf;
+
+impl Workflow for RetriesWf {
+    const NAME: &'static str = "sim.retries";
+    type Input = RetriesIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: RetriesIn) -> Result<u64, WorkflowError> {
+        let policy = RetryPolicy::exponential(
+            input.attempts_max,
+            Duration::from_millis(20),
+            Duration::from_millis(400),
+        );
+        let v = ctx
+            .activity::<Flaky>(FlakyIn {
+                value: input.value,
+                fail_first: input.fail_first,
+            })
+            .retry(policy)
+            .await?;
+        Ok(v)
+    }
+}
+
+/// `sim.cancel`: activities until cancellation is requested, then waits for
+/// it; always ends cancelled, with the client's reason.
+#[derive(Debug)]
+pub struct CancelWf;
+
+impl Workflow for CancelWf {
+    const NAME: &'static str = "sim.cancel";
+    type Input = u32;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, steps: u32) -> Result<u64, WorkflowError> {
+        let mut v = u64::from(steps);
+        for _ in 0..steps {
+            if ctx.is_cancel_requested() {
+                break;
+            }
+            v = ctx.activity::<Transform>(v).await?;
+        }
+        let _ = v;
+        let reason = ctx.cancelled().await;
+        Err(WorkflowError::Cancelled(reason))
+    }
+}
+
+/// Input of [`LoopWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LoopIn {
+    /// This run's iteration.
+    pub iteration: u32,
+    /// Runs in the chain.
+    pub iterations: u32,
+    /// The carried value.
+    pub value: u64,
+}
+
+/// `sim.loop`: one activity per run, continuing as new until done.
+#[derive(Debug)]
+pub struct LoopWf;
+
+impl Workflow for LoopWf {
+    const NAME: &'static str = "sim.loop";
+    type Input = LoopIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: LoopIn) -> Result<u64, WorkflowError> {
+        let v = ctx.activity::<Transform>(input.value).await?;
+        if input.iteration + 1 < input.iterations {
+            return Err(WorkflowError::continue_as_new(&LoopIn {
+                iteration: input.iteration + 1,
+                iterations: input.iterations,
+                value: v,
+            }));
+        }
+        Ok(v)
+    }
+}
+
+/// `sim.all`: one barrier over a transform of every value; returns the sum.
+#[derive(Debug)]
+pub struct ParallelWf;
+
+impl Workflow for ParallelWf {
+    const NAME: &'static str = "sim.all";
+    type Input = Vec<u64>;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, values: Vec<u64>) -> Result<u64, WorkflowError> {
+        let calls: Vec<_> = values
+            .iter()
+            .map(|v| ctx.activity::<Transform>(*v))
+            .collect();
+        let out = ctx.all(calls).await?;
+        Ok(out.iter().sum())
+    }
+}
+
+/// Input of [`SelectWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SelectIn {
+    /// The value.
+    pub value: u64,
+    /// Race a signal that never comes against a short deadline (the
+    /// deadline wins); otherwise race an activity against an hour-long
+    /// deadline (the activity wins, and the deadline is cancelled).
+    pub timer_wins: bool,
+    /// The short deadline.
+    pub deadline_ms: u64,
+}
+
+/// `sim.select`: a keyed select with a deadline whose winner does not
+/// depend on timing, so outcomes stay comparable under faults.
+#[derive(Debug)]
+pub struct SelectWf;
+
+impl Workflow for SelectWf {
+    const NAME: &'static str = "sim.select";
+    type Input = SelectIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: SelectIn) -> Result<u64, WorkflowError> {
+        if input.timer_wins {
+            let s = ctx
+                .select()
+                .signal("never", "keel.sim.never")
+                .timer("deadline", Duration::from_millis(input.deadline_ms))
+                .await?;
+            return Ok(if s.key == "deadline".into() { 0 } else { 1 });
+        }
+        let s = ctx
+            .select()
+            .branch("work", ctx.activity::<Transform>(input.value))
+            .timer("deadline", Duration::from_secs(3_600))
+            .await?;
+        if let Some(h) = s.handle("deadline") {
+            h.cancel();
+        }
+        Ok(s.result::<u64>()?)
+    }
+}
+
+/// Input of [`NestedWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NestedIn {
+    /// The value.
+    pub value: u64,
+    /// Failures of the flaky leaf before it succeeds.
+    pub fail_first: u32,
+}
+
+/// `sim.nested`: a barrier with a nested barrier, one leaf flaky under a
+/// retry policy.
+#[derive(Debug)]
+pub struct NestedWf;
+
+impl Workflow for NestedWf {
+    const NAME: &'static str = "sim.nested";
+    type Input = NestedIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: NestedIn) -> Result<u64, WorkflowError> {
+        let policy = RetryPolicy::constant(input.fail_first + 2, Duration::from_millis(30));
+        let flaky = ctx
+            .activity::<Flaky>(FlakyIn {
+                value: input.value,
+                fail_first: input.fail_first,
+            })
+            .retry(policy);
+        let (a, (b, c)) = ctx
+            .all((
+                ctx.activity::<Transform>(input.value),
+                ctx.all((ctx.activity::<Transform>(input.value + 1), flaky)),
+            ))
+            .await?;
+        Ok(a + b + c)
+    }
+}
+
+/// `sim.children`: a barrier of child workflows, then one more child.
+#[derive(Debug)]
+pub struct ChildrenWf;
+
+impl Workflow for ChildrenWf {
+    const NAME: &'static str = "sim.children";
+    type Input = Vec<u64>;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, values: Vec<u64>) -> Result<u64, WorkflowError> {
+        let children: Vec<_> = values
+            .iter()
+            .map(|v| {
+                ctx.child::<SequentialWf>(SeqIn {
+                    value: *v,
+                    steps: 2,
+                })
+            })
+            .collect();
+        let sum: u64 = ctx.all(children).await?.iter().sum();
+        let last = ctx
+            .child::<SequentialWf>(SeqIn {
+                value: sum,
+                steps: 1,
+            })
+            .await?;
+        Ok(last)
+    }
+}
