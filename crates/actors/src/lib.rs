@@ -21,5 +21,5 @@ pub use activity::{Activity, ActivityContext, ActivityError, ActivityRegistry};
 pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
 pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
 pub use machine::{Input, MachineError, RunMachine, StartSpec, Verdict};
-pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
+pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, ScopeView, Sender};
 pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};

@@ -210,6 +210,7 @@ pub struct RunMachine {
     outcome: Rc<RefCell<Option<Result<Payload, WorkflowError>>>>,
     registry: WorkflowRegistry,
     started: Option<EventKind>,
+    scopes: crate::scope::ScopeRegistry,
 }
 
 impl std::fmt::Debug for RunMachine {
@@ -265,6 +266,7 @@ impl RunMachine {
             outcome: Rc::new(RefCell::new(None)),
             registry: registry.clone(),
             started: Some(started.clone()),
+            scopes: Default::default(),
         })
     }
 
@@ -564,7 +566,7 @@ impl RunMachine {
             let ctx = WorkflowContext {
                 core: self.core.clone(),
                 spawns: self.spawns.clone(),
-                scope_registry: Default::default(),
+                scope_registry: self.scopes.clone(),
             };
             let body = self
                 .registry
@@ -659,6 +661,11 @@ impl RunMachine {
     /// The cancellation reason, if cancellation was requested.
     pub fn cancel_requested(&self) -> Option<String> {
         self.core.borrow().cancel_requested.clone()
+    }
+
+    /// The run's live scopes, in step order (the tree via `parent`).
+    pub fn scopes(&self) -> Vec<crate::scope::ScopeView> {
+        crate::scope::views(&self.scopes)
     }
 
     /// Live coroutines.

@@ -29,6 +29,40 @@ use crate::core::{Core, WaitKind};
 /// The scopes of one run by step (weak: a scope lives as long as its owner).
 pub(crate) type ScopeRegistry = Rc<RefCell<BTreeMap<Step, Weak<RefCell<ScopeState>>>>>;
 
+/// A live scope, for `describe`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScopeView {
+    /// The scope's step.
+    pub step: Step,
+    /// The scope it is nested in.
+    pub parent: Option<Step>,
+    /// Coroutines still running.
+    pub running: usize,
+    /// Coroutines spawned in all.
+    pub spawned: u32,
+    /// Whether it was cancelled.
+    pub cancelled: bool,
+}
+
+/// The live scopes of a registry, in step order.
+pub(crate) fn views(registry: &ScopeRegistry) -> Vec<ScopeView> {
+    registry
+        .borrow()
+        .values()
+        .filter_map(Weak::upgrade)
+        .map(|s| {
+            let s = s.borrow();
+            ScopeView {
+                step: s.step,
+                parent: s.parent,
+                running: s.running(),
+                spawned: s.next,
+                cancelled: s.cancelled,
+            }
+        })
+        .collect()
+}
+
 /// Why [`Scope::await_completion`] returned without every coroutine done.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ScopeError {
@@ -79,6 +113,7 @@ type Handler = Box<dyn FnMut(&ScopeRef, CoroutineRef, Failure)>;
 
 pub(crate) struct ScopeState {
     step: Step,
+    parent: Option<Step>,
     coroutines: BTreeMap<u32, (CoState, Option<Waker>)>,
     next: u32,
     first_error: Option<Failure>,
@@ -157,6 +192,7 @@ impl WorkflowContext {
         };
         let state = Rc::new(RefCell::new(ScopeState {
             step,
+            parent,
             coroutines: BTreeMap::new(),
             next: 0,
             first_error: None,

@@ -929,7 +929,13 @@ impl<'a> World<'a> {
             self.log(format_args!(
                 "{name} drops {what} (attempt {attempt:?}): {verdict:?}"
             ));
+            let unsynced = !self.engine.group.is_empty();
             self.respond(origin, Answer::Dropped(verdict));
+            // A crash right after a verdict that rests on commits still in
+            // flight: the window in which "already done" may be untrue.
+            if unsynced && self.fault(FaultKind::EngineCrash) && self.crashes < CRASHES_MAX {
+                self.at(self.now, Ev::EngineCrash);
+            }
             return;
         }
         match machine.handle(input, now) {

@@ -1008,6 +1008,8 @@ pub struct RunDescription {
     pub signal_waits: Vec<(String, usize)>,
     /// Live coroutines (when the run is in memory).
     pub coroutines: Option<usize>,
+    /// Live scopes, in step order; `parent` gives the tree.
+    pub scopes: Vec<crate::scope::ScopeView>,
     /// In-flight attempts and leases.
     pub attempts: Vec<AttemptView>,
     /// Children.
@@ -1273,6 +1275,7 @@ impl Client {
                 .map(|v| v.signal_waits.clone())
                 .unwrap_or_default(),
             coroutines: view.as_ref().map(|v| v.coroutines),
+            scopes: view.as_ref().map(|v| v.scopes.clone()).unwrap_or_default(),
             attempts,
             children: kids,
             cancel_requested: meta.cancel_requested,

@@ -47,6 +47,7 @@ pub(crate) struct Passivate;
 pub(crate) struct MachineView {
     pub(crate) signal_waits: Vec<(String, usize)>,
     pub(crate) coroutines: usize,
+    pub(crate) scopes: Vec<crate::scope::ScopeView>,
 }
 
 pub(crate) struct RunActor {
@@ -289,6 +290,7 @@ impl Handler<Describe> for RunActor {
         Ok(MachineView {
             signal_waits: m.signal_waits(),
             coroutines: m.coroutines(),
+            scopes: m.scopes(),
         })
     }
 }
