@@ -41,14 +41,23 @@ fn main() -> anyhow::Result<()> {
             client.result::<ImportWorkflow>(id).await
         })?;
         let d = rt.block_on(client.describe(id))?;
+        // Offline replay of the import's whole history with the same code.
+        let history = engine.store().history(d.run_id)?;
+        let mut registry = keel::WorkflowRegistry::new();
+        registry.register::<ImportWorkflow>();
+        let t1 = Instant::now();
+        let outcome = keel::Replayer::new(registry).replay_events(history, true);
+        let replay_s = t1.elapsed().as_secs_f64();
+        anyhow::ensure!(matches!(outcome, keel::ReplayOutcome::Ok), "replay: {outcome:?}");
         println!(
-            "{id}: checked {}, bad {}, {} ({} events, {:.2} events per row, {:.1} s)",
+            "{id}: checked {}, bad {}, {} ({} events, {:.2} events per row, {:.1} s; replayed at {:.0} events/s)",
             report.checked,
             report.bad,
             report.aborted.as_deref().unwrap_or("complete"),
             d.history_len,
             d.history_len as f64 / rows as f64,
-            t0.elapsed().as_secs_f64()
+            t0.elapsed().as_secs_f64(),
+            d.history_len as f64 / replay_s.max(1e-9)
         );
     }
     engine.shutdown(Duration::from_secs(5));
