@@ -188,6 +188,41 @@ pub enum Input {
     },
 }
 
+impl Input {
+    /// The input that tells a parent how its child at `step` closed, or
+    /// `None` for a continue-as-new (the child lives on in its next run).
+    pub fn child_closed(
+        step: Step,
+        child_run_id: RunId,
+        outcome: keel_storage::Outcome,
+    ) -> Option<Input> {
+        use keel_storage::Outcome;
+        Some(match outcome {
+            Outcome::Completed(result) => Input::ChildCompleted {
+                step,
+                child_run_id,
+                result,
+            },
+            Outcome::Failed(failure) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure,
+            },
+            Outcome::Cancelled(r) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure: Failure::new(FailureKind::Cancelled, r, false),
+            },
+            Outcome::Terminated(r) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure: Failure::new(FailureKind::Terminated, r, false),
+            },
+            Outcome::ContinuedAsNew(_) => return None,
+        })
+    }
+}
+
 /// What the shell should do with an input before handing it to the machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {

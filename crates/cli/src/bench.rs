@@ -65,8 +65,9 @@ pub(crate) struct W1Args {
     json: bool,
 }
 
+/// The no-op activity every engine benchmark uses.
 #[derive(Default)]
-struct Noop;
+pub(crate) struct Noop;
 impl Activity for Noop {
     const NAME: &'static str = "bench.noop";
     type Input = u32;

@@ -6,9 +6,9 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use keel::{
-    Activity, ActivityContext, ActivityError, Engine, Workflow, WorkflowContext, WorkflowError,
-};
+use keel::{Engine, Workflow, WorkflowContext, WorkflowError};
+
+use crate::bench::Noop;
 use serde::Serialize;
 
 use crate::output::{max_rss_mb, percentile};
@@ -28,17 +28,6 @@ pub(crate) struct W2Args {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Default)]
-struct Noop;
-impl Activity for Noop {
-    const NAME: &'static str = "bench.noop";
-    type Input = u32;
-    type Output = u32;
-    async fn run(&self, _ctx: ActivityContext, i: u32) -> Result<u32, ActivityError> {
-        Ok(i)
-    }
 }
 
 struct FanOut;

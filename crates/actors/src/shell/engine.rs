@@ -519,28 +519,8 @@ impl Shared {
         child: RunId,
         outcome: Outcome,
     ) {
-        let input = match outcome {
-            Outcome::Completed(result) => Input::ChildCompleted {
-                step: parent.step,
-                child_run_id: child,
-                result,
-            },
-            Outcome::Failed(failure) => Input::ChildFailed {
-                step: parent.step,
-                child_run_id: child,
-                failure,
-            },
-            Outcome::Cancelled(r) => Input::ChildFailed {
-                step: parent.step,
-                child_run_id: child,
-                failure: Failure::new(keel_storage::FailureKind::Cancelled, r, false),
-            },
-            Outcome::Terminated(r) => Input::ChildFailed {
-                step: parent.step,
-                child_run_id: child,
-                failure: Failure::new(keel_storage::FailureKind::Terminated, r, false),
-            },
-            Outcome::ContinuedAsNew(_) => return,
+        let Some(input) = Input::child_closed(parent.step, child, outcome) else {
+            return;
         };
         if let Err(e) = self.deliver(parent.run_id, input).await {
             warn!(parent = %parent.run_id, child = %child, error = %e, "child result not delivered; the outbox keeps it");
