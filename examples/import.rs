@@ -48,7 +48,10 @@ fn main() -> anyhow::Result<()> {
         let t1 = Instant::now();
         let outcome = keel::Replayer::new(registry).replay_events(history, true);
         let replay_s = t1.elapsed().as_secs_f64();
-        anyhow::ensure!(matches!(outcome, keel::ReplayOutcome::Ok), "replay: {outcome:?}");
+        anyhow::ensure!(
+            matches!(outcome, keel::ReplayOutcome::Ok),
+            "replay: {outcome:?}"
+        );
         println!(
             "{id}: checked {}, bad {}, {} ({} events, {:.2} events per row, {:.1} s; replayed at {:.0} events/s)",
             report.checked,

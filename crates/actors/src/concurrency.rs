@@ -465,6 +465,8 @@ impl<W: Workflow> ChildCall<W> {
                                 fire_at: None,
                                 child_run,
                                 owner,
+                                close_policy: Some(self.close_policy),
+                                child_started: false,
                             },
                         );
                     }

@@ -337,6 +337,8 @@ impl<A: Activity> Future for ActivityCall<A> {
                                 fire_at: None,
                                 child_run: None,
                                 owner,
+                                close_policy: None,
+                                child_started: false,
                             },
                         );
                     }
@@ -415,6 +417,8 @@ impl Future for Timer {
                                 fire_at: Some(fire_at),
                                 child_run: None,
                                 owner,
+                                close_policy: None,
+                                child_started: false,
                             },
                         );
                     }

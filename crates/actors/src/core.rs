@@ -74,6 +74,11 @@ pub struct OpenWait {
     pub child_run: Option<RunId>,
     /// The scope and coroutine that issued it, if a scope's coroutine did.
     pub owner: Option<(Step, u32)>,
+    /// For children: what happens to the child when its scope or its
+    /// parent is cancelled or closes.
+    pub close_policy: Option<keel_storage::ParentClosePolicy>,
+    /// For children: whether `ChildStarted` was committed.
+    pub child_started: bool,
 }
 
 /// The result of issuing a command.

@@ -405,7 +405,7 @@ impl RunMachine {
             | Input::ChildCompleted { step, .. }
             | Input::ChildFailed { step, .. } => match open_at(step) {
                 Some(w) => {
-                    if matches!(input, Input::ChildStarted { .. }) && w.child_run.is_some() {
+                    if matches!(input, Input::ChildStarted { .. }) && w.child_started {
                         Verdict::Duplicate
                     } else {
                         Verdict::Accept
@@ -552,6 +552,7 @@ impl RunMachine {
                 EventKind::ChildStarted { step, child_run_id } => {
                     if let Some(w) = core.open.get_mut(step) {
                         w.child_run = Some(*child_run_id);
+                        w.child_started = true;
                     }
                 }
                 EventKind::ChildCompleted { step, result, .. } => {
@@ -696,6 +697,31 @@ impl RunMachine {
     /// The cancellation reason, if cancellation was requested.
     pub fn cancel_requested(&self) -> Option<String> {
         self.core.borrow().cancel_requested.clone()
+    }
+
+    /// Open children started by coroutines of the scope at `scope` or of a
+    /// scope nested in it, with their close policies: what a committed
+    /// `ScopeCancelled` asks the shell to cancel.
+    pub fn children_of_scope(&self, scope: Step) -> Vec<(RunId, keel_storage::ParentClosePolicy)> {
+        let views = self.scopes();
+        let mut inside = vec![scope];
+        let mut grew = true;
+        while grew {
+            grew = false;
+            for v in &views {
+                if v.parent.is_some_and(|p| inside.contains(&p)) && !inside.contains(&v.step) {
+                    inside.push(v.step);
+                    grew = true;
+                }
+            }
+        }
+        self.core
+            .borrow()
+            .open
+            .values()
+            .filter(|w| w.owner.is_some_and(|(s, _)| inside.contains(&s)))
+            .filter_map(|w| Some((w.child_run?, w.close_policy?)))
+            .collect()
     }
 
     /// The run's live scopes, in step order (the tree via `parent`).

@@ -42,8 +42,10 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value = "mem", value_parser = parse_store)]
     store: StoreKind,
     /// Run a deliberately broken engine: no-attempt-dedupe,
-    /// effect-before-commit, lose-unsynced-ack, drop-failed-timer. Stops at
-    /// the first violating seed.
+    /// effect-before-commit, lose-unsynced-ack (proof that the checker can
+    /// fail), or today's shell where the simulator found it wrong:
+    /// drop-failed-timer, fail-child-on-start-error, early-duplicate-answer.
+    /// Stops at the first violating seed.
     #[arg(long = "break", value_parser = parse_break)]
     break_mode: Option<BreakMode>,
     /// Print the trace of the seed (with `--seed`).

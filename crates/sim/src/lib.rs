@@ -54,14 +54,27 @@
 //! assert!(report.passed, "{report}");
 //! ```
 //!
-//! Where the model departs from today's shell, on purpose: a timer fire,
-//! an attempt result or a continue-as-new start whose commit failed is
-//! retried until the run answers (the shell drops the timer fire, gives up
-//! on a result after five tries, and logs the failed start, each until the
-//! next engine start; `--break drop-failed-timer` reproduces the first);
-//! the simulated client starts with `ReusePolicy::RejectDuplicate` so that
-//! a start retried after its run closed does not start a second run; the
-//! seed of a continued run is derived from its chain instead of drawn.
+//! The engine model mirrors `keel_actors::shell` (see the `world` module)
+//! except where the shell was found to break an invariant; there the model
+//! does what the design asks, and a `--break` mode ([`BreakMode`]) runs the
+//! shell's behavior so that the simulator demonstrates the bug:
+//!
+//! - a timer fire whose commit failed is fired again (the shell drops it
+//!   until the next engine start: `drop-failed-timer`);
+//! - a child start whose commit failed is tried again, and a start of a
+//!   child that exists counts as started (the shell reports either to the
+//!   parent as a failed child: `fail-child-on-start-error`);
+//! - a duplicate verdict is answered to the client after the group sync
+//!   (the shell answers at once, although the verdict may rest on a commit
+//!   still in flight that a crash then loses: `early-duplicate-answer`).
+//!
+//! Also on purpose: an attempt result and a continue-as-new start are
+//! retried until the run answers (the shell gives up after five tries, or
+//! at once, until the next engine start); the simulated client starts with
+//! `ReusePolicy::RejectDuplicate`, so a start retried after its run closed
+//! does not start a second run; the seed of a continued run is derived from
+//! its chain instead of drawn; no resilience profiles and no async closures
+//! (their closures live in a process-wide table).
 
 mod check;
 mod fault;

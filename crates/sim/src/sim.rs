@@ -402,10 +402,22 @@ impl Simulation {
         Ok(report)
     }
 
-    /// The command that reproduces this simulation with `faults` (exact for
-    /// the default mix; a user workload is reproduced by its own code with
-    /// the same seed and faults).
+    /// How to reproduce this simulation with `faults`: a `keel sim` command
+    /// for the default mix, the builder calls for a user workload.
     pub fn repro(&self, faults: &Faults, workflows: usize) -> String {
+        if let Source::Fixed(_) = self.source {
+            let mut code = format!(
+                "Simulation::new({}).faults(\"{faults}\".parse()?)",
+                self.seed
+            );
+            if self.store != StoreKind::Mem {
+                code.push_str(&format!(".store(\"{}\".parse()?)", self.store.name()));
+            }
+            if let Some(b) = self.breaks {
+                code.push_str(&format!(".break_engine(\"{b}\".parse()?)"));
+            }
+            return format!("{code} with the same workflows, mocks and workload");
+        }
         let mut cmd = format!(
             "keel sim --seed {} --faults {} --workflows {workflows}",
             self.seed, faults
@@ -443,6 +455,15 @@ impl Simulation {
                 .run_against(reference.as_ref())?;
             Ok(r.violations.iter().any(|v| v.kind == target).then_some(r))
         };
+        // Round the drawn probabilities, for a readable command line.
+        let mut rounded = Faults::none();
+        for (kind, p) in current.kinds() {
+            rounded = rounded.with(kind, round(p.unwrap_or(0.0)));
+        }
+        if let Some(r) = still_fails(&rounded, &mut runs)? {
+            current = rounded;
+            last = r;
+        }
         let kinds: Vec<FaultKind> = current.kinds().map(|(k, _)| k).collect();
         for kind in kinds {
             let candidate = current.clone().without(kind);
@@ -479,8 +500,9 @@ impl Simulation {
     }
 }
 
+/// `p` to three decimals, never rounded down to zero.
 fn round(p: f64) -> f64 {
-    (p * 1e6).round() / 1e6
+    ((p * 1e3).round() / 1e3).max(0.001)
 }
 
 fn show_outcome(o: Option<&Outcome>) -> String {

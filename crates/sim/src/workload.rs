@@ -195,8 +195,8 @@ impl Workload {
         let mut w = Workload::new();
         let total: u32 = SHAPES.iter().map(|s| s.weight).sum();
         for i in 0..workflows {
-            let shape = if i < SHAPES.len() {
-                &SHAPES[i]
+            let shape = if let Some(shape) = SHAPES.get(i) {
+                shape
             } else {
                 let mut pick = rng.random_range(0..total);
                 SHAPES

@@ -95,7 +95,7 @@ impl Workflow for Flipping {
     type Input = u64;
     type Output = u64;
     async fn run(ctx: WorkflowContext, v: u64) -> Result<u64, WorkflowError> {
-        if CALLS.fetch_add(1, Ordering::Relaxed) % 2 == 0 {
+        if CALLS.fetch_add(1, Ordering::Relaxed).is_multiple_of(2) {
             Ok(ctx.activity::<Charge>(v).await?.len() as u64)
         } else {
             ctx.timer(Duration::from_millis(5)).await;

@@ -23,7 +23,8 @@ use super::run::{Create, Deliver, Delivery, Describe, MachineView, Passivate, Ru
 use super::timers::{Arm, ScheduleTask, TimerService};
 use super::workers::{AttemptTask, Dispatch, Leases, Workers};
 use super::{
-    DELIVERY_ATTEMPTS_MAX, LEASE_MS_DEFAULT, RUN_CACHE_MAX_DEFAULT, WORKER_CONCURRENCY_MAX,
+    DELIVERY_ATTEMPTS_MAX, DELIVERY_BACKOFF_MS_MAX, LEASE_MS_DEFAULT, RUN_CACHE_MAX_DEFAULT,
+    WORKER_CONCURRENCY_MAX,
 };
 use crate::activity::{Activity, ActivityRegistry};
 use crate::machine::{Input, StartSpec};
@@ -411,7 +412,9 @@ impl Shared {
                     // Another actor of the same run committed first (after a
                     // passivation): the machine was thrown away; try again on
                     // a fresh replay.
-                    Ok(Err(EngineError::Store(keel_storage::Error::SeqGap { .. }))) => continue,
+                    Ok(Err(EngineError::Store(
+                        keel_storage::Error::SeqGap { .. } | keel_storage::Error::CommitFailed(_),
+                    ))) => continue,
                     Ok(r) => return r,
                     Err(MailboxError::Closed) | Err(MailboxError::Timeout) => {
                         self.forget(run, &addr)
@@ -423,6 +426,29 @@ impl Shared {
         .await;
         self.in_flight.fetch_sub(1, Ordering::AcqRel);
         result
+    }
+
+    /// Delivers an input that must not be lost (an activity result, a timer
+    /// fire, a child's outcome): retries with capped backoff until the run
+    /// gives a final answer (committed, a duplicate, closed, parked, unknown)
+    /// or the engine shuts down. The store still holds the work, so a restart
+    /// recovers it either way.
+    pub(crate) async fn deliver_until_final(self: &Arc<Self>, run: RunId, input: Input) {
+        let mut delay_ms = 5u64;
+        loop {
+            match self.deliver(run, input.clone()).await {
+                Ok(_)
+                | Err(EngineError::Shutdown)
+                | Err(EngineError::Parked { .. })
+                | Err(EngineError::UnknownInstance(_))
+                | Err(EngineError::RunClosed { .. }) => return,
+                Err(e) => {
+                    debug!(run_id = %run, error = %e, delay_ms, "delivery failed; retrying");
+                    actix::clock::sleep(std::time::Duration::from_millis(delay_ms)).await;
+                    delay_ms = (delay_ms * 2).min(DELIVERY_BACKOFF_MS_MAX);
+                }
+            }
+        }
     }
 
     /// Creates a run from `spec` in a fresh actor.
@@ -476,6 +502,33 @@ impl Shared {
         }
     }
 
+    /// Cancels an open child per its policy: terminate it, ask it to
+    /// cancel, or leave it running.
+    pub(crate) fn cancel_child(
+        self: &Arc<Self>,
+        parent: RunId,
+        child: RunId,
+        policy: keel_storage::ParentClosePolicy,
+        why: &str,
+    ) {
+        let input = match policy {
+            keel_storage::ParentClosePolicy::Terminate => Input::Terminate {
+                reason: format!("{why} (parent {parent})"),
+            },
+            keel_storage::ParentClosePolicy::RequestCancel => Input::CancelRequested {
+                reason: format!("{why} (parent {parent})"),
+                command_id: None,
+            },
+            keel_storage::ParentClosePolicy::Abandon => return,
+        };
+        let this = self.clone();
+        actix::spawn(async move {
+            if let Err(e) = this.deliver(child, input).await {
+                debug!(child = %child, error = %e, "child cancellation not delivered");
+            }
+        });
+    }
+
     /// Applies each open child's parent close policy: terminate it, ask it
     /// to cancel, or leave it running.
     async fn apply_close_policies(self: Arc<Self>, run: RunId) {
@@ -522,9 +575,7 @@ impl Shared {
         let Some(input) = Input::child_closed(parent.step, child, outcome) else {
             return;
         };
-        if let Err(e) = self.deliver(parent.run_id, input).await {
-            warn!(parent = %parent.run_id, child = %child, error = %e, "child result not delivered; the outbox keeps it");
-        }
+        self.deliver_until_final(parent.run_id, input).await;
     }
 
     async fn continue_run(self: Arc<Self>, old: RunId, new_run: RunId) {
@@ -582,27 +633,48 @@ impl Shared {
             continued_from: None,
             random_seed: self.random(),
         };
-        let input = match self.create(spec).await {
-            Ok(_) => Input::ChildStarted {
-                step: parent.step,
-                child_run_id,
-            },
-            Err(e) => {
-                warn!(child = %child_run_id, error = %e, "child did not start");
-                Input::ChildFailed {
+        let mut delay_ms = 5u64;
+        let input = loop {
+            // A redelivered start of a child that already exists is a start.
+            if let Ok(Some(_)) = self.store.run_meta(child_run_id) {
+                break Input::ChildStarted {
                     step: parent.step,
                     child_run_id,
-                    failure: Failure::new(
-                        keel_storage::FailureKind::Application,
-                        format!("child did not start: {e}"),
-                        false,
-                    ),
+                };
+            }
+            match self.create(spec.clone()).await {
+                Ok(_) => {
+                    break Input::ChildStarted {
+                        step: parent.step,
+                        child_run_id,
+                    }
+                }
+                // Only a child that can never start fails the parent's wait.
+                Err(
+                    e @ (EngineError::UnknownWorkflowType(_)
+                    | EngineError::InvalidInput { .. }
+                    | EngineError::WorkflowFailed(_)),
+                ) => {
+                    warn!(child = %child_run_id, error = %e, "child cannot start");
+                    break Input::ChildFailed {
+                        step: parent.step,
+                        child_run_id,
+                        failure: Failure::new(
+                            keel_storage::FailureKind::Application,
+                            format!("child did not start: {e}"),
+                            false,
+                        ),
+                    };
+                }
+                Err(EngineError::Shutdown) => return,
+                Err(e) => {
+                    debug!(child = %child_run_id, error = %e, delay_ms, "child start failed; retrying");
+                    actix::clock::sleep(std::time::Duration::from_millis(delay_ms)).await;
+                    delay_ms = (delay_ms * 2).min(DELIVERY_BACKOFF_MS_MAX);
                 }
             }
         };
-        if let Err(e) = self.deliver(parent.run_id, input).await {
-            debug!(parent = %parent.run_id, error = %e, "child start not reported to parent");
-        }
+        self.deliver_until_final(parent.run_id, input).await;
     }
 
     pub(crate) fn timers(&self) -> &Addr<TimerService> {
@@ -749,6 +821,9 @@ impl Engine {
             .map_err(keel_storage::Error::from)?;
         let rt_handle = activity_rt.handle().clone();
         let (tx, rx) = std::sync::mpsc::channel();
+        let seed_epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(7, |d| d.as_nanos() as u64)
@@ -774,7 +849,8 @@ impl Engine {
                     activity_rt: rt_handle,
                     profiles,
                     rng: Mutex::new(seed),
-                    next_epoch: AtomicU64::new(0),
+                    // Epochs stay increasing across restarts: start from the clock.
+                    next_epoch: AtomicU64::new(seed_epoch),
                     in_flight: AtomicUsize::new(0),
                     shutting_down: AtomicBool::new(false),
                 });
@@ -1080,6 +1156,20 @@ impl Client {
         let instance_id = InstanceId::new(instance);
         if let Some(cur) = self.shared.store.instance(&instance_id)? {
             if let Some(meta) = self.shared.store.run_meta(cur.current_run)? {
+                // A retried start (same command id) of a run that has since
+                // closed is the same start, whatever the reuse policy.
+                if let Some(cmd) = &command_id {
+                    let mut same = false;
+                    self.shared
+                        .store
+                        .for_each_event(meta.run_id, keel_storage::Seq::FIRST, &mut |e| {
+                            same = matches!(&e.kind, EventKind::WorkflowStarted { command_id: Some(c), .. } if c == cmd);
+                            false
+                        })?;
+                    if same {
+                        return Ok(StartOutcome::Existing(meta.run_id));
+                    }
+                }
                 let refuse = match reuse {
                     _ if !meta.status.is_closed() => {
                         return Ok(StartOutcome::Existing(meta.run_id))

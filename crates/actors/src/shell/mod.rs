@@ -40,3 +40,5 @@ pub const PROFILE_DEADLINE_MS_DEFAULT: u64 = 3_600_000;
 /// How long an attempt a resilience policy refused waits before it is
 /// offered again.
 pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;
+/// Longest wait between two retries of a delivery that must not be lost.
+pub const DELIVERY_BACKOFF_MS_MAX: u64 = 5_000;

@@ -10,6 +10,8 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
+use futures::channel::oneshot;
+use futures::future::{FutureExt, Shared as SharedFuture};
 use keel_storage::{CommitBatch, Error as StoreError, Event, EventKind, Outcome, ParkInfo, RunId};
 use tracing::{info_span, warn};
 
@@ -58,6 +60,10 @@ pub(crate) struct RunActor {
     restarts: u32,
     commits_in_flight: u32,
     passivate_requested: bool,
+    /// Resolves when the newest commit in flight is answered (true if it
+    /// succeeded): a duplicate is only confirmed once what it duplicates is
+    /// durable.
+    last_commit: Option<SharedFuture<oneshot::Receiver<bool>>>,
 }
 
 impl RunActor {
@@ -70,6 +76,7 @@ impl RunActor {
             restarts: 0,
             commits_in_flight: 0,
             passivate_requested: false,
+            last_commit: None,
         }
     }
 
@@ -148,12 +155,15 @@ impl RunActor {
     ) -> ResponseActFuture<Self, Result<(), EngineError>> {
         let _ = ctx;
         self.commits_in_flight += 1;
+        let (done_tx, done_rx) = oneshot::channel();
+        self.last_commit = Some(done_rx.shared());
         let handle = self
             .shared
             .store
             .commit(CommitBatch::append(self.run_id, events.clone()));
         Box::pin(handle.into_actor(self).map(move |res, act, ctx| {
             act.commits_in_flight -= 1;
+            let _ = done_tx.send(res.is_ok());
             let r = match res {
                 Ok(_) => {
                     act.after_commit(&events, ctx);
@@ -174,6 +184,21 @@ impl RunActor {
 
     fn after_commit(&mut self, events: &[Event], ctx: &mut Context<Self>) {
         self.shared.effects(self.run_id, events);
+        // A cancelled scope cancels the child workflows its coroutines
+        // started, per each child's close policy.
+        for e in events {
+            if let EventKind::ScopeCancelled { step, .. } = &e.kind {
+                let children = self
+                    .machine
+                    .as_ref()
+                    .map(|m| m.children_of_scope(*step))
+                    .unwrap_or_default();
+                for (child, policy) in children {
+                    self.shared
+                        .cancel_child(self.run_id, child, policy, "its scope was cancelled");
+                }
+            }
+        }
         let closing = events.iter().find_map(|e| match &e.kind {
             EventKind::WorkflowCompleted { result } => Some(Outcome::Completed(result.clone())),
             EventKind::WorkflowFailed { failure } => Some(Outcome::Failed(failure.clone())),
@@ -265,6 +290,30 @@ impl Handler<Deliver> for RunActor {
         let machine = self.machine.as_mut().expect("activated");
         match machine.check(&msg.0) {
             Verdict::Accept => {}
+            Verdict::Duplicate if self.commits_in_flight > 0 => {
+                // What this duplicates may still be in flight: answer only
+                // once it is durable; if its commit failed, the caller
+                // delivers again and the input is taken afresh.
+                let waiter = self.last_commit.clone();
+                return Box::pin(
+                    async move {
+                        match waiter {
+                            Some(w) => w.await.unwrap_or(false),
+                            None => true,
+                        }
+                    }
+                    .into_actor(self)
+                    .map(|durable, _, _| {
+                        if durable {
+                            Ok(Delivery::Dropped(Verdict::Duplicate))
+                        } else {
+                            Err(EngineError::Store(StoreError::CommitFailed(
+                                "the input this duplicates was not committed".into(),
+                            )))
+                        }
+                    }),
+                );
+            }
             v => return Box::pin(fut::ready(Ok(Delivery::Dropped(v)))),
         }
         let events = match machine.handle(msg.0, self.shared.now()) {

@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use keel_storage::{RunId, Step, Timestamp};
-use tracing::debug;
 
 use super::engine::Shared;
 use super::workers::{AttemptTask, Dispatch};
@@ -90,9 +89,9 @@ impl TimerService {
                 Item::Fire(run, step) => {
                     let shared = self.shared.clone();
                     actix::spawn(async move {
-                        if let Err(e) = shared.deliver(run, Input::TimerFired { step }).await {
-                            debug!(run_id = %run, step = step.0, error = %e, "timer not delivered");
-                        }
+                        shared
+                            .deliver_until_final(run, Input::TimerFired { step })
+                            .await;
                     });
                 }
                 Item::Task(task) => self.shared.workers().do_send(Dispatch(*task)),

@@ -20,7 +20,7 @@ use keel_storage::{
     Step, TaskEntry, Timestamp,
 };
 use tokio::sync::watch;
-use tracing::{debug, info_span, warn, Instrument};
+use tracing::{debug, info_span, Instrument};
 
 use super::engine::{AttemptView, Shared};
 use super::{
@@ -311,24 +311,10 @@ impl Workers {
             },
         };
         let shared = self.shared.clone();
-        actix::spawn(async move {
-            // The result is committed once; a lost report is recovered on
-            // restart, when the pending attempt is dispatched again.
-            for delay_ms in [0u64, 10, 50, 200, 1000] {
-                if delay_ms > 0 {
-                    actix::clock::sleep(Duration::from_millis(delay_ms)).await;
-                }
-                match shared.deliver(run_id, input.clone()).await {
-                    Ok(_) => return,
-                    Err(super::engine::EngineError::Shutdown) => return,
-                    Err(super::engine::EngineError::Parked { .. }) => return,
-                    Err(e) => {
-                        debug!(run_id = %run_id, step = step.0, error = %e, "result delivery failed; retrying")
-                    }
-                }
-            }
-            warn!(run_id = %run_id, step = step.0, "result not delivered; the attempt runs again after restart");
-        });
+        // The result is committed once; while the engine runs it is
+        // delivered until the run answers, and after a restart the pending
+        // attempt is dispatched again.
+        actix::spawn(async move { shared.deliver_until_final(run_id, input).await });
     }
 
     fn fill(&mut self, ctx: &mut Context<Self>) {
