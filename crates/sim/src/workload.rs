@@ -281,9 +281,13 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_children,
     },
-    // Later features are one entry each (scopes, async closures: the
-    // latter bind closures in a process-wide table the simulator cannot
-    // crash and rebuild per seed).
+    Shape {
+        name: "scopes",
+        weight: 2,
+        build: plan_scopes,
+    },
+    // Later features are one entry each (async closures bind closures in a
+    // process-wide table the simulator cannot crash and rebuild per seed).
 ];
 
 /// Registers the default mix's workflows and mock activities.
@@ -298,6 +302,7 @@ pub fn register_default(sim: Simulation) -> Simulation {
         .register_workflow::<SelectWf>()
         .register_workflow::<NestedWf>()
         .register_workflow::<ChildrenWf>()
+        .register_workflow::<ScopesWf>()
         .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
         .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
 }
@@ -441,6 +446,17 @@ fn plan_children(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     let n = rng.random_range(1..=3);
     let values: Vec<u64> = (0..n).map(|_| rng.random_range(0..1000)).collect();
     plan(rng, instance, ChildrenWf::NAME, encode(&values))
+}
+
+fn plan_scopes(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let n = rng.random_range(2..=6);
+    let input = ScopesIn {
+        values: (0..n).map(|_| rng.random_range(0..1000)).collect(),
+        workers: rng.random_range(1..=3),
+        capacity: rng.random_range(0..=2),
+        bad: rng.random_bool(0.3).then(|| rng.random_range(0..n as u32)),
+    };
+    plan(rng, instance, ScopesWf::NAME, encode(&input))
 }
 
 /// `fail_first` value that makes [`Flaky`] fail with a non-retryable error.
@@ -791,5 +807,74 @@ impl Workflow for ChildrenWf {
             })
             .await?;
         Ok(last)
+    }
+}
+
+/// Input of [`ScopesWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ScopesIn {
+    /// Values the producer sends.
+    pub values: Vec<u64>,
+    /// Worker coroutines.
+    pub workers: u32,
+    /// Channel capacity (0 is a rendezvous).
+    pub capacity: usize,
+    /// Index of a value whose check fails for good (fail-together).
+    pub bad: Option<u32>,
+}
+
+/// Scopes and channels: a producer coroutine feeds a bounded channel,
+/// worker coroutines call an activity per value; a bad value fails the
+/// group together (cancelling the rest at their durable waits).
+#[derive(Debug)]
+pub struct ScopesWf;
+
+impl Workflow for ScopesWf {
+    const NAME: &'static str = "sim.scopes";
+    type Input = ScopesIn;
+    type Output = String;
+
+    async fn run(ctx: WorkflowContext, input: ScopesIn) -> Result<String, WorkflowError> {
+        use std::cell::Cell;
+        use std::rc::Rc;
+        let scope = ctx.scope();
+        let (tx, rx) = ctx.channel::<(u32, u64)>(input.capacity);
+        let sum = Rc::new(Cell::new(0u64));
+        for _ in 0..input.workers {
+            let (ctx, rx, sum, bad) = (ctx.clone(), rx.clone(), sum.clone(), input.bad);
+            scope.spawn(async move {
+                while let Some((i, v)) = rx.recv().await {
+                    let out = if Some(i) == bad {
+                        ctx.activity::<Flaky>(FlakyIn {
+                            value: v,
+                            fail_first: FATAL,
+                        })
+                        .await?
+                    } else {
+                        ctx.activity::<Transform>(v).await?
+                    };
+                    sum.set(sum.get().wrapping_add(out));
+                }
+                Ok(())
+            });
+        }
+        drop(rx);
+        let values = input.values.clone();
+        scope.spawn(async move {
+            for (i, v) in values.into_iter().enumerate() {
+                if tx.send((i as u32, v)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            tx.close();
+            Ok(())
+        });
+        match scope
+            .await_completion(ctx.timer(Duration::from_secs(3600)))
+            .await
+        {
+            Ok(()) => Ok(format!("sum {}", sum.get())),
+            Err(e) => Ok(format!("aborted: {e}")),
+        }
     }
 }
