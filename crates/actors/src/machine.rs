@@ -106,6 +106,37 @@ pub struct StartSpec {
     pub random_seed: u64,
 }
 
+impl StartSpec {
+    /// The start of the run that continues `history` (a run closed by
+    /// continue-as-new) as `new_run`, with `random_seed`; `None` if the
+    /// history did not close that way.
+    pub fn continuation(history: &[Event], new_run: RunId, random_seed: u64) -> Option<StartSpec> {
+        let (first, last) = (history.first()?, history.last()?);
+        let (
+            EventKind::WorkflowStarted {
+                instance_id,
+                workflow_type,
+                run_id,
+                ..
+            },
+            EventKind::WorkflowContinuedAsNew { input, .. },
+        ) = (&first.kind, &last.kind)
+        else {
+            return None;
+        };
+        Some(StartSpec {
+            run_id: new_run,
+            instance_id: instance_id.clone(),
+            workflow_type: workflow_type.clone(),
+            input: input.clone(),
+            command_id: None,
+            parent: None,
+            continued_from: Some(*run_id),
+            random_seed,
+        })
+    }
+}
+
 /// An input to a live run.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {

@@ -582,29 +582,8 @@ impl Shared {
         let Ok(history) = self.store.history(old) else {
             return;
         };
-        let (Some(first), Some(last)) = (history.first(), history.last()) else {
+        let Some(spec) = StartSpec::continuation(&history, new_run, self.random()) else {
             return;
-        };
-        let (
-            EventKind::WorkflowStarted {
-                instance_id,
-                workflow_type,
-                ..
-            },
-            EventKind::WorkflowContinuedAsNew { input, .. },
-        ) = (&first.kind, &last.kind)
-        else {
-            return;
-        };
-        let spec = StartSpec {
-            run_id: new_run,
-            instance_id: instance_id.clone(),
-            workflow_type: workflow_type.clone(),
-            input: input.clone(),
-            command_id: None,
-            parent: None,
-            continued_from: Some(old),
-            random_seed: self.random(),
         };
         if let Err(e) = self.create(spec).await {
             warn!(run = %new_run, error = %e, "continue-as-new run not started");

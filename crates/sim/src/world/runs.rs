@@ -506,36 +506,22 @@ impl World<'_> {
         let Ok(history) = self.store.store().history(old) else {
             return;
         };
-        let (Some(first), Some(last)) = (history.first(), history.last()) else {
-            return;
-        };
-        let (
-            EventKind::WorkflowStarted {
-                instance_id,
-                workflow_type,
-                random_seed,
-                ..
-            },
-            EventKind::WorkflowContinuedAsNew { input, .. },
-        ) = (&first.kind, &last.kind)
+        let Some(EventKind::WorkflowStarted {
+            instance_id,
+            random_seed,
+            ..
+        }) = history.first().map(|e| &e.kind)
         else {
             return;
         };
-        self.names
-            .entry(new)
-            .or_insert_with(|| format!("{}+", instance_id.as_str()));
-        let spec = StartSpec {
-            run_id: new,
-            instance_id: instance_id.clone(),
-            workflow_type: workflow_type.clone(),
-            input: input.clone(),
-            command_id: None,
-            parent: None,
-            continued_from: Some(old),
-            // The shell draws a fresh seed here; deriving it from the chain
-            // keeps the outcome comparable with the fault-free run.
-            random_seed: random_seed.rotate_left(1) ^ 0x9E37_79B9_7F4A_7C15,
+        // The shell draws a fresh seed here; deriving it from the chain
+        // keeps the outcome comparable with the fault-free run.
+        let seed = random_seed.rotate_left(1) ^ 0x9E37_79B9_7F4A_7C15;
+        let name = format!("{}+", instance_id.as_str());
+        let Some(spec) = StartSpec::continuation(&history, new, seed) else {
+            return;
         };
+        self.names.entry(new).or_insert(name);
         self.create(spec, Origin::Continue { old, new });
     }
 
