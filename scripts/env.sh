@@ -7,7 +7,8 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "keel: cargo is not installed (install Rust with rustup first)" >&2
   exit 2
 fi
-if ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 && ! ldconfig -p 2>/dev/null | grep -q libclang; then
+source "$(dirname "${BASH_SOURCE[0]}")/libclang.sh"
+if ! keel_libclang_found /; then
   echo "keel: installing libclang-dev (needed to build RocksDB's bindings)" >&2
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq >&2
