@@ -4,7 +4,7 @@
 //! handler (bad addresses are logged and the rest are checked).
 //! `cargo run --release --example import -- [ROWS]`
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use keel_e2e::import::{write_csv, ImportInput, ImportWorkflow};
 
@@ -63,6 +63,6 @@ fn main() -> anyhow::Result<()> {
             d.history_len as f64 / replay_s.max(1e-9)
         );
     }
-    engine.shutdown(Duration::from_secs(5));
+    engine.shutdown_blocking();
     Ok(())
 }

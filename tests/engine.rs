@@ -140,7 +140,7 @@ async fn large_order_waits_for_approval_across_a_restart() -> anyhow::Result<()>
         }
         let d = client.describe("o-large").await?;
         assert_eq!(d.signal_waits, vec![("approve".to_string(), 1)]);
-        engine.shutdown(Duration::from_secs(5));
+        engine.shutdown_blocking();
     }
     let engine = engine_in(dir.path());
     let client = engine.client();
@@ -155,7 +155,7 @@ async fn large_order_waits_for_approval_across_a_restart() -> anyhow::Result<()>
     assert_eq!(receipt.approved_by.as_deref(), Some("ops"));
     assert_eq!(receipt.shipment, "shipped piano");
     let run = client.describe("o-large").await?;
-    assert_eq!(run.status, "completed");
+    assert_eq!(run.status, keel::RunStatus::Completed);
     let history = engine.store().history(run.run_id)?;
     let signals = history
         .iter()
@@ -251,7 +251,7 @@ async fn an_incompatible_code_change_parks_the_run() -> anyhow::Result<()> {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        engine.shutdown(Duration::from_secs(5));
+        engine.shutdown_blocking();
     }
     let engine = Engine::builder()
         .data_dir(dir.path())
@@ -271,7 +271,7 @@ async fn an_incompatible_code_change_parks_the_run() -> anyhow::Result<()> {
     assert!(reason.contains("schedule activity charge"), "{reason}");
     assert!(reason.contains("schedule activity ship"), "{reason}");
     let d = client.describe("o-park").await?;
-    assert_eq!(d.status, "running", "parked, not failed");
+    assert_eq!(d.status, keel::RunStatus::Running, "parked, not failed");
     assert_eq!(
         d.parked.map(|p| p.kind),
         Some("non_determinism".to_string())

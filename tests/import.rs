@@ -78,7 +78,7 @@ fn both_modes_survive_a_restart_mid_import() {
             progress(&e, "log-errors") < ROWS,
             "the restart lands mid-import"
         );
-        e.shutdown(Duration::from_secs(5));
+        e.shutdown_blocking();
     }
     let e = engine(&data);
     let c = e.client();

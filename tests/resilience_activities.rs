@@ -71,7 +71,7 @@ async fn a_rate_limited_profile_delays_attempts_durably_and_visibly() -> anyhow:
             seen_delay = a.delayed_by.clone();
             break;
         }
-        if d.status != "running" {
+        if d.status != keel::RunStatus::Running {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;

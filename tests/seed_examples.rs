@@ -6,8 +6,6 @@
 //! the engine shut down as soon as the run has made progress (its first
 //! commit landed) and a new engine started on the same directory.
 
-use std::time::Duration;
-
 use keel::storage::EventKind;
 use keel::{Engine, Workflow};
 use keel_e2e::seeds::{self, *};
@@ -46,7 +44,7 @@ where
         rt.block_on(async { c.start::<W>(instance, &input).await.unwrap() });
         // Shut down while activities are still running (each takes
         // ACTIVITY_MS); the new engine must finish the run.
-        engine.shutdown(Duration::from_secs(5));
+        engine.shutdown_blocking();
     }
     let engine = seeds::engine(dir.path()).unwrap();
     let c = engine.client();

@@ -1,25 +1,20 @@
-//! keel-actors: the pure run machine, the deterministic executor, the
-//! authoring API, and the thin actix shell around them.
+//! keel-actors: the actix host of keel's driver.
 //!
-//! The pure part ([`machine`], [`executor`], [`context`], [`workflow`],
-//! [`activity`]) does no IO, reads no clock and draws no randomness; the
-//! shell ([`shell`]) feeds it inputs, commits the events it returns, and
-//! only then runs effects. The simulator drives the same pure part.
+//! Runs are spread over shards; each shard is an actix actor on its own
+//! arbiter thread hosting a `keel_core::driver::Shard`, which decides
+//! everything. The host feeds it (client requests, messages between shards,
+//! store answers, attempt results and heartbeats, the clock) and performs
+//! its actions: reads on the blocking pool, commits through the store's
+//! group-commit writer, attempts on the activity runtime, messages to other
+//! shards, replies to clients. The simulator (`keel-sim`) hosts the same
+//! driver on virtual time.
 
-pub mod activity;
-pub mod concurrency;
-pub mod context;
-mod core;
-pub mod executor;
-pub mod machine;
-pub mod scope;
-pub mod shell;
-pub mod workflow;
+mod attempts;
+mod client;
+mod engine;
+mod shard;
 
-pub use crate::core::{format_group, OpenWait, WaitKind};
-pub use activity::{Activity, ActivityContext, ActivityError, ActivityRegistry};
-pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
-pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
-pub use machine::{Input, MachineError, RunMachine, StartSpec, Verdict};
-pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, ScopeView, Sender};
-pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};
+pub use client::{Client, EngineError, StartOutcome, CLIENT_RETRIES_MAX};
+pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
+pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
+pub use shard::SHARD_MAILBOX_MAX;

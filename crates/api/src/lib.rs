@@ -48,22 +48,22 @@ pub mod replay;
 
 pub use replay::{Bundle, ReplayOutcome, Replayer};
 
-pub use keel_actors::concurrency::{
+pub use keel_actors::{
+    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, Resumed,
+    ReusePolicy, RunDescription, StartOutcome,
+};
+pub use keel_core::concurrency::{
     All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,
 };
-pub use keel_actors::shell::{
-    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, ReusePolicy,
-    RunDescription, StartOutcome,
-};
-pub use keel_actors::{
+pub use keel_core::{
     format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, MachineError,
     RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
 };
-pub use keel_actors::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
+pub use keel_core::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
 pub use keel_storage::{
-    AttemptId, AttemptNo, CommandId, Durability, ExecutionId, Failure, FailureKind, GroupEntry,
-    InstanceId, OperationKind, Outcome, ParentClosePolicy, Payload, RunId, RunStatus, SelectKey,
-    Seq, Step, Timestamp,
+    AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind,
+    GroupEntry, InstanceId, Jitter, OperationKind, Outcome, ParentClosePolicy, Payload, RunId,
+    RunStatus, SelectKey, Seq, Step, Timestamp,
 };
 
 /// The storage layer, for inspection tools (`keel` CLI) and custom stores.
@@ -78,5 +78,10 @@ pub mod resilience {
 
 /// The pure run machine, for offline tools and the simulator.
 pub mod machine {
-    pub use keel_actors::machine::*;
+    pub use keel_core::machine::*;
+}
+
+/// The deterministic driver the engine runs (and the simulator hosts).
+pub mod driver {
+    pub use keel_core::driver::*;
 }

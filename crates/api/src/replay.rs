@@ -25,7 +25,7 @@ use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use keel_actors::{MachineError, RunMachine, WorkflowRegistry};
+use keel_core::{MachineError, RunMachine, WorkflowRegistry};
 use keel_storage::codec::{self, RecordKind};
 use keel_storage::{Event, EventKind, RunFilter, RunId, RunMeta, RunStatus, Seq, Step, Store};
 use serde::{Deserialize, Serialize};
@@ -420,9 +420,9 @@ impl Replayer {
             let (step, issued) = match new_wait {
                 Some(w) => {
                     let what = match w.kind {
-                        keel_actors::WaitKind::Activity => format!("schedule activity {}", w.name),
-                        keel_actors::WaitKind::Timer => "start timer".to_string(),
-                        keel_actors::WaitKind::Child => format!("start child {}", w.name),
+                        keel_core::WaitKind::Activity => format!("schedule activity {}", w.name),
+                        keel_core::WaitKind::Timer => "start timer".to_string(),
+                        keel_core::WaitKind::Child => format!("start child {}", w.name),
                     };
                     (w.step, format!("{what} at step {}", w.step))
                 }
@@ -552,9 +552,9 @@ mod tests {
     // Method: histories made by the run machine from one workflow version,
     // replayed with that version and with changed ones.
     use super::*;
-    use keel_actors::machine::{Input, StartSpec};
-    use keel_actors::WorkflowError;
-    use keel_actors::{Activity, ActivityContext, ActivityError, Workflow, WorkflowContext};
+    use keel_core::machine::{Input, StartSpec};
+    use keel_core::WorkflowError;
+    use keel_core::{Activity, ActivityContext, ActivityError, Workflow, WorkflowContext};
     use keel_storage::{AttemptNo, InstanceId, Payload, Seq, Timestamp};
 
     #[derive(Default)]
@@ -636,6 +636,7 @@ mod tests {
             parent: None,
             continued_from: None,
             random_seed: 1,
+            previous_run: None,
         };
         let reg = registry::<V1>();
         let (mut m, mut events) = RunMachine::start(&reg, spec, Timestamp(1)).unwrap();

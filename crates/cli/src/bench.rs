@@ -172,7 +172,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         events_per_s: events as f64 / wall,
         max_rss_mb: max_rss_mb(),
     };
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -88,7 +88,7 @@ pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(n == args.fanout as u64, "fan-out returned {n} results");
         walls.push(t0.elapsed().as_secs_f64());
     }
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     walls.sort_by(|a, b| a.total_cmp(b));
     let median = percentile(&walls, 0.5);
     // started + per member (scheduled + completed) + completed
@@ -232,7 +232,7 @@ pub(crate) fn idle(args: IdleArgs) -> anyhow::Result<ExitCode> {
             / args.runs as f64,
         start_s,
     };
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

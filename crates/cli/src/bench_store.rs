@@ -185,6 +185,7 @@ fn started_event(run: RunId, instance: String, at: u64) -> Event {
             parent: None,
             continued_from: None,
             random_seed: 7,
+            previous_run: None,
         },
     }
 }

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use keel::{Engine, EngineError, Payload, ReusePolicy};
@@ -290,6 +290,6 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         Ok(())
     });
     result?;
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     Ok(ExitCode::SUCCESS)
 }

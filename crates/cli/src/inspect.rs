@@ -317,6 +317,16 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             ("input", Field::Payload(input)),
         ],
         K::ChildStarted { child_run_id, .. } => vec![("child_run", text(child_run_id))],
+        K::ChildCancelRequested {
+            child_run_id,
+            policy,
+            reason,
+            ..
+        } => vec![
+            ("child_run", text(child_run_id)),
+            ("policy", text(format!("{policy:?}"))),
+            ("reason", text(reason)),
+        ],
         K::ChildCompleted {
             child_run_id,
             result,
@@ -643,14 +653,14 @@ fn describe_run(
         .with_context(|| format!("reading run {}", meta.run_id))?;
     let mut pending = Vec::new();
     for p in pending_steps(&history) {
-        let task = if p.kind == "activity" {
+        let task = if p.kind == keel_storage::history::StepKind::Activity {
             store.task(meta.run_id, p.step)?
         } else {
             None
         };
         pending.push(PendingView {
             step: p.step.0,
-            kind: p.kind,
+            kind: p.kind.name(),
             name: p.name,
             group: group_text(Some(&p.group)),
             since: p.since.0,

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use keel_sim::{BreakMode, FaultKind, Faults, Report, Shrunk, Simulation, StoreKind};
+use keel_sim::{BreakMode, FaultKind, Faults, Firings, Report, Shrunk, Simulation, StoreKind};
 use serde::Serialize;
 
 use crate::output::progress;
@@ -41,13 +41,20 @@ pub(crate) struct SimArgs {
     /// `rocksdb` (a temporary directory, reopened on a crash) or `mem-sync`.
     #[arg(long, default_value = "mem", value_parser = parse_store)]
     store: StoreKind,
-    /// Run a deliberately broken engine: no-attempt-dedupe,
-    /// effect-before-commit, lose-unsynced-ack (proof that the checker can
-    /// fail), or today's shell where the simulator found it wrong:
-    /// drop-failed-timer, fail-child-on-start-error, early-duplicate-answer.
-    /// Stops at the first violating seed.
+    /// Run a deliberately broken driver (proof that the checks can fail):
+    /// no-attempt-dedupe, effect-before-commit, lose-unsynced-ack,
+    /// skip-close-policy, redeliver-same-epoch. Stops at the first
+    /// violating seed.
     #[arg(long = "break", value_parser = parse_break)]
     break_mode: Option<BreakMode>,
+    /// Run only these instances of the default mix (indices, as a shrunk
+    /// reproduction prints them).
+    #[arg(long, value_delimiter = ',', requires = "seed")]
+    only_workflows: Option<Vec<usize>>,
+    /// Let only these fault firings happen (`kind#index,...`, as a shrunk
+    /// reproduction prints them).
+    #[arg(long, value_parser = parse_firings, requires = "seed")]
+    firings: Option<Firings>,
     /// Print the trace of the seed (with `--seed`).
     #[arg(long, requires = "seed")]
     trace: bool,
@@ -68,6 +75,10 @@ fn parse_break(s: &str) -> Result<BreakMode, String> {
     s.parse()
 }
 
+fn parse_firings(s: &str) -> Result<Firings, String> {
+    s.parse()
+}
+
 #[derive(Serialize)]
 struct FailedSeed {
     seed: u64,
@@ -81,6 +92,8 @@ struct FailedSeed {
 struct ShrunkOut {
     seed: u64,
     faults: String,
+    workflows: Vec<usize>,
+    firings: String,
     violation: String,
     runs: u32,
     repro: String,
@@ -126,6 +139,12 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         .keep_trace(args.trace);
     if let Some(mode) = args.break_mode {
         template = template.break_engine(mode);
+    }
+    if let Some(keep) = &args.only_workflows {
+        template = template.only_workflows(keep.clone());
+    }
+    if let Some(f) = &args.firings {
+        template = template.firings(f.clone());
     }
     let bar = progress(seeds.len() as u64, "sim");
     let wall = Instant::now();
@@ -217,6 +236,8 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         shrunk: shrunk.map(|(seed, s)| ShrunkOut {
             seed,
             faults: s.faults.to_string(),
+            workflows: s.workflows.clone(),
+            firings: s.firings.to_string(),
             violation: s.violation.to_string(),
             runs: s.runs,
             repro: s.repro,
@@ -270,8 +291,17 @@ fn print_human(out: &SimOut, failed: &[Report]) {
     }
     if let Some(s) = &out.shrunk {
         println!(
-            "shrunk (seed {}, {} runs): --faults {}\n  {}\n  reproduce: {}",
-            s.seed, s.runs, s.faults, s.violation, s.repro
+            "shrunk (seed {}, {} runs): {} workflows, {} fault firings\n  {}\n  reproduce: {}",
+            s.seed,
+            s.runs,
+            s.workflows.len(),
+            if s.firings == "none" {
+                0
+            } else {
+                s.firings.split(',').count()
+            },
+            s.violation,
+            s.repro
         );
     }
 }

@@ -278,13 +278,13 @@ fn every_command_beside_a_live_engine_and_on_a_stopped_directory() {
     expect_code(&o, 0, "live describe after approval");
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["status"], "completed", "{v}");
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
 
     // Stopped: a fresh directory where order-9 is still open.
     let data = tmp.path().join("stopped");
     let engine = demo_engine(&data, &demo_app::workflows());
     run_demo_orders(&engine);
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     check_every_command(&data, tmp.path(), "stopped", false);
 }
 
@@ -338,10 +338,10 @@ fn diverged_dir(dir: &Path) {
     });
     // The engine's store closes when its last handle goes.
     drop(store);
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     let engine = demo_engine(dir, &demo_app::workflows());
     run_demo_orders(&engine);
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
 }
 
 #[test]
@@ -431,7 +431,7 @@ fn bad_input_gives_one_line_and_a_documented_exit_code() {
     let engine = demo_engine(&data, &demo_app::workflows());
     run_demo_orders(&engine);
     let run3 = engine.store().resolve("order-3").unwrap().unwrap();
-    engine.shutdown(Duration::from_secs(10));
+    engine.shutdown_blocking();
     let d = data_arg(&data);
 
     // Missing and foreign directories.
@@ -626,6 +626,7 @@ fn started(instance: &InstanceId, run: RunId, ty: &str, parent: Option<ParentRef
         parent,
         continued_from: None,
         random_seed: 7,
+        previous_run: None,
     }
 }
 

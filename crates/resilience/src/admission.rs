@@ -35,8 +35,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::SemaphorePermit;
-
 use crate::bucket::TokenBucket;
 use crate::budget::RetryBudget;
 use crate::bulkhead::{self, Bulkhead};
@@ -243,7 +241,7 @@ pub struct Admission<'p> {
     circuit: Option<Ticket>,
     budget_reserved_at: Option<Instant>,
     rate_token: bool,
-    bulkhead: Option<SemaphorePermit<'p>>,
+    bulkhead: Option<bulkhead::SlotPermit<'p>>,
     dispatched: bool,
     settled: bool,
 }

@@ -8,7 +8,7 @@
 //! by `compile_in_memory` as one typed [`Error`], so a builder chain never
 //! panics and never needs `?` between calls.
 
-use std::collections::hash_map::RandomState;
+#[cfg(feature = "tokio")]
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +20,7 @@ use crate::budget::{self, RetryBudgetSpec};
 use crate::bulkhead::{self, BulkheadSpec};
 use crate::circuit::{self, CircuitSpec, Ratio, Window};
 use crate::classify::Classifier;
-use crate::clock::{Clock, TokioClock};
+use crate::clock::Clock;
 use crate::ids::{self, ProfileId, ProfileVersion};
 use crate::partition::Partition;
 use crate::pipeline::CompiledPipeline;
@@ -300,13 +300,14 @@ impl Builder {
     }
 
     /// Checks everything and builds the pipeline on the real (tokio) clock
-    /// with a random seed for attempt ids and jitter.
+    /// with a random seed for attempt ids and jitter (feature `tokio`).
+    #[cfg(feature = "tokio")]
     pub fn compile_in_memory<E>(
         self,
         classifier: Classifier<E>,
     ) -> Result<CompiledPipeline<E>, Error> {
-        let seed = RandomState::new().hash_one(0x6b65_656c_u64);
-        self.compile_in_memory_with(classifier, Arc::new(TokioClock::new()), seed)
+        let seed = std::collections::hash_map::RandomState::new().hash_one(0x6b65_656c_u64);
+        self.compile_in_memory_with(classifier, Arc::new(crate::clock::TokioClock::new()), seed)
     }
 
     /// Checks everything and builds the pipeline on `clock`, deriving attempt

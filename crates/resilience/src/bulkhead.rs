@@ -1,16 +1,22 @@
 //! The bulkhead: a cap on calls in flight plus a bounded queue of waiters.
 //!
-//! `max_concurrent` slots are handed out by a fair (FIFO) tokio semaphore.
+//! `max_concurrent` slots are handed out in arrival order by a small fair
+//! semaphore of our own (no runtime needed, so the crate's admission path
+//! also runs on a simulator's virtual time).
 //! When every slot is taken, up to `queue` admissions may wait for one, in
 //! arrival order and never past the operation's deadline; any further
 //! admission is rejected at once as `bulkhead_full`. A slot is freed when its
 //! admission is settled or dropped, and a waiter that gives up leaves the
 //! queue, both through drop guards, so cancellation never leaks a slot.
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll, Waker};
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::clock::{until_deadline, Clock, Instant};
 
@@ -70,11 +76,145 @@ pub(crate) enum Refusal {
     Deadline,
 }
 
+/// A fair counting semaphore: a freed slot goes to the longest waiter, and
+/// nobody overtakes a waiter by trying at the right moment.
+#[derive(Debug)]
+pub(crate) struct Slots {
+    state: Mutex<SlotState>,
+}
+
+#[derive(Debug)]
+struct SlotState {
+    free: u32,
+    next_ticket: u64,
+    /// Waiters in arrival order: their ticket, their waker, and whether a
+    /// freed slot was handed to them.
+    waiters: VecDeque<(u64, Option<Waker>, bool)>,
+}
+
+impl Slots {
+    fn new(slots: u32) -> Self {
+        Slots {
+            state: Mutex::new(SlotState {
+                free: slots,
+                next_ticket: 0,
+                waiters: VecDeque::new(),
+            }),
+        }
+    }
+
+    fn try_acquire(&self) -> Option<SlotPermit<'_>> {
+        let mut st = self.state.lock();
+        if st.free > 0 && st.waiters.is_empty() {
+            st.free -= 1;
+            Some(SlotPermit { slots: self })
+        } else {
+            None
+        }
+    }
+
+    fn acquire(&self) -> Acquire<'_> {
+        Acquire {
+            slots: self,
+            ticket: None,
+        }
+    }
+
+    fn free(&self) -> u32 {
+        self.state.lock().free
+    }
+
+    /// Gives a slot back: to the first waiter not yet served, or to the pool.
+    fn release(&self) {
+        let mut st = self.state.lock();
+        if let Some(w) = st.waiters.iter_mut().find(|w| !w.2) {
+            w.2 = true;
+            if let Some(waker) = w.1.take() {
+                waker.wake();
+            }
+        } else {
+            st.free += 1;
+        }
+    }
+}
+
+/// One slot, given back on drop.
+#[derive(Debug)]
+pub(crate) struct SlotPermit<'a> {
+    slots: &'a Slots,
+}
+
+impl Drop for SlotPermit<'_> {
+    fn drop(&mut self) {
+        self.slots.release();
+    }
+}
+
+/// Waiting for a slot; leaving the queue on drop (a slot handed to a waiter
+/// that gave up goes on to the next one).
+struct Acquire<'a> {
+    slots: &'a Slots,
+    ticket: Option<u64>,
+}
+
+impl<'a> Future for Acquire<'a> {
+    type Output = SlotPermit<'a>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<SlotPermit<'a>> {
+        let slots = self.slots;
+        let mut st = slots.state.lock();
+        match self.ticket {
+            None => {
+                if st.free > 0 && st.waiters.is_empty() {
+                    st.free -= 1;
+                    return Poll::Ready(SlotPermit { slots });
+                }
+                let ticket = st.next_ticket;
+                st.next_ticket += 1;
+                st.waiters
+                    .push_back((ticket, Some(cx.waker().clone()), false));
+                self.ticket = Some(ticket);
+                Poll::Pending
+            }
+            Some(ticket) => {
+                let i = st
+                    .waiters
+                    .iter()
+                    .position(|w| w.0 == ticket)
+                    .expect("a waiter stays queued until served or dropped");
+                if st.waiters[i].2 {
+                    st.waiters.remove(i);
+                    self.ticket = None;
+                    return Poll::Ready(SlotPermit { slots });
+                }
+                st.waiters[i].1 = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl Drop for Acquire<'_> {
+    fn drop(&mut self) {
+        let Some(ticket) = self.ticket else { return };
+        let served = {
+            let mut st = self.slots.state.lock();
+            match st.waiters.iter().position(|w| w.0 == ticket) {
+                Some(i) => st.waiters.remove(i).is_some_and(|w| w.2),
+                None => false,
+            }
+        };
+        if served {
+            self.slots.release();
+        }
+    }
+}
+
 /// A live bulkhead.
 #[derive(Debug)]
 pub(crate) struct Bulkhead {
     spec: BulkheadSpec,
-    slots: Semaphore,
+    slots: Slots,
     queued: AtomicU32,
 }
 
@@ -84,14 +224,14 @@ impl Bulkhead {
         debug_assert_eq!(spec.validate(), Ok(()));
         Bulkhead {
             spec,
-            slots: Semaphore::new(spec.max_concurrent as usize),
+            slots: Slots::new(spec.max_concurrent),
             queued: AtomicU32::new(0),
         }
     }
 
     /// A free slot, without waiting.
-    pub(crate) fn try_acquire(&self) -> Option<SemaphorePermit<'_>> {
-        self.slots.try_acquire().ok()
+    pub(crate) fn try_acquire(&self) -> Option<SlotPermit<'_>> {
+        self.slots.try_acquire()
     }
 
     /// A free slot, waiting in the bounded queue until `deadline` if needed.
@@ -99,7 +239,7 @@ impl Bulkhead {
         &self,
         clock: &dyn Clock,
         deadline: Instant,
-    ) -> Result<SemaphorePermit<'_>, Refusal> {
+    ) -> Result<SlotPermit<'_>, Refusal> {
         if let Some(permit) = self.try_acquire() {
             return Ok(permit);
         }
@@ -115,17 +255,14 @@ impl Bulkhead {
         }
         let _place = QueuePlace(&self.queued);
         match until_deadline(clock, deadline, self.slots.acquire()).await {
-            Some(Ok(permit)) => Ok(permit),
-            // The semaphore is never closed; a closed one has no slot to give.
-            Some(Err(_closed)) => Err(Refusal::Full),
+            Some(permit) => Ok(permit),
             None => Err(Refusal::Deadline),
         }
     }
 
     /// Slots currently handed out.
     pub(crate) fn in_use(&self) -> u32 {
-        let free = u32::try_from(self.slots.available_permits()).unwrap_or(u32::MAX);
-        self.spec.max_concurrent.saturating_sub(free)
+        self.spec.max_concurrent.saturating_sub(self.slots.free())
     }
 
     /// Admissions currently waiting for a slot.

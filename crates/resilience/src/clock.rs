@@ -77,16 +77,18 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
     }
 }
 
-/// The real clock: `tokio::time`, so it also follows a runtime's paused,
+/// The real clock (feature `tokio`, on by default): `tokio::time`, so it also follows a runtime's paused,
 /// auto-advancing test time (`#[tokio::test(start_paused = true)]`).
 ///
 /// `now()` works outside a runtime; `sleep()` must be polled inside a tokio
 /// runtime with the time driver enabled.
+#[cfg(feature = "tokio")]
 #[derive(Clone, Copy, Debug)]
 pub struct TokioClock {
     epoch: tokio::time::Instant,
 }
 
+#[cfg(feature = "tokio")]
 impl TokioClock {
     /// A clock whose epoch is the current instant.
     pub fn new() -> Self {
@@ -96,12 +98,14 @@ impl TokioClock {
     }
 }
 
+#[cfg(feature = "tokio")]
 impl Default for TokioClock {
     fn default() -> Self {
         TokioClock::new()
     }
 }
 
+#[cfg(feature = "tokio")]
 impl Clock for TokioClock {
     fn now(&self) -> Instant {
         Instant(tokio::time::Instant::now().saturating_duration_since(self.epoch))

@@ -75,7 +75,9 @@ pub use builder::{AttemptTimeoutRequirement, Builder};
 pub use bulkhead::BulkheadSpec;
 pub use circuit::{CircuitSpec, CircuitState, Ratio, Window};
 pub use classify::{Classification, Classifier, Verdict};
-pub use clock::{Clock, Instant, ManualClock, TokioClock};
+#[cfg(feature = "tokio")]
+pub use clock::TokioClock;
+pub use clock::{Clock, Instant, ManualClock};
 pub use context::{AttemptContext, ExecutionContext, ReplaySafetyContract, RetryRefusal, Safety};
 pub use explain::{CapabilityNote, Explanation};
 pub use ids::{AttemptId, OperationId, ProfileId, ProfileVersion};

@@ -556,6 +556,12 @@ impl<E> CompiledPipeline<E> {
         }
     }
 
+    /// Whether the fallback policy is on (the classifier then says which
+    /// final outcomes the fallback may replace).
+    pub fn fallback_enabled(&self) -> bool {
+        self.fallback
+    }
+
     /// The retry schedule (single attempt when `retry` was not called).
     pub fn retry_policy(&self) -> &RetryPolicy {
         &self.retry

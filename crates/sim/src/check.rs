@@ -13,11 +13,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use keel_actors::{Input, RunMachine, StartSpec, WorkflowRegistry};
+use keel_core::{Input, RunMachine, StartSpec, WorkflowRegistry};
 use keel_storage::codec::{self, RecordKind};
 use keel_storage::event::DurableKey;
 use keel_storage::keys::{self, Cf};
-use keel_storage::{AttemptNo, Event, EventKind, RunFilter, RunId, SelectKey, Seq, Step};
+use keel_storage::{Event, EventKind, RunFilter, RunId, SelectKey, Seq, Step};
 use serde::Serialize;
 
 use crate::store::SimStore;
@@ -52,6 +52,12 @@ pub enum ViolationKind {
     VerifyFailed,
     /// The simulation did not settle within its step or time limit.
     NoQuiescence,
+    /// An attempt was delivered under an epoch that was not new: the copy
+    /// it replaces is not fenced.
+    EpochReused,
+    /// Work was left behind once every run closed: an intent row (a pending
+    /// attempt, a timer, an outbox message) nothing will ever consume.
+    IntentLeftOver,
 }
 
 impl ViolationKind {
@@ -71,6 +77,8 @@ impl ViolationKind {
             ViolationKind::DuplicateRun => "duplicate-run",
             ViolationKind::VerifyFailed => "verify-failed",
             ViolationKind::NoQuiescence => "no-quiescence",
+            ViolationKind::EpochReused => "epoch-reused",
+            ViolationKind::IntentLeftOver => "intent-left-over",
         }
     }
 }
@@ -206,31 +214,14 @@ impl Checker {
         }
     }
 
-    /// An effect is about to run for `event` of `run`: the event must be
-    /// durable already, with exactly these contents.
-    pub(crate) fn effect(
-        &mut self,
-        store: &SimStore,
-        run: RunId,
-        event: &Event,
-        what: &str,
-        now: u64,
-    ) {
-        let durable = store.durable_event(run, event.seq);
-        if durable.as_deref() != Some(encode_event(event).as_slice()) {
-            let found = if durable.is_some() {
-                "other contents"
-            } else {
-                "nothing"
-            };
+    /// An effect is about to run because of event `seq` of `run`: that
+    /// event must be durable already.
+    pub(crate) fn effect(&mut self, store: &SimStore, run: RunId, seq: Seq, what: &str, now: u64) {
+        if store.durable_event(run, seq).is_none() {
             self.violate(
                 ViolationKind::EffectBeforeDurable,
                 now,
-                format!(
-                    "{what} for run {run} seq {} ({}) ran while the durable log holds {found} there",
-                    event.seq,
-                    event.kind.name()
-                ),
+                format!("{what} for run {run} ran before its event at seq {seq} was durable"),
             );
         }
     }
@@ -407,28 +398,7 @@ impl Checker {
     }
 }
 
-/// True for the events that are inputs (the machine is handed them), as
-/// opposed to commands workflow code issues.
-fn is_input(kind: &EventKind) -> bool {
-    matches!(
-        kind,
-        EventKind::WorkflowStarted { .. }
-            | EventKind::ActivityCompleted { .. }
-            | EventKind::ActivityAttemptFailed { .. }
-            | EventKind::ActivityCancelled { .. }
-            | EventKind::TimerFired { .. }
-            | EventKind::ChildStarted { .. }
-            | EventKind::ChildCompleted { .. }
-            | EventKind::ChildFailed { .. }
-            | EventKind::SignalReceived { .. }
-            | EventKind::WorkflowCancelRequested { .. }
-            | EventKind::WorkflowTerminated { .. }
-    )
-}
-
-/// The live input that produced an input event, where it can be rebuilt
-/// exactly (a failed attempt with a retry carries a jitter draw that history
-/// does not keep).
+/// The live input that produced an input event.
 fn input_of(kind: &EventKind) -> Option<Input> {
     Some(match kind.clone() {
         EventKind::ActivityCompleted {
@@ -444,12 +414,14 @@ fn input_of(kind: &EventKind) -> Option<Input> {
             step,
             attempt_id,
             failure,
-            retry_at: None,
+            retry_at,
+            heartbeat,
         } => Input::ActivityFailed {
             step,
             attempt: attempt_id.attempt,
             failure,
-            jitter: 0,
+            retry_at,
+            heartbeat,
         },
         EventKind::ActivityCancelled { step, .. } => Input::ActivityCancelled { step },
         EventKind::TimerFired { step, .. } => Input::TimerFired { step },
@@ -491,32 +463,6 @@ fn input_of(kind: &EventKind) -> Option<Input> {
     })
 }
 
-/// The start spec recorded in a `WorkflowStarted` event.
-pub(crate) fn spec_of(kind: &EventKind) -> Option<StartSpec> {
-    match kind.clone() {
-        EventKind::WorkflowStarted {
-            instance_id,
-            run_id,
-            workflow_type,
-            input,
-            command_id,
-            parent,
-            continued_from,
-            random_seed,
-        } => Some(StartSpec {
-            run_id,
-            instance_id,
-            workflow_type,
-            input,
-            command_id,
-            parent,
-            continued_from,
-            random_seed,
-        }),
-        _ => None,
-    }
-}
-
 /// Offline replay of a closed run's final history reproduces it: replay
 /// succeeds and ends closed, and re-running the last input on a machine
 /// replayed up to it produces exactly the recorded tail (the final commit).
@@ -527,11 +473,12 @@ pub(crate) fn replay_check(reg: &WorkflowRegistry, history: &[Event]) -> Result<
     }
     let k = history
         .iter()
-        .rposition(|e| is_input(&e.kind))
+        .rposition(|e| e.kind.is_input())
         .ok_or("the history has no input")?;
     let input_event = &history[k];
     let produced = if k == 0 {
-        let spec = spec_of(&input_event.kind).ok_or("the first event is not WorkflowStarted")?;
+        let spec = StartSpec::of_started(&input_event.kind)
+            .ok_or("the first event is not WorkflowStarted")?;
         RunMachine::start(reg, spec, input_event.at)
             .map_err(|e| format!("re-running the start failed: {e}"))?
             .1
@@ -561,16 +508,6 @@ pub(crate) fn replay_check(reg: &WorkflowRegistry, history: &[Event]) -> Result<
     Ok(())
 }
 
-/// The attempt number an input refers to, for traces.
-pub(crate) fn attempt_of(input: &Input) -> Option<AttemptNo> {
-    match input {
-        Input::ActivityCompleted { attempt, .. } | Input::ActivityFailed { attempt, .. } => {
-            Some(*attempt)
-        }
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     // Goal: each in-run detector of the checker fires on exactly what it
@@ -598,6 +535,7 @@ mod tests {
                 parent: None,
                 continued_from: None,
                 random_seed: 0,
+                previous_run: None,
             },
         }
     }
@@ -640,11 +578,11 @@ mod tests {
             .commit(CommitBatch::append(run, vec![e.clone()]))
             .expect("commits");
         let mut c = Checker::default();
-        c.effect(&store, run, &e, "dispatch", 1);
+        c.effect(&store, run, e.seq, "dispatch", 1);
         assert_eq!(c.violations.len(), 1);
         assert_eq!(c.violations[0].kind, ViolationKind::EffectBeforeDurable);
         store.sync().expect("syncs");
-        c.effect(&store, run, &e, "dispatch", 2);
+        c.effect(&store, run, e.seq, "dispatch", 2);
         assert_eq!(c.violations.len(), 1);
     }
 

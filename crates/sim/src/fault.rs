@@ -37,10 +37,11 @@ pub enum FaultKind {
     /// A worker process dies mid-activity; its attempts are redelivered when
     /// their leases expire (per dispatch).
     WorkerCrash,
-    /// An outbox message (child start, child result) is delivered again (per
-    /// outbox delivery).
+    /// A message between shards (a child's start or result, a cancellation,
+    /// an answer) is delivered twice (per message).
     OutboxRedelivery,
-    /// The timer service fires a timer late (per armed timer).
+    /// A shard's host wakes it late, so timers, leases and retries come due
+    /// late (per wake-up).
     TimerSkew,
     /// The next 1 to 3 commits fail, writing nothing (per commit).
     CommitFailure,
@@ -53,11 +54,17 @@ pub enum FaultKind {
     /// A signal or cancel the workflow ignores arrives at an arbitrary point
     /// (per workflow).
     StrayCommand,
+    /// A worker stops heartbeating an attempt that must heartbeat: its lease
+    /// ends and the attempt is delivered again (per dispatch).
+    SilentWorker,
+    /// An attempt runs past its start-to-close limit and fails as a timeout
+    /// (per dispatch).
+    SlowAttempt,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 12] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -70,6 +77,8 @@ impl FaultKind {
         FaultKind::EngineCrash,
         FaultKind::ActivityFailure,
         FaultKind::StrayCommand,
+        FaultKind::SilentWorker,
+        FaultKind::SlowAttempt,
     ];
 
     /// The name used on the command line and in reports.
@@ -87,6 +96,8 @@ impl FaultKind {
             FaultKind::EngineCrash => "engine-crash",
             FaultKind::ActivityFailure => "activity-failure",
             FaultKind::StrayCommand => "stray-command",
+            FaultKind::SilentWorker => "silent-worker",
+            FaultKind::SlowAttempt => "slow-attempt",
         }
     }
 
@@ -105,6 +116,8 @@ impl FaultKind {
             FaultKind::EngineCrash => 0.05,
             FaultKind::ActivityFailure => 0.3,
             FaultKind::StrayCommand => 0.5,
+            FaultKind::SilentWorker => 0.3,
+            FaultKind::SlowAttempt => 0.3,
         }
     }
 
@@ -284,6 +297,78 @@ impl FromStr for Faults {
             }
         }
         Ok(faults)
+    }
+}
+
+/// The fault firings a shrunk reproduction keeps: each is a kind and the
+/// index of its dice roll that came up (the nth time that kind would have
+/// fired). Every other firing is suppressed, while the dice are still
+/// rolled, so the random stream stays the same.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub struct Firings {
+    kept: std::collections::BTreeSet<(FaultKind, u32)>,
+}
+
+impl Firings {
+    /// Keeps exactly `firings`.
+    pub fn keep(firings: impl IntoIterator<Item = (FaultKind, u32)>) -> Self {
+        Firings {
+            kept: firings.into_iter().collect(),
+        }
+    }
+
+    /// True when firing `index` of `kind` is kept.
+    pub fn contains(&self, kind: FaultKind, index: u32) -> bool {
+        self.kept.contains(&(kind, index))
+    }
+
+    /// The kept firings, in order.
+    pub fn iter(&self) -> impl Iterator<Item = (FaultKind, u32)> + '_ {
+        self.kept.iter().copied()
+    }
+
+    /// How many are kept.
+    pub fn len(&self) -> usize {
+        self.kept.len()
+    }
+
+    /// True when none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.kept.is_empty()
+    }
+}
+
+impl fmt::Display for Firings {
+    /// The `--firings` form: `kind#index,...` (`none` when empty).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.kept.is_empty() {
+            return f.write_str("none");
+        }
+        let parts: Vec<String> = self.kept.iter().map(|(k, i)| format!("{k}#{i}")).collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+impl FromStr for Firings {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s == "none" || s.is_empty() {
+            return Ok(Firings::default());
+        }
+        let mut kept = std::collections::BTreeSet::new();
+        for part in s.split(',').map(str::trim) {
+            let (kind, index) = part
+                .split_once('#')
+                .ok_or_else(|| format!("firing {part:?} is not kind#index"))?;
+            let kind: FaultKind = kind.parse()?;
+            let index: u32 = index
+                .parse()
+                .map_err(|_| format!("firing index {index:?} is not a number"))?;
+            kept.insert((kind, index));
+        }
+        Ok(Firings { kept })
     }
 }
 

@@ -21,7 +21,7 @@
 //! Users check their own workflows the same way:
 //!
 //! ```
-//! use keel_actors::{Activity, ActivityContext, ActivityError, Workflow, WorkflowContext, WorkflowError};
+//! use keel_core::{Activity, ActivityContext, ActivityError, Workflow, WorkflowContext, WorkflowError};
 //! use keel_sim::{Faults, Simulation, Workload};
 //!
 //! struct Charge;
@@ -54,39 +54,23 @@
 //! assert!(report.passed, "{report}");
 //! ```
 //!
-//! The engine model mirrors `keel_actors::shell` (see the `world` module)
-//! except where the shell was found to break an invariant; there the model
-//! does what the design asks, and a `--break` mode ([`BreakMode`]) runs the
-//! shell's behavior so that the simulator demonstrates the bug:
-//!
-//! - a timer fire whose commit failed is fired again (the shell drops it
-//!   until the next engine start: `drop-failed-timer`);
-//! - a child start whose commit failed is tried again, and a start of a
-//!   child that exists counts as started (the shell reports either to the
-//!   parent as a failed child: `fail-child-on-start-error`);
-//! - a duplicate verdict is answered to the client after the group sync
-//!   (the shell answers at once, although the verdict may rest on a commit
-//!   still in flight that a crash then loses: `early-duplicate-answer`).
-//!
-//! Also on purpose: an attempt result and a continue-as-new start are
-//! retried until the run answers (the shell gives up after five tries, or
-//! at once, until the next engine start); the simulated client starts with
-//! `ReusePolicy::RejectDuplicate`, so a start retried after its run closed
-//! does not start a second run; the seed of a continued run is derived from
-//! its chain instead of drawn; no resilience profiles and no async closures
-//! (their closures live in a process-wide table).
+//! The simulator is a host of the engine's own driver
+//! (`keel_core::driver`), like the actix engine: it performs the driver's
+//! actions on a simulated store, workers, clients and network, and decides
+//! nothing the engine decides. A deliberately broken driver
+//! ([`BreakMode`], `--break`) proves that the checks can fail.
 
 mod check;
 mod fault;
+mod host;
 mod sim;
 mod store;
 mod trace;
 pub mod workload;
-mod world;
 
 pub use check::{Violation, ViolationKind};
-pub use fault::{FaultKind, Faults};
-pub use sim::{BreakMode, Report, Shrunk, SimError, Simulation};
+pub use fault::{FaultKind, Faults, Firings};
+pub use sim::{detected_as, BreakMode, Report, Shrunk, SimError, Simulation};
 pub use store::StoreKind;
 pub use trace::fnv1a;
 pub use workload::{ClientOp, ClientOpKind, WorkflowPlan, Workload};

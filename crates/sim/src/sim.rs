@@ -6,114 +6,33 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
-use keel_actors::{Activity, ActivityError, Workflow, WorkflowRegistry};
+use keel_core::{Activity, ActivityError, Workflow, WorkflowRegistry};
+use keel_resilience::{CompiledPipeline, ManualClock};
 use keel_storage::{AttemptNo, Event, Failure, FailureKind, Outcome, Payload, RunId};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Serialize, Serializer};
 
+pub use keel_core::driver::BreakMode;
+
 use crate::check::{Violation, ViolationKind};
-use crate::fault::{FaultKind, Faults};
+use crate::fault::{FaultKind, Faults, Firings};
+use crate::host::{Mock, ProfileSpec, Setup, World, WorldResult};
 use crate::store::{SimStore, StoreKind};
 use crate::workload::{register_default, Workload};
-use crate::world::{Mock, Setup, World, WorldResult};
 
-/// A deliberately broken engine, to prove that the checker can fail.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum BreakMode {
-    /// The shell skips `RunMachine::check` and the store's duplicate-terminal
-    /// check is off: a duplicate result (or signal) is committed twice.
-    NoAttemptDedupe,
-    /// Effects run before the commit returns: an effect can happen for an
-    /// event that never becomes durable.
-    EffectBeforeCommit,
-    /// A commit is acknowledged before it is synced: a crash loses an
-    /// acknowledged commit.
-    LoseUnsyncedAck,
-    /// The timer service drops a fire whose commit failed, as
-    /// `keel_actors::shell::timers` does today: the timer is lost until the
-    /// next engine start, and the workflow hangs.
-    DropFailedTimer,
-    /// Starting a child reports any error to the parent as a failed child,
-    /// as `Shared::start_child` does today: a failed commit, or a
-    /// redelivered start of a child that already finished, fails the
-    /// parent's child call.
-    FailChildOnStartError,
-    /// A duplicate is answered as soon as the run's machine knows the
-    /// input, as the shell does today: the machine also knows inputs whose
-    /// commit is still in flight, and a crash before the sync loses the
-    /// input after the client was told it was done.
-    EarlyDuplicateAnswer,
-}
-
-impl BreakMode {
-    /// Every mode.
-    pub const ALL: [BreakMode; 6] = [
-        BreakMode::NoAttemptDedupe,
-        BreakMode::EffectBeforeCommit,
-        BreakMode::LoseUnsyncedAck,
-        BreakMode::DropFailedTimer,
-        BreakMode::FailChildOnStartError,
-        BreakMode::EarlyDuplicateAnswer,
-    ];
-
-    /// The `--break` name.
-    pub fn name(self) -> &'static str {
-        match self {
-            BreakMode::NoAttemptDedupe => "no-attempt-dedupe",
-            BreakMode::EffectBeforeCommit => "effect-before-commit",
-            BreakMode::LoseUnsyncedAck => "lose-unsynced-ack",
-            BreakMode::DropFailedTimer => "drop-failed-timer",
-            BreakMode::FailChildOnStartError => "fail-child-on-start-error",
-            BreakMode::EarlyDuplicateAnswer => "early-duplicate-answer",
-        }
-    }
-
-    /// The violations that show this mode: the first violation of a failing
-    /// seed is one of them. (An acknowledgement before the sync is usually
-    /// caught by its effects first: they run for events that are not
-    /// durable yet.)
-    pub fn detected_as(self) -> &'static [ViolationKind] {
-        match self {
-            BreakMode::NoAttemptDedupe => &[ViolationKind::DuplicateTerminal],
-            BreakMode::EffectBeforeCommit => &[ViolationKind::EffectBeforeDurable],
-            BreakMode::LoseUnsyncedAck => &[
-                ViolationKind::AckedCommitLost,
-                ViolationKind::EffectBeforeDurable,
-            ],
-            BreakMode::DropFailedTimer => &[ViolationKind::NotFinished],
-            BreakMode::FailChildOnStartError => &[
-                ViolationKind::OutcomeMismatch,
-                ViolationKind::NotFinished,
-                ViolationKind::VerifyFailed,
-            ],
-            BreakMode::EarlyDuplicateAnswer => {
-                &[ViolationKind::NotFinished, ViolationKind::OutcomeMismatch]
-            }
-        }
-    }
-}
-
-impl fmt::Display for BreakMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for BreakMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        BreakMode::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = BreakMode::ALL.iter().map(|m| m.name()).collect();
-                format!(
-                    "unknown break mode {s:?}; expected one of: {}",
-                    names.join(", ")
-                )
-            })
+/// The violations that show a broken driver (`--break`): the first
+/// violation of a failing seed is one of them.
+pub fn detected_as(mode: BreakMode) -> &'static [ViolationKind] {
+    match mode {
+        BreakMode::NoAttemptDedupe => &[ViolationKind::DuplicateTerminal],
+        BreakMode::EffectBeforeCommit => &[ViolationKind::EffectBeforeDurable],
+        BreakMode::LoseUnsyncedAck => &[
+            ViolationKind::EffectBeforeDurable,
+            ViolationKind::AckedCommitLost,
+        ],
+        BreakMode::SkipClosePolicy => &[ViolationKind::NotFinished, ViolationKind::IntentLeftOver],
+        BreakMode::RedeliverSameEpoch => &[ViolationKind::EpochReused],
     }
 }
 
@@ -137,8 +56,9 @@ enum Source {
     DefaultMix(usize),
 }
 
-/// A simulation of workflows under faults: the real run machine, executor
-/// and store validation, on virtual time, driven by one seed.
+/// A simulation of workflows under faults: the engine's driver, run
+/// machine, executor and store validation, on virtual time, driven by one
+/// seed.
 ///
 /// ```
 /// use keel_sim::{Faults, Simulation};
@@ -150,8 +70,13 @@ pub struct Simulation {
     seed: u64,
     workflows: WorkflowRegistry,
     mocks: BTreeMap<String, Mock>,
+    profiles: BTreeMap<String, ProfileSpec>,
     faults: Faults,
     source: Source,
+    /// Only these instances of the workload (by index), when given.
+    keep: Option<Vec<usize>>,
+    /// Only these fault firings, when given.
+    firings: Option<Firings>,
     store: StoreKind,
     breaks: Option<BreakMode>,
     keep_trace: bool,
@@ -163,10 +88,35 @@ impl fmt::Debug for Simulation {
             .field("seed", &self.seed)
             .field("workflows", &self.workflows)
             .field("mocks", &self.mocks.keys().collect::<Vec<_>>())
+            .field("profiles", &self.profiles.keys().collect::<Vec<_>>())
             .field("faults", &self.faults.to_string())
             .field("store", &self.store)
             .field("breaks", &self.breaks)
             .finish()
+    }
+}
+
+fn mock_of<A, F>(body: F) -> impl Fn(&Payload, AttemptNo) -> Result<Payload, Failure>
+where
+    A: Activity,
+    F: Fn(A::Input, u32) -> Result<A::Output, ActivityError>,
+{
+    move |input: &Payload, attempt: AttemptNo| {
+        let input: A::Input = input.decode().map_err(|e| {
+            Failure::new(
+                FailureKind::Application,
+                format!("activity input does not decode: {e}"),
+                false,
+            )
+        })?;
+        let out = body(input, attempt.0).map_err(Failure::from)?;
+        Payload::encode(&out).map_err(|e| {
+            Failure::new(
+                FailureKind::Application,
+                format!("activity result does not encode: {e}"),
+                false,
+            )
+        })
     }
 }
 
@@ -177,8 +127,11 @@ impl Simulation {
             seed,
             workflows: WorkflowRegistry::new(),
             mocks: BTreeMap::new(),
+            profiles: BTreeMap::new(),
             faults: Faults::all(),
             source: Source::Fixed(Workload::new()),
+            keep: None,
+            firings: None,
             store: StoreKind::Mem,
             breaks: None,
             keep_trace: false,
@@ -199,30 +152,65 @@ impl Simulation {
 
     /// Mocks activity `A` with a deterministic, synchronous body: input and
     /// attempt number (from 1) in, result out. The simulator decides how
-    /// long it takes and whether its worker survives.
-    pub fn mock_activity<A, F>(mut self, body: F) -> Self
+    /// long it takes (1 to 40 ms) and whether its worker survives.
+    pub fn mock_activity<A, F>(self, body: F) -> Self
     where
         A: Activity,
         F: Fn(A::Input, u32) -> Result<A::Output, ActivityError> + Send + Sync + 'static,
     {
-        let mock: Mock = Arc::new(move |input: &Payload, attempt: AttemptNo| {
-            let input: A::Input = input.decode().map_err(|e| {
-                Failure::new(
-                    FailureKind::Application,
-                    format!("activity input does not decode: {e}"),
-                    false,
-                )
-            })?;
-            let out = body(input, attempt.0).map_err(Failure::from)?;
-            Payload::encode(&out).map_err(|e| {
-                Failure::new(
-                    FailureKind::Application,
-                    format!("activity result does not encode: {e}"),
-                    false,
-                )
-            })
-        });
+        self.mock_activity_taking::<A, F>(1..=40, body)
+    }
+
+    /// Like [`Simulation::mock_activity`], for an activity whose attempts
+    /// take `duration_ms` (heartbeating ones, say).
+    pub fn mock_activity_taking<A, F>(
+        mut self,
+        duration_ms: std::ops::RangeInclusive<u64>,
+        body: F,
+    ) -> Self
+    where
+        A: Activity,
+        F: Fn(A::Input, u32) -> Result<A::Output, ActivityError> + Send + Sync + 'static,
+    {
+        let mock = Mock {
+            body: Arc::new(mock_of::<A, F>(body)),
+            duration_ms: (
+                *duration_ms.start(),
+                *duration_ms.end().max(duration_ms.start()),
+            ),
+            fallback: None,
+        };
         self.mocks.insert(A::NAME.to_string(), mock);
+        self
+    }
+
+    /// Gives mocked activity `A` a fallback for its final failure (used when
+    /// its call's resilience profile enables fallbacks).
+    pub fn mock_fallback<A, F>(mut self, fallback: F) -> Self
+    where
+        A: Activity,
+        F: Fn(A::Input) -> A::Output + Send + Sync + 'static,
+    {
+        if let Some(m) = self.mocks.get_mut(A::NAME) {
+            m.fallback = Some(Arc::new(move |input: &Payload, _failure: &Failure| {
+                let input: A::Input = input.decode().ok()?;
+                Some(
+                    Payload::encode(&fallback(input))
+                        .map_err(|e| Failure::new(FailureKind::Application, e.to_string(), false)),
+                )
+            }));
+        }
+        self
+    }
+
+    /// Registers a resilience profile activities may name: `build` compiles
+    /// the pipeline on the clock it is given, which follows virtual time.
+    pub fn resilience_profile(
+        mut self,
+        name: &str,
+        build: impl Fn(Arc<ManualClock>) -> CompiledPipeline<Failure> + Send + Sync + 'static,
+    ) -> Self {
+        self.profiles.insert(name.to_string(), Arc::new(build));
         self
     }
 
@@ -232,9 +220,23 @@ impl Simulation {
         self
     }
 
+    /// Only these fault firings happen (a shrunk schedule); see
+    /// [`Firings`].
+    pub fn firings(mut self, firings: Firings) -> Self {
+        self.firings = Some(firings);
+        self
+    }
+
     /// The instances to run.
     pub fn workload(mut self, workload: Workload) -> Self {
         self.source = Source::Fixed(workload);
+        self
+    }
+
+    /// Runs only the instances of the workload at these indices (a shrunk
+    /// workload).
+    pub fn only_workflows(mut self, indices: Vec<usize>) -> Self {
+        self.keep = Some(indices);
         self
     }
 
@@ -265,17 +267,21 @@ impl Simulation {
     }
 
     fn workload_for_seed(&self) -> Result<Workload, SimError> {
-        match &self.source {
+        let full = match &self.source {
             Source::Fixed(w) => {
                 w.check()?;
-                Ok(w.clone())
+                w.clone()
             }
             Source::DefaultMix(n) => {
                 let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
                 rng.set_stream(1);
-                Ok(Workload::default_mix(&mut rng, *n))
+                Workload::default_mix(&mut rng, *n)
             }
-        }
+        };
+        Ok(match &self.keep {
+            Some(keep) => full.subset(keep),
+            None => full,
+        })
     }
 
     fn execute(
@@ -292,14 +298,21 @@ impl Simulation {
         let plan = faults.plan(&mut plan_rng);
         let mut rng = base;
         rng.set_stream(3);
+        let firings = if faults.is_empty() {
+            None
+        } else {
+            self.firings.as_ref()
+        };
         let setup = Setup {
             seed: self.seed,
             workflows: &self.workflows,
             mocks: &self.mocks,
+            profiles: &self.profiles,
             plan,
             breaks,
             workload,
             keep_trace,
+            firings,
         };
         Ok(World::new(setup, rng, SimStore::open(store)?).run())
     }
@@ -392,24 +405,40 @@ impl Simulation {
             events: r.events,
             engine_crashes: r.crashes,
             outbox_messages: r.outbox_messages,
+            shards: r.shards,
             workflows,
             finished: r.outcomes.len(),
             outcomes: r.outcomes,
             histories: r.histories,
             trace: r.trace,
-            repro: self.repro(&self.faults, workflows),
+            firings: Firings::keep(r.firings),
+            repro: self.repro(&self.faults),
         };
         Ok(report)
     }
 
     /// How to reproduce this simulation with `faults`: a `keel sim` command
     /// for the default mix, the builder calls for a user workload.
-    pub fn repro(&self, faults: &Faults, workflows: usize) -> String {
+    pub fn repro(&self, faults: &Faults) -> String {
+        let mut extra = String::new();
+        if let Some(keep) = &self.keep {
+            let list: Vec<String> = keep.iter().map(|i| i.to_string()).collect();
+            extra.push_str(&format!(" --only-workflows {}", list.join(",")));
+        }
+        if let Some(f) = &self.firings {
+            extra.push_str(&format!(" --firings {f}"));
+        }
         if let Source::Fixed(_) = self.source {
             let mut code = format!(
                 "Simulation::new({}).faults(\"{faults}\".parse()?)",
                 self.seed
             );
+            if let Some(keep) = &self.keep {
+                code.push_str(&format!(".only_workflows(vec!{keep:?})"));
+            }
+            if let Some(f) = &self.firings {
+                code.push_str(&format!(".firings(\"{f}\".parse()?)"));
+            }
             if self.store != StoreKind::Mem {
                 code.push_str(&format!(".store(\"{}\".parse()?)", self.store.name()));
             }
@@ -418,8 +447,12 @@ impl Simulation {
             }
             return format!("{code} with the same workflows, mocks and workload");
         }
+        let workflows = match self.source {
+            Source::DefaultMix(n) => n,
+            Source::Fixed(_) => 0,
+        };
         let mut cmd = format!(
-            "keel sim --seed {} --faults {} --workflows {workflows}",
+            "keel sim --seed {} --faults {} --workflows {workflows}{extra}",
             self.seed, faults
         );
         if self.store != StoreKind::Mem {
@@ -431,59 +464,89 @@ impl Simulation {
         cmd
     }
 
-    /// Shrinks the fault list of a failing seed: fixes the seed's drawn
-    /// probabilities, then greedily switches kinds off one at a time and
-    /// halves the remaining probabilities, keeping each change that still
-    /// fails with the same kind of violation. `None` when the seed passes.
+    /// Shrinks a failing seed to a small reproduction that still fails with
+    /// the same kind of violation: first the fault kinds (the seed's drawn
+    /// probabilities fixed, kinds switched off one at a time), then the
+    /// workload (instances dropped one at a time), then the fault schedule
+    /// (the firings that happened, dropped half by half and then one by
+    /// one). `None` when the seed passes.
     pub fn shrink(&self) -> Result<Option<Shrunk>, SimError> {
-        let reference = self.reference().ok();
-        let first = self.run_against(reference.as_ref())?;
+        let first = self.run()?;
         let Some(target) = first.violations.first().map(|v| v.kind) else {
             return Ok(None);
         };
         let mut runs = 1u32;
-        let mut current = Faults::none();
+        let mut cur = self.clone();
+        let mut faults = Faults::none();
         for (kind, p) in &first.fault_probabilities {
-            current = current.with(*kind, *p);
+            faults = faults.with(*kind, round(*p));
         }
         let mut last = first;
-        let still_fails = |faults: &Faults, runs: &mut u32| -> Result<Option<Report>, SimError> {
+        let still = |candidate: &Simulation, runs: &mut u32| -> Result<Option<Report>, SimError> {
             *runs += 1;
-            let r = self
-                .clone()
-                .faults(faults.clone())
-                .run_against(reference.as_ref())?;
+            let r = candidate.run()?;
             Ok(r.violations.iter().any(|v| v.kind == target).then_some(r))
         };
-        // Round the drawn probabilities, for a readable command line.
-        let mut rounded = Faults::none();
-        for (kind, p) in current.kinds() {
-            rounded = rounded.with(kind, round(p.unwrap_or(0.0)));
-        }
-        if let Some(r) = still_fails(&rounded, &mut runs)? {
-            current = rounded;
+        // Fault kinds.
+        let with_rounded = cur.clone().faults(faults.clone());
+        if let Some(r) = still(&with_rounded, &mut runs)? {
+            cur = with_rounded;
             last = r;
         }
-        let kinds: Vec<FaultKind> = current.kinds().map(|(k, _)| k).collect();
+        let kinds: Vec<FaultKind> = cur.faults.kinds().map(|(k, _)| k).collect();
         for kind in kinds {
-            let candidate = current.clone().without(kind);
-            if let Some(r) = still_fails(&candidate, &mut runs)? {
-                current = candidate;
+            let candidate = cur.clone().faults(cur.faults.clone().without(kind));
+            if let Some(r) = still(&candidate, &mut runs)? {
+                cur = candidate;
                 last = r;
             }
         }
-        for _ in 0..3 {
-            let kinds: Vec<(FaultKind, f64)> = current
-                .kinds()
-                .map(|(k, p)| (k, p.unwrap_or(0.0)))
-                .collect();
-            for (kind, p) in kinds {
-                let candidate = current.clone().with(kind, round(p / 2.0));
-                if let Some(r) = still_fails(&candidate, &mut runs)? {
-                    current = candidate;
+        // The workload.
+        let n = cur.workload_for_seed()?.plans().len();
+        let mut keep: Vec<usize> = cur.keep.clone().unwrap_or_else(|| (0..n).collect());
+        let mut i = 0;
+        while i < keep.len() && keep.len() > 1 {
+            let mut fewer = keep.clone();
+            fewer.remove(i);
+            let candidate = Simulation {
+                keep: Some(fewer.clone()),
+                ..cur.clone()
+            };
+            if let Some(r) = still(&candidate, &mut runs)? {
+                keep = fewer;
+                cur = candidate;
+                last = r;
+            } else {
+                i += 1;
+            }
+        }
+        // The fault schedule.
+        let mut firings: Vec<(FaultKind, u32)> = last.firings.iter().collect();
+        let mut chunk = firings.len().div_ceil(2).max(1);
+        while !firings.is_empty() {
+            let mut shrank = false;
+            let mut start = 0;
+            while start < firings.len() {
+                let end = (start + chunk).min(firings.len());
+                let fewer: Vec<_> = firings[..start]
+                    .iter()
+                    .chain(&firings[end..])
+                    .copied()
+                    .collect();
+                let candidate = cur.clone().firings(Firings::keep(fewer.clone()));
+                if let Some(r) = still(&candidate, &mut runs)? {
+                    firings = fewer;
+                    cur = candidate;
                     last = r;
+                    shrank = true;
+                } else {
+                    start = end;
                 }
             }
+            if chunk == 1 && !shrank {
+                break;
+            }
+            chunk = (chunk / 2).max(1);
         }
         let violation = last
             .violations
@@ -492,8 +555,10 @@ impl Simulation {
             .cloned()
             .expect("the kept run fails with the target kind");
         Ok(Some(Shrunk {
-            repro: self.repro(&current, last.workflows),
-            faults: current,
+            repro: cur.repro(&cur.faults),
+            faults: cur.faults.clone(),
+            workflows: keep,
+            firings: Firings::keep(firings),
             violation,
             runs,
         }))
@@ -516,17 +581,25 @@ fn show_outcome(o: Option<&Outcome>) -> String {
     }
 }
 
-/// A shrunk failing fault list.
+/// A shrunk failing simulation.
 #[derive(Clone, Debug)]
 pub struct Shrunk {
     /// The smallest fault list found that still fails.
     pub faults: Faults,
+    /// The workload's instances (indices) it keeps.
+    pub workflows: Vec<usize>,
+    /// The fault firings it keeps.
+    pub firings: Firings,
     /// The violation it still produces.
     pub violation: Violation,
     /// Simulations run while shrinking.
     pub runs: u32,
     /// The command that reproduces it.
     pub repro: String,
+}
+
+fn as_text<S: Serializer, T: fmt::Display>(value: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(value)
 }
 
 fn kinds_by_name<S: Serializer, V: Serialize>(
@@ -567,8 +640,14 @@ pub struct Report {
     pub events: u64,
     /// Engine crashes.
     pub engine_crashes: u32,
-    /// Outbox messages delivered (none until a workload starts children).
+    /// Messages delivered between shards.
     pub outbox_messages: u64,
+    /// Shards the simulated engine ran.
+    pub shards: u16,
+    /// The fault firings that happened, as `kind#index` (what `--firings`
+    /// takes to replay a subset).
+    #[serde(serialize_with = "as_text")]
+    pub firings: Firings,
     /// Instances in the workload.
     pub workflows: usize,
     /// Instances that finished.

@@ -9,6 +9,7 @@ use keel_storage::keys::{self, Cf};
 use keel_storage::kv::KvRead;
 use keel_storage::{
     CommitAck, CommitBatch, CrashMode, Durability, Error, MemStore, RocksStore, RunId, Seq, Store,
+    SyncedView,
 };
 
 use crate::sim::SimError;
@@ -56,7 +57,7 @@ impl std::str::FromStr for StoreKind {
 }
 
 pub(crate) enum SimStore {
-    Mem(Arc<MemStore>),
+    Mem(Arc<MemStore>, SyncedView),
     Rocks {
         dir: tempfile::TempDir,
         store: Option<RocksStore>,
@@ -69,8 +70,16 @@ pub(crate) enum SimStore {
 impl SimStore {
     pub(crate) fn open(kind: StoreKind) -> Result<Self, SimError> {
         Ok(match kind {
-            StoreKind::Mem => SimStore::Mem(Arc::new(MemStore::new(Durability::Buffered))),
-            StoreKind::MemSync => SimStore::Mem(Arc::new(MemStore::new(Durability::Sync))),
+            StoreKind::Mem => {
+                let m = Arc::new(MemStore::new(Durability::Buffered));
+                let synced = m.synced();
+                SimStore::Mem(m, synced)
+            }
+            StoreKind::MemSync => {
+                let m = Arc::new(MemStore::new(Durability::Sync));
+                let synced = m.synced();
+                SimStore::Mem(m, synced)
+            }
             StoreKind::RocksDb => {
                 let dir = tempfile::Builder::new()
                     .prefix("keel-sim")
@@ -89,14 +98,23 @@ impl SimStore {
 
     pub(crate) fn store(&self) -> &dyn Store {
         match self {
-            SimStore::Mem(m) => m.as_ref(),
+            SimStore::Mem(m, _) => m.as_ref(),
+            SimStore::Rocks { store, .. } => store.as_ref().expect("the store is open"),
+        }
+    }
+
+    /// What readers see: only durable data (in-memory store: the synced
+    /// part; RocksDB in `Sync` mode: everything a commit returned).
+    pub(crate) fn reader(&self) -> &dyn Store {
+        match self {
+            SimStore::Mem(_, synced) => synced,
             SimStore::Rocks { store, .. } => store.as_ref().expect("the store is open"),
         }
     }
 
     pub(crate) fn commit(&mut self, batch: CommitBatch) -> Result<CommitAck, Error> {
         match self {
-            SimStore::Mem(m) => m.commit(batch).wait(),
+            SimStore::Mem(m, _) => m.commit(batch).wait(),
             SimStore::Rocks {
                 store, fail_next, ..
             } => {
@@ -119,14 +137,14 @@ impl SimStore {
 
     pub(crate) fn fail_next_commits(&mut self, n: u32) {
         match self {
-            SimStore::Mem(m) => m.fail_next_commits(n),
+            SimStore::Mem(m, _) => m.fail_next_commits(n),
             SimStore::Rocks { fail_next, .. } => *fail_next = n,
         }
     }
 
     /// Switches the store's duplicate-terminal check (broken engine only).
     pub(crate) fn set_duplicate_terminal_check(&self, on: bool) {
-        if let SimStore::Mem(m) = self {
+        if let SimStore::Mem(m, _) = self {
             m.set_duplicate_terminal_check(on);
         }
     }
@@ -135,7 +153,7 @@ impl SimStore {
     /// the store is closed and its directory reopened (RocksDB).
     pub(crate) fn crash(&mut self, mode: CrashMode) -> Result<(), SimError> {
         match self {
-            SimStore::Mem(m) => m.crash(mode),
+            SimStore::Mem(m, _) => m.crash(mode),
             SimStore::Rocks {
                 dir,
                 store,
@@ -156,7 +174,7 @@ impl SimStore {
     pub(crate) fn durable_event(&self, run: RunId, seq: Seq) -> Option<Vec<u8>> {
         let key = keys::event_key(run, seq);
         match self {
-            SimStore::Mem(m) => m.with_durable(|d| d.get(Cf::Events, &key).ok().flatten()),
+            SimStore::Mem(m, _) => m.with_durable(|d| d.get(Cf::Events, &key).ok().flatten()),
             // Sync durability: whatever a commit wrote is durable.
             SimStore::Rocks { .. } => self.store().view().get(Cf::Events, &key).ok().flatten(),
         }

@@ -10,7 +10,9 @@
 
 use std::time::Duration;
 
-use keel_actors::{
+use std::future::Future;
+
+use keel_core::{
     Activity, ActivityContext, ActivityError, RetryPolicy, Workflow, WorkflowContext, WorkflowError,
 };
 use keel_storage::{CommandId, Payload};
@@ -169,6 +171,17 @@ impl Workload {
         &self.plans
     }
 
+    /// Only the instances at `indices` (out-of-range ones are ignored).
+    pub fn subset(&self, indices: &[usize]) -> Workload {
+        Workload {
+            plans: indices
+                .iter()
+                .filter_map(|i| self.plans.get(*i).cloned())
+                .collect(),
+            error: self.error.clone(),
+        }
+    }
+
     fn push_op(&mut self, instance: &str, op: ClientOp) {
         match self.plans.iter_mut().find(|p| p.instance == instance) {
             Some(p) => p.ops.push(op),
@@ -286,9 +299,91 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_scopes,
     },
-    // Later features are one entry each (async closures bind closures in a
-    // process-wide table the simulator cannot crash and rebuild per seed).
+    Shape {
+        name: "close-policy",
+        weight: 2,
+        build: plan_close_policy,
+    },
+    Shape {
+        name: "scope-children",
+        weight: 2,
+        build: plan_scope_children,
+    },
+    Shape {
+        name: "select-cancel",
+        weight: 2,
+        build: plan_select_cancel,
+    },
+    Shape {
+        name: "conditions",
+        weight: 2,
+        build: plan_conditions,
+    },
+    Shape {
+        name: "async-closure",
+        weight: 1,
+        build: plan_async,
+    },
+    Shape {
+        name: "heartbeats",
+        weight: 2,
+        build: plan_heartbeats,
+    },
+    Shape {
+        name: "timeouts",
+        weight: 2,
+        build: plan_timeouts,
+    },
+    Shape {
+        name: "guarded",
+        weight: 2,
+        build: plan_guarded,
+    },
 ];
+
+/// The resilience profile of the `guarded` shape: a retry policy of its
+/// own, an attempt timeout, a circuit breaker, a rate limit and a bulkhead,
+/// and a fallback, on the simulator's virtual clock.
+pub const GUARDED_PROFILE: &str = "sim.guarded";
+
+fn guarded_profile(
+    clock: std::sync::Arc<keel_resilience::ManualClock>,
+) -> keel_resilience::CompiledPipeline<keel_storage::Failure> {
+    use keel_resilience::{
+        AttemptTimeoutRequirement, BackoffMode, Builder, Classifier, JitterMode,
+    };
+    let classifier = Classifier::<keel_storage::Failure>::new()
+        .retry_on(|f: &keel_storage::Failure| f.retryable)
+        .retry_on_attempt_timeout()
+        .fallback_on(|f: &keel_storage::Failure| !f.retryable);
+    Builder::profile("sim-guarded", "v1")
+        .partition("sim", "test", "guarded")
+        .attempt_timeout(
+            Duration::from_millis(500),
+            AttemptTimeoutRequirement::Cooperative,
+        )
+        .retry(
+            6,
+            BackoffMode::Exponential,
+            Duration::from_millis(10),
+            Duration::from_millis(200),
+            JitterMode::Full,
+        )
+        .rate_limit(Builder::token_bucket(20, 20, Duration::from_millis(100)))
+        .circuit_breaker(
+            Builder::last_calls(20),
+            10,
+            keel_resilience::Ratio::of(19, 20),
+            Duration::from_millis(50),
+            1,
+            1,
+            Duration::from_millis(200),
+        )
+        .bulkhead(4, 0)
+        .fallback()
+        .compile_in_memory_with(classifier, clock, 7)
+        .expect("the sim profile is valid")
+}
 
 /// Registers the default mix's workflows and mock activities.
 pub fn register_default(sim: Simulation) -> Simulation {
@@ -303,8 +398,20 @@ pub fn register_default(sim: Simulation) -> Simulation {
         .register_workflow::<NestedWf>()
         .register_workflow::<ChildrenWf>()
         .register_workflow::<ScopesWf>()
+        .register_workflow::<ClosePolicyWf>()
+        .register_workflow::<WaitForeverWf>()
+        .register_workflow::<ScopeChildrenWf>()
+        .register_workflow::<SelectCancelWf>()
+        .register_workflow::<ConditionsWf>()
+        .register_workflow::<AsyncWf>()
+        .register_workflow::<HeartbeatsWf>()
+        .register_workflow::<TimeoutsWf>()
+        .register_workflow::<GuardedWf>()
         .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
         .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
+        .mock_fallback::<Flaky, _>(|input| input.value + 100)
+        .mock_activity_taking::<Long, _>(60..=240, |x, _| Ok(transform(x)))
+        .resilience_profile(GUARDED_PROFILE, guarded_profile)
 }
 
 fn plan(rng: &mut ChaCha8Rng, instance: &str, workflow_type: &str, input: Payload) -> WorkflowPlan {
@@ -457,6 +564,80 @@ fn plan_scopes(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
         bad: rng.random_bool(0.3).then(|| rng.random_range(0..n as u32)),
     };
     plan(rng, instance, ScopesWf::NAME, encode(&input))
+}
+
+fn plan_close_policy(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = ClosePolicyIn {
+        value: rng.random_range(0..1000),
+        terminate: rng.random_bool(0.7),
+        request_cancel: rng.random_bool(0.5),
+        abandon: rng.random_bool(0.3),
+    };
+    plan(rng, instance, ClosePolicyWf::NAME, encode(&input))
+}
+
+fn plan_scope_children(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = ScopeChildrenIn {
+        value: rng.random_range(0..1000),
+        children: rng.random_range(1..=3),
+        wait_ms: rng.random_range(1..=50),
+    };
+    plan(rng, instance, ScopeChildrenWf::NAME, encode(&input))
+}
+
+fn plan_select_cancel(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = SelectCancelIn {
+        value: rng.random_range(0..1000),
+        barrier: rng.random_bool(0.5),
+    };
+    plan(rng, instance, SelectCancelWf::NAME, encode(&input))
+}
+
+fn plan_conditions(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let count = rng.random_range(1..=4u32);
+    let mut p = plan(rng, instance, ConditionsWf::NAME, encode(&count));
+    let start = p.start_at_ms;
+    for i in 0..count {
+        let at = start + rng.random_range(1..=800);
+        p.ops.push(ClientOp {
+            at_ms: at,
+            kind: ClientOpKind::Signal {
+                name: "bump".into(),
+                payload: encode(&(u64::from(i) + 1)),
+                command_id: Some(CommandId::new(format!("{instance}/bump/{i}"))),
+            },
+        });
+    }
+    p
+}
+
+fn plan_async(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let values: Vec<u64> = (0..rng.random_range(1..=3))
+        .map(|_| rng.random_range(0..1000))
+        .collect();
+    plan(rng, instance, AsyncWf::NAME, encode(&values))
+}
+
+fn plan_heartbeats(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let value: u64 = rng.random_range(0..1000);
+    plan(rng, instance, HeartbeatsWf::NAME, encode(&value))
+}
+
+fn plan_timeouts(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let value: u64 = rng.random_range(0..1000);
+    plan(rng, instance, TimeoutsWf::NAME, encode(&value))
+}
+
+fn plan_guarded(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = FlakyIn {
+        value: rng.random_range(0..1000),
+        fail_first: if rng.random_bool(0.2) {
+            FATAL
+        } else {
+            rng.random_range(0..=3)
+        },
+    };
+    plan(rng, instance, GuardedWf::NAME, encode(&input))
 }
 
 /// `fail_first` value that makes [`Flaky`] fail with a non-retryable error.
@@ -876,5 +1057,348 @@ impl Workflow for ScopesWf {
             Ok(()) => Ok(format!("sum {}", sum.get())),
             Err(e) => Ok(format!("aborted: {e}")),
         }
+    }
+}
+
+/// Activity `sim.long`: like [`Transform`], but an attempt takes long
+/// enough to heartbeat (60 to 240 ms in the simulator).
+#[derive(Debug, Default)]
+pub struct Long;
+
+impl Activity for Long {
+    const NAME: &'static str = "sim.long";
+    type Input = u64;
+    type Output = u64;
+
+    async fn run(&self, ctx: ActivityContext, x: u64) -> Result<u64, ActivityError> {
+        ctx.heartbeat();
+        Ok(transform(x))
+    }
+}
+
+/// `sim.wait-forever`: waits for a signal nobody sends (or for its
+/// cancellation, which it honours): only a cancellation or a termination
+/// ends it.
+#[derive(Debug)]
+pub struct WaitForeverWf;
+
+impl Workflow for WaitForeverWf {
+    const NAME: &'static str = "sim.wait-forever";
+    type Input = u64;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, _x: u64) -> Result<u64, WorkflowError> {
+        let s = ctx
+            .select()
+            .signal("never", "keel.sim.never")
+            .branch("cancel", CancelBranch(ctx.clone()))
+            .await?;
+        if s.key == "cancel".into() {
+            return Err(WorkflowError::Cancelled(s.result::<String>()?));
+        }
+        Ok(0)
+    }
+}
+
+/// A select member that resolves with the cancellation reason.
+struct CancelBranch(WorkflowContext);
+
+impl keel_core::Branch for CancelBranch {
+    type Output = String;
+    fn leaf_count(&self) -> u32 {
+        0
+    }
+    fn poll_branch(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<String, keel_storage::Failure>> {
+        let mut f = self.0.cancelled();
+        std::pin::Pin::new(&mut f).poll(cx).map(Ok)
+    }
+    fn operation(&self) -> keel_storage::OperationKind {
+        keel_storage::OperationKind::Condition
+    }
+}
+
+/// Input of [`ClosePolicyWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ClosePolicyIn {
+    /// The value.
+    pub value: u64,
+    /// Leave a child with the terminate policy open.
+    pub terminate: bool,
+    /// Leave a child with the request-cancel policy open.
+    pub request_cancel: bool,
+    /// Leave a child with the abandon policy (it ends on its own).
+    pub abandon: bool,
+}
+
+/// `sim.close-policy`: starts children that wait forever and closes
+/// without awaiting them: its close policy must terminate or cancel them
+/// (an abandoned child ends on its own).
+#[derive(Debug)]
+pub struct ClosePolicyWf;
+
+impl Workflow for ClosePolicyWf {
+    const NAME: &'static str = "sim.close-policy";
+    type Input = ClosePolicyIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: ClosePolicyIn) -> Result<u64, WorkflowError> {
+        use keel_storage::ParentClosePolicy as P;
+        let mut sel = ctx.select();
+        if input.terminate {
+            sel = sel.branch(
+                "t",
+                ctx.child::<WaitForeverWf>(1).close_policy(P::Terminate),
+            );
+        }
+        if input.request_cancel {
+            sel = sel.branch(
+                "c",
+                ctx.child::<WaitForeverWf>(2).close_policy(P::RequestCancel),
+            );
+        }
+        if input.abandon {
+            sel = sel.branch(
+                "a",
+                ctx.child::<SequentialWf>(SeqIn {
+                    value: input.value,
+                    steps: 1,
+                })
+                .close_policy(P::Abandon),
+            );
+        }
+        // Every child is issued; a short timer wins and the run closes with
+        // its children open.
+        let s = sel.timer("done", Duration::from_millis(1)).await?;
+        let _ = s;
+        Ok(ctx.activity::<Transform>(input.value).await?)
+    }
+}
+
+/// Input of [`ScopeChildrenWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ScopeChildrenIn {
+    /// The value.
+    pub value: u64,
+    /// Children started inside the scope (each waits forever).
+    pub children: u32,
+    /// How long the scope is waited for before it is cancelled.
+    pub wait_ms: u64,
+}
+
+/// `sim.scope-children`: a scope whose coroutines each start a child that
+/// waits forever; the scope is cancelled after a deadline, which must
+/// cancel the children (terminate them, per their close policy), even one
+/// whose start is still in the outbox.
+#[derive(Debug)]
+pub struct ScopeChildrenWf;
+
+impl Workflow for ScopeChildrenWf {
+    const NAME: &'static str = "sim.scope-children";
+    type Input = ScopeChildrenIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: ScopeChildrenIn) -> Result<u64, WorkflowError> {
+        let scope = ctx.scope();
+        for i in 0..input.children {
+            let ctx2 = ctx.clone();
+            scope.spawn(async move {
+                ctx2.child::<WaitForeverWf>(u64::from(i)).await?;
+                Ok(())
+            });
+        }
+        let waited = scope
+            .await_completion(ctx.timer(Duration::from_millis(input.wait_ms)))
+            .await;
+        if waited.is_err() {
+            scope.cancel();
+        }
+        Ok(ctx.activity::<Transform>(input.value).await?)
+    }
+}
+
+/// Input of [`SelectCancelWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SelectCancelIn {
+    /// The value.
+    pub value: u64,
+    /// The losing member is a barrier (a child and an hour-long timer)
+    /// rather than a lone child.
+    pub barrier: bool,
+}
+
+/// `sim.select-cancel`: a select whose deadline beats a member that can
+/// never finish (a child waiting forever, or a barrier holding one); the
+/// loser's handle is cancelled, which must cancel the child.
+#[derive(Debug)]
+pub struct SelectCancelWf;
+
+impl Workflow for SelectCancelWf {
+    const NAME: &'static str = "sim.select-cancel";
+    type Input = SelectCancelIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: SelectCancelIn) -> Result<u64, WorkflowError> {
+        let s = if input.barrier {
+            ctx.select()
+                .branch(
+                    "work",
+                    ctx.all((
+                        ctx.child::<WaitForeverWf>(input.value),
+                        ctx.activity::<Transform>(input.value),
+                    )),
+                )
+                .timer("deadline", Duration::from_millis(20))
+                .await?
+        } else {
+            ctx.select()
+                .branch("work", ctx.child::<WaitForeverWf>(input.value))
+                .timer("deadline", Duration::from_millis(20))
+                .await?
+        };
+        let deadline_won = s.key == "deadline".into();
+        if let Some(h) = s.handle("work") {
+            h.cancel();
+        }
+        // The deadline's own result decodes as `()`.
+        s.winner().result::<()>().await?;
+        Ok(if deadline_won { input.value } else { 0 })
+    }
+}
+
+/// `sim.conditions`: a coroutine takes `bump` signals and adds them to a
+/// total; the main coroutine waits on a condition over that total, and
+/// records a side effect computed from it.
+#[derive(Debug)]
+pub struct ConditionsWf;
+
+impl Workflow for ConditionsWf {
+    const NAME: &'static str = "sim.conditions";
+    type Input = u32;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, count: u32) -> Result<u64, WorkflowError> {
+        use std::cell::Cell;
+        use std::rc::Rc;
+        let total = Rc::new(Cell::new(0u64));
+        let seen = Rc::new(Cell::new(0u32));
+        {
+            let (ctx, total, seen) = (ctx.clone(), total.clone(), seen.clone());
+            ctx.clone().spawn_local(async move {
+                for _ in 0..count {
+                    if let Ok(v) = ctx.wait_signal::<u64>("bump").await {
+                        total.set(total.get() + v);
+                        seen.set(seen.get() + 1);
+                    }
+                }
+            });
+        }
+        let s = seen.clone();
+        ctx.condition(move || s.get() >= count).await;
+        let doubled: u64 = ctx.side_effect(|| total.get() * 2)?;
+        Ok(ctx.activity::<Transform>(doubled).await?)
+    }
+}
+
+/// `sim.async`: each value goes through an async closure run as a child.
+#[derive(Debug)]
+pub struct AsyncWf;
+
+impl Workflow for AsyncWf {
+    const NAME: &'static str = "sim.async";
+    type Input = Vec<u64>;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, values: Vec<u64>) -> Result<u64, WorkflowError> {
+        let mut sum = 0u64;
+        for v in values {
+            let out = ctx
+                .run_async(v, |ctx: WorkflowContext, x: u64| async move {
+                    let y = ctx.activity::<Transform>(x).await?;
+                    Ok(ctx.activity::<Transform>(y).await?)
+                })
+                .await?;
+            sum = sum.wrapping_add(out);
+        }
+        Ok(sum)
+    }
+}
+
+/// `sim.heartbeats`: a long activity that must heartbeat within 40 ms and
+/// finish within 400 ms, retried; silent workers and slow attempts are
+/// redelivered or retried.
+#[derive(Debug)]
+pub struct HeartbeatsWf;
+
+impl Workflow for HeartbeatsWf {
+    const NAME: &'static str = "sim.heartbeats";
+    type Input = u64;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, x: u64) -> Result<u64, WorkflowError> {
+        Ok(ctx
+            .activity::<Long>(x)
+            .heartbeat_timeout(Duration::from_millis(40))
+            .start_to_close(Duration::from_millis(400))
+            .retry(RetryPolicy::constant(6, Duration::from_millis(10)))
+            .await?)
+    }
+}
+
+/// `sim.timeouts`: activities under schedule-to-start and start-to-close
+/// limits without retries; the workflow computes the same value itself when
+/// one times out, so its outcome does not depend on which did.
+#[derive(Debug)]
+pub struct TimeoutsWf;
+
+impl Workflow for TimeoutsWf {
+    const NAME: &'static str = "sim.timeouts";
+    type Input = u64;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, x: u64) -> Result<u64, WorkflowError> {
+        let timed_out = |f: &keel_storage::Failure| f.kind == keel_storage::FailureKind::Timeout;
+        let a = match ctx
+            .activity::<Transform>(x)
+            .schedule_to_start(Duration::from_millis(5))
+            .await
+        {
+            Ok(v) => v,
+            Err(f) if timed_out(&f) => transform(x),
+            Err(f) => return Err(f.into()),
+        };
+        let b = match ctx
+            .activity::<Long>(a)
+            .start_to_close(Duration::from_millis(150))
+            .await
+        {
+            Ok(v) => v,
+            Err(f) if timed_out(&f) => transform(a),
+            Err(f) => return Err(f.into()),
+        };
+        Ok(b)
+    }
+}
+
+/// `sim.guarded`: a flaky activity admitted through the `sim.guarded`
+/// resilience profile, whose retry policy (the call sets none), attempt
+/// timeout, breaker, rate limit, bulkhead and fallback all apply. The
+/// fallback gives the value a success gives, so the outcome is the same
+/// whichever ends it.
+#[derive(Debug)]
+pub struct GuardedWf;
+
+impl Workflow for GuardedWf {
+    const NAME: &'static str = "sim.guarded";
+    type Input = FlakyIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: FlakyIn) -> Result<u64, WorkflowError> {
+        Ok(ctx
+            .activity::<Flaky>(input)
+            .profile(GUARDED_PROFILE)
+            .await?)
     }
 }

@@ -1,11 +1,12 @@
-// Goal: proof that the checker can fail. Each deliberately broken engine
-// must be reported within 500 seeds, with the violation that shows it.
-// Method: for each `BreakMode`, run seeds from 0 until the first failing
-// one (stop there, to keep the test fast); its first violation must be one
-// the mode is detected as; the shrinker must keep a failing fault list and
-// print a reproduction naming the mode.
+// Goal: proof that the checks can fail. Each deliberately broken driver
+// (`BreakMode`, a hook inside the engine's own driver) must be reported
+// within 500 seeds, with the violation that shows it. Method: for each
+// mode, run seeds from 0 until the first failing one (stop there, to keep
+// the test fast); its first violation must be one the mode is detected as;
+// the shrinker must keep a failing reproduction (fewer or as many faults,
+// workflows and firings) that fails again on its own.
 
-use keel_sim::{BreakMode, Simulation};
+use keel_sim::{detected_as, BreakMode, Simulation};
 
 fn first_failing(mode: BreakMode) -> Option<(u64, keel_sim::Report)> {
     (0..500).find_map(|seed| {
@@ -23,9 +24,9 @@ fn check(mode: BreakMode) {
         first_failing(mode).unwrap_or_else(|| panic!("{mode}: no violation in 500 seeds"));
     let first = &report.violations[0];
     assert!(
-        mode.detected_as().contains(&first.kind),
+        detected_as(mode).contains(&first.kind),
         "{mode}: seed {seed} failed with {first}, expected one of {:?}",
-        mode.detected_as()
+        detected_as(mode)
     );
     assert!(
         report.repro.contains(&format!("--seed {seed}")),
@@ -55,36 +56,41 @@ fn lose_unsynced_ack_is_found() {
 }
 
 #[test]
-fn drop_failed_timer_is_found() {
-    check(BreakMode::DropFailedTimer);
+fn skip_close_policy_is_found() {
+    check(BreakMode::SkipClosePolicy);
 }
 
 #[test]
-fn fail_child_on_start_error_is_found() {
-    check(BreakMode::FailChildOnStartError);
+fn redeliver_same_epoch_is_found() {
+    check(BreakMode::RedeliverSameEpoch);
 }
 
 #[test]
-fn a_failing_seed_shrinks_to_a_list_that_still_fails() {
-    let (seed, report) = first_failing(BreakMode::DropFailedTimer).expect("found");
-    let shrunk = Simulation::new(seed)
-        .default_mix(20)
-        .break_engine(BreakMode::DropFailedTimer)
-        .shrink()
-        .expect("runs")
-        .expect("the seed fails");
+fn a_failing_seed_shrinks_to_a_smaller_reproduction_that_still_fails() {
+    let mode = BreakMode::SkipClosePolicy;
+    let (seed, report) = first_failing(mode).expect("found");
+    let sim = Simulation::new(seed).default_mix(20).break_engine(mode);
+    let shrunk = sim.shrink().expect("runs").expect("the seed fails");
     assert_eq!(shrunk.violation.kind, report.violations[0].kind);
     assert!(shrunk.faults.kinds().count() <= report.fault_probabilities.len());
-    // The shrunk list is a reproduction on its own.
-    let again = Simulation::new(seed)
-        .default_mix(20)
-        .break_engine(BreakMode::DropFailedTimer)
+    assert!(shrunk.workflows.len() <= 20);
+    assert!(shrunk.firings.len() <= report.firings.len());
+    // The shrunk workload, faults and firings are a reproduction on their own.
+    let again = sim
+        .clone()
         .faults(shrunk.faults.clone())
+        .only_workflows(shrunk.workflows.clone())
+        .firings(shrunk.firings.clone())
         .run()
         .expect("runs");
     assert!(!again.passed, "{again}");
     assert!(
-        shrunk.repro.contains("--break drop-failed-timer"),
+        shrunk.repro.contains("--break skip-close-policy"),
+        "{}",
+        shrunk.repro
+    );
+    assert!(
+        shrunk.repro.contains("--only-workflows"),
         "{}",
         shrunk.repro
     );

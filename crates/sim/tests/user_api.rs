@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use keel_actors::{
+use keel_core::{
     Activity, ActivityContext, ActivityError, RetryPolicy, Workflow, WorkflowContext, WorkflowError,
 };
 use keel_sim::{Faults, Simulation, ViolationKind, Workload};

@@ -31,6 +31,7 @@ fn started(run: RunId, instance: String) -> Event {
             parent: None,
             continued_from: None,
             random_seed: 7,
+            previous_run: None,
         },
     }
 }

@@ -19,10 +19,15 @@ use serde::{de::DeserializeOwned, Serialize};
 pub const MAGIC: u8 = 0x4B;
 /// Bytes before the body.
 pub const HEADER_BYTES: usize = 8;
-/// Current schema version of history events.
-pub const EVENT_VERSION: u16 = 1;
-/// Current schema version of every derived-state record.
-pub const STATE_VERSION: u16 = 1;
+/// Current schema version of history events. Version 2 added
+/// `ChildCancelRequested`, `WorkflowStarted::previous_run`,
+/// `ActivityAttemptFailed::heartbeat` and `RetrySettings::backoff_mode`;
+/// version 1 records decode unchanged (the new fields default).
+pub const EVENT_VERSION: u16 = 2;
+/// Current schema version of every derived-state record. Version 2 added
+/// the cancellation and continue-as-new intents to the outbox, the
+/// `children` records and `TaskEntry::heartbeat`.
+pub const STATE_VERSION: u16 = 2;
 
 /// What a record holds; stored in the envelope so a record read from the
 /// wrong place is refused rather than misread.
@@ -49,6 +54,8 @@ pub enum RecordKind {
     Bundle = 9,
     /// A parked run's reason.
     Parked = 10,
+    /// A child a parent has not heard back from.
+    Child = 11,
 }
 
 impl RecordKind {
@@ -64,6 +71,7 @@ impl RecordKind {
             8 => RecordKind::StoreMeta,
             9 => RecordKind::Bundle,
             10 => RecordKind::Parked,
+            11 => RecordKind::Child,
             _ => return None,
         })
     }
@@ -270,7 +278,7 @@ mod tests {
         let err = decode::<(String, u32)>(RecordKind::Run, &newer).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "Run record has schema version 9, this build reads up to 1"
+            "Run record has schema version 9, this build reads up to 2"
         );
         // Trailing bytes with a valid checksum: refused.
         let mut longer = bytes.clone();

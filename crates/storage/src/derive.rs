@@ -9,12 +9,13 @@ use tracing::warn;
 
 use crate::codec::{self, RecordKind};
 use crate::error::{Error, Result};
-use crate::event::{Event, EventKind, Outcome, ParentRef};
-use crate::ids::{RunId, Seq, Timestamp};
+use crate::event::{Event, EventKind, Outcome, ParentClosePolicy, ParentRef};
+use crate::ids::{RunId, Seq, Step, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::{KvRead, KvWrite, Overlay, Writes};
 use crate::state::{
-    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry, TimerEntry,
+    ChildEntry, DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry,
+    TimerEntry,
 };
 use crate::{HISTORY_EVENTS_MAX, LIMIT_WARN_PERCENT, PAYLOAD_BYTES_MAX};
 
@@ -64,12 +65,41 @@ pub struct AppendAck {
     pub last: Seq,
 }
 
+/// An intent row: an effect that must follow the commit that wrote it.
+/// Live effects run from the intents a commit's answer names; recovery runs
+/// from every intent row still stored. One code path for both.
+#[derive(Clone, PartialEq, Debug)]
+pub enum Intent {
+    /// The pending attempt of an activity execution: dispatch it at `due`,
+    /// or, if `cancel_requested`, stop it.
+    Task(TaskEntry),
+    /// A timer to fire at its due time.
+    Timer(TimerEntry),
+    /// A message to deliver at least once.
+    Outbox(OutboxMessage),
+}
+
+/// An intent row a commit removed: its effect is done or no longer wanted.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum IntentKey {
+    /// The pending attempt of the execution at (run, step).
+    Task(RunId, Step),
+    /// The timer at (run, step).
+    Timer(RunId, Step),
+    /// The outbox message with this key (see [`OutboxMessage::key`]).
+    Outbox(Vec<u8>),
+}
+
 /// What a commit wrote, returned once it is durable (or, in `Buffered`
 /// mode, written to the WAL).
-#[derive(Clone, PartialEq, Eq, Debug, Default)]
+#[derive(Clone, PartialEq, Debug, Default)]
 pub struct CommitAck {
     /// One entry per append, in order.
     pub appends: Vec<AppendAck>,
+    /// The intent rows the commit wrote (new or changed), in key order.
+    pub intents: Vec<Intent>,
+    /// The intent rows the commit removed.
+    pub removed: Vec<IntentKey>,
 }
 
 /// A batch with its events already encoded (done on the committer's thread
@@ -164,7 +194,45 @@ pub fn apply_batch_checked(
             None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
         }
     }
-    Ok((overlay.into_writes(), ack))
+    let writes = overlay.into_writes();
+    intents_of(&writes, &mut ack)?;
+    Ok((writes, ack))
+}
+
+/// The intent rows among a commit's writes.
+fn intents_of(writes: &Writes, ack: &mut CommitAck) -> Result<()> {
+    let corrupt = |cf: Cf, key: &[u8], source| Error::Corrupt {
+        cf: cf.name(),
+        run: keys::run_prefix(key),
+        seq: None,
+        source,
+    };
+    for ((cf, key), value) in writes {
+        match (cf, value) {
+            (Cf::Tasks, Some(v)) => ack.intents.push(Intent::Task(
+                codec::decode(RecordKind::Task, v).map_err(|e| corrupt(*cf, key, e))?,
+            )),
+            (Cf::Timers, Some(v)) => ack.intents.push(Intent::Timer(
+                codec::decode(RecordKind::Timer, v).map_err(|e| corrupt(*cf, key, e))?,
+            )),
+            (Cf::Outbox, Some(v)) => ack.intents.push(Intent::Outbox(
+                codec::decode(RecordKind::Outbox, v).map_err(|e| corrupt(*cf, key, e))?,
+            )),
+            (Cf::Tasks, None) => {
+                if let Some((run, step)) = keys::parse_run_step_key(key) {
+                    ack.removed.push(IntentKey::Task(run, step));
+                }
+            }
+            (Cf::Timers, None) => {
+                if let Some((run, step)) = key.get(8..).and_then(keys::parse_run_step_key) {
+                    ack.removed.push(IntentKey::Timer(run, step));
+                }
+            }
+            (Cf::Outbox, None) => ack.removed.push(IntentKey::Outbox(key.clone())),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn enc<T: serde::Serialize>(kind: RecordKind, value: &T) -> Result<Vec<u8>> {
@@ -371,19 +439,96 @@ fn close(
         out.delete(Cf::Timers, keys::timer_key(entry.fire_at, run, entry.step));
         out.delete(Cf::RunTimers, k);
     }
-    if let Some(parent) = &meta.parent {
-        let msg = OutboxMessage::ChildResult {
-            parent: parent.clone(),
-            child_run_id: run,
-            outcome: outcome.clone(),
-        };
-        out.put(
-            Cf::Outbox,
-            keys::outbox_result_key(run),
-            enc(RecordKind::Outbox, &msg)?,
-        );
+    // The close policy of every child not heard back from, as intents in
+    // this same commit: a crash right after the close cannot lose them. A
+    // child that closed already needs none; its result, which this run will
+    // never take, is dropped.
+    let mut children = Vec::new();
+    out.scan(Cf::Children, run.as_bytes(), run.as_bytes(), &mut |k, v| {
+        children.push((k.to_vec(), v.to_vec()));
+        true
+    })?;
+    for (k, v) in children {
+        let entry: ChildEntry =
+            codec::decode(RecordKind::Child, &v).map_err(|source| Error::Corrupt {
+                cf: Cf::Children.name(),
+                run: Some(run),
+                seq: None,
+                source,
+            })?;
+        let step = keys::parse_run_step_key(&k).map_or(Step(0), |(_, s)| s);
+        out.delete(Cf::Children, k);
+        out.delete(Cf::Outbox, keys::outbox_result_key(entry.child_run_id));
+        if entry.close_policy != ParentClosePolicy::Abandon {
+            let parent = ParentRef {
+                instance_id: meta.instance_id.clone(),
+                run_id: run,
+                step,
+                close_policy: entry.close_policy,
+            };
+            let reason = format!("parent {run} closed ({})", status.name());
+            cancel_child(out, parent, entry.child_run_id, entry.close_policy, reason)?;
+        }
+    }
+    // A cancellation addressed to this run is done once it closes.
+    out.delete(Cf::Outbox, keys::outbox_cancel_key(run));
+    // A child that continues as new reports through its chain's last run.
+    let continues = matches!(outcome, Outcome::ContinuedAsNew(_));
+    if let Some(parent) = meta.parent.as_ref().filter(|_| !continues) {
+        // A parent that closed first never takes the result.
+        let parent_meta: Option<RunMeta> = read_record(
+            out,
+            Cf::Runs,
+            RecordKind::Run,
+            &keys::run_key(parent.run_id),
+        )?;
+        if !parent_meta.is_some_and(|m| m.status.is_closed()) {
+            let msg = OutboxMessage::ChildResult {
+                parent: parent.clone(),
+                child_run_id: run,
+                outcome: outcome.clone(),
+            };
+            out.put(
+                Cf::Outbox,
+                keys::outbox_result_key(run),
+                enc(RecordKind::Outbox, &msg)?,
+            );
+        }
     }
     meta.outcome = Some(outcome);
+    Ok(())
+}
+
+/// Writes the intent to cancel `child` (unless it closed already); of two
+/// intents for one child, terminating wins over asking.
+fn cancel_child(
+    out: &mut dyn KvWrite,
+    parent: ParentRef,
+    child: RunId,
+    policy: ParentClosePolicy,
+    reason: String,
+) -> Result<()> {
+    let child_meta: Option<RunMeta> =
+        read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(child))?;
+    if child_meta.is_some_and(|m| m.status.is_closed()) {
+        return Ok(());
+    }
+    let key = keys::outbox_cancel_key(child);
+    let existing: Option<OutboxMessage> = read_record(out, Cf::Outbox, RecordKind::Outbox, &key)?;
+    if let Some(OutboxMessage::CancelChild {
+        policy: ParentClosePolicy::Terminate,
+        ..
+    }) = existing
+    {
+        return Ok(());
+    }
+    let msg = OutboxMessage::CancelChild {
+        parent,
+        child_run_id: child,
+        policy,
+        reason,
+    };
+    out.put(Cf::Outbox, key, enc(RecordKind::Outbox, &msg)?);
     Ok(())
 }
 
@@ -399,6 +544,8 @@ fn derive_event(
         instance_id,
         workflow_type,
         parent,
+        continued_from,
+        previous_run,
         ..
     } = &event.kind
     {
@@ -408,7 +555,7 @@ fn derive_event(
         let ikey = instance_id.as_str().as_bytes().to_vec();
         let current: Option<InstanceMeta> =
             read_record(out, Cf::Instances, RecordKind::Instance, &ikey)?;
-        if let Some(cur) = current {
+        if let Some(cur) = &current {
             let cur_meta: Option<RunMeta> = read_record(
                 out,
                 Cf::Runs,
@@ -420,6 +567,42 @@ fn derive_event(
                     instance: instance_id.clone(),
                     run: cur.current_run,
                 });
+            }
+        }
+        // A start decided against the instance's run at the time (the
+        // reuse policy, continue-as-new) is refused if another run took the
+        // instance meanwhile.
+        if let Some(previous) = previous_run {
+            let found = current.as_ref().map(|c| c.current_run);
+            if found != Some(*previous) {
+                return Err(Error::InstanceMoved {
+                    instance: instance_id.clone(),
+                    expected: *previous,
+                    found,
+                });
+            }
+        }
+        if continued_from.is_some() {
+            out.delete(Cf::Outbox, keys::outbox_continue_key(run));
+        }
+        if let Some(p) = parent {
+            // The parent's record of its child follows the child's chain,
+            // so its close policy reaches the run that is open; a parent
+            // that closed already applies it at once.
+            let ckey = keys::run_step_key(p.run_id, p.step);
+            let entry: Option<ChildEntry> =
+                read_record(out, Cf::Children, RecordKind::Child, &ckey)?;
+            if let Some(mut entry) = entry {
+                entry.child_run_id = run;
+                out.put(Cf::Children, ckey, enc(RecordKind::Child, &entry)?);
+            }
+            let parent_meta: Option<RunMeta> =
+                read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(p.run_id))?;
+            if parent_meta.is_some_and(|m| m.status.is_closed())
+                && p.close_policy != ParentClosePolicy::Abandon
+            {
+                let reason = format!("parent {} closed", p.run_id);
+                cancel_child(out, p.clone(), run, p.close_policy, reason)?;
             }
         }
         let inst = InstanceMeta {
@@ -481,14 +664,29 @@ fn derive_event(
             Outcome::Terminated(reason.clone()),
             event.at,
         )?,
-        EventKind::WorkflowContinuedAsNew { new_run_id, .. } => close(
-            out,
-            run,
-            m,
-            RunStatus::ContinuedAsNew,
-            Outcome::ContinuedAsNew(*new_run_id),
-            event.at,
-        )?,
+        EventKind::WorkflowContinuedAsNew { new_run_id, input } => {
+            close(
+                out,
+                run,
+                m,
+                RunStatus::ContinuedAsNew,
+                Outcome::ContinuedAsNew(*new_run_id),
+                event.at,
+            )?;
+            let msg = OutboxMessage::Continue {
+                from: run,
+                instance_id: m.instance_id.clone(),
+                workflow_type: m.workflow_type.clone(),
+                new_run_id: *new_run_id,
+                input: input.clone(),
+                parent: m.parent.clone(),
+            };
+            out.put(
+                Cf::Outbox,
+                keys::outbox_continue_key(*new_run_id),
+                enc(RecordKind::Outbox, &msg)?,
+            );
+        }
         EventKind::WorkflowCancelRequested { .. } => m.cancel_requested = true,
         EventKind::ActivityScheduled {
             step,
@@ -513,6 +711,7 @@ fn derive_event(
                 scheduled_at: event.at,
                 due: event.at,
                 cancel_requested: false,
+                heartbeat: None,
             };
             out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
         }
@@ -531,6 +730,7 @@ fn derive_event(
             step,
             attempt_id,
             retry_at,
+            heartbeat,
             ..
         } => {
             let mut task = pending_task(out, run, *step)?;
@@ -544,6 +744,9 @@ fn derive_event(
                 Some(at) => {
                     task.attempt = task.attempt.next();
                     task.due = *at;
+                    if heartbeat.is_some() {
+                        task.heartbeat = heartbeat.clone();
+                    }
                     out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
                 }
                 None => out.delete(Cf::Tasks, task_key(*step)),
@@ -622,10 +825,41 @@ fn derive_event(
                 keys::outbox_start_key(run, *step),
                 enc(RecordKind::Outbox, &msg)?,
             );
+            let entry = ChildEntry {
+                child_run_id: *child_run_id,
+                close_policy: *close_policy,
+            };
+            out.put(
+                Cf::Children,
+                task_key(*step),
+                enc(RecordKind::Child, &entry)?,
+            );
         }
-        EventKind::ChildCompleted { child_run_id, .. }
-        | EventKind::ChildFailed { child_run_id, .. } => {
+        EventKind::ChildCompleted {
+            step, child_run_id, ..
+        }
+        | EventKind::ChildFailed {
+            step, child_run_id, ..
+        } => {
             out.delete(Cf::Outbox, keys::outbox_result_key(*child_run_id));
+            // A child that could not start fails its parent's wait: its
+            // start is done with too.
+            out.delete(Cf::Outbox, keys::outbox_start_key(run, *step));
+            out.delete(Cf::Children, task_key(*step));
+        }
+        EventKind::ChildCancelRequested {
+            step,
+            child_run_id,
+            policy,
+            reason,
+        } => {
+            let parent = ParentRef {
+                instance_id: m.instance_id.clone(),
+                run_id: run,
+                step: *step,
+                close_policy: *policy,
+            };
+            cancel_child(out, parent, *child_run_id, *policy, reason.clone())?;
         }
         EventKind::ChildStarted { .. }
         | EventKind::SignalReceived { .. }

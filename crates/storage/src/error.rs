@@ -85,6 +85,17 @@ pub enum Error {
         /// Its open run.
         run: RunId,
     },
+    /// A start decided against an instance's run when another run has
+    /// taken the instance since; nothing was written.
+    #[error("instance {instance} moved on: the start follows run {expected}, the instance's run is {found:?}")]
+    InstanceMoved {
+        /// The instance.
+        instance: InstanceId,
+        /// The run the start was decided against.
+        expected: RunId,
+        /// The instance's run now.
+        found: Option<RunId>,
+    },
     /// A second terminal event for a durable id; nothing was written.
     #[error("run {run}: {key} already has a terminal event at seq {committed}")]
     DuplicateTerminal {

@@ -108,6 +108,8 @@ pub enum FailureKind {
     Terminated,
     /// A resilience policy rejected the work (breaker open, rate limited...).
     Rejected,
+    /// A value over its size limit (an activity's result, say).
+    PayloadTooLarge,
 }
 
 /// A typed failure as committed in history.
@@ -142,6 +144,36 @@ impl fmt::Display for Failure {
     }
 }
 
+/// How randomness spreads a retry's delay. Persisted as its lowercase name
+/// (`"none"`, `"full"`, `"equal"`, `"decorrelated"`), the strings the first
+/// schema stored; a name this build does not know makes the record corrupt
+/// rather than silently turning jitter off.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    /// Exactly the backoff delay.
+    #[default]
+    None,
+    /// Uniform in `0..=delay`.
+    Full,
+    /// Uniform in `delay/2..=delay`.
+    Equal,
+    /// Uniform in `initial..=min(max, 3 * previous delay)`.
+    Decorrelated,
+}
+
+/// How a retry's raw delay grows with the number of failed attempts `n`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backoff {
+    /// `initial` before every retry.
+    Constant,
+    /// `initial * n`.
+    Linear,
+    /// `initial * 2^(n-1)`.
+    Exponential,
+}
+
 /// Retry settings of one activity call, committed with its schedule so that
 /// retries are decided the same way after a restart.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
@@ -150,12 +182,29 @@ pub struct RetrySettings {
     pub attempts_max: u32,
     /// Delay before the first retry.
     pub initial_delay_ms: u64,
-    /// Multiplier applied per retry (1.0 = constant).
+    /// Multiplier applied per retry (1.0 = constant), as the first schema
+    /// recorded it; [`RetrySettings::backoff`] reads it when `backoff` is
+    /// absent.
     pub backoff_factor: f64,
     /// Cap on the delay.
     pub delay_max_ms: u64,
-    /// Jitter mode name (`none`, `full`, `equal`, `decorrelated`).
-    pub jitter: String,
+    /// Jitter mode.
+    pub jitter: Jitter,
+    /// How the delay grows (absent in records of the first schema).
+    #[serde(default)]
+    pub backoff_mode: Option<Backoff>,
+}
+
+impl RetrySettings {
+    /// How the delay grows: the recorded mode, or for a record of the first
+    /// schema, constant for a factor of at most 1 and exponential otherwise.
+    pub fn backoff(&self) -> Backoff {
+        match self.backoff_mode {
+            Some(mode) => mode,
+            None if self.backoff_factor <= 1.0 => Backoff::Constant,
+            None => Backoff::Exponential,
+        }
+    }
 }
 
 /// Per-call options of an activity, committed with its schedule.
@@ -172,6 +221,10 @@ pub struct ActivityOptions {
     /// Resilience profile the engine admits attempts through, if any.
     #[serde(default)]
     pub profile: Option<String>,
+    /// Limit from an attempt's due time to its start (waiting behind the
+    /// worker limit or a resilience profile).
+    #[serde(default)]
+    pub schedule_to_start_ms: Option<u64>,
 }
 
 /// What a parent does with an open child when the parent closes.
@@ -299,6 +352,12 @@ pub enum EventKind {
         continued_from: Option<RunId>,
         /// Seed for the run's deterministic random numbers and uuids.
         random_seed: u64,
+        /// The instance's run this one follows (the run it continues, or
+        /// the closed run a new start replaced): the instance's runs form a
+        /// recorded chain, and the commit refuses a start decided against
+        /// an instance that moved on meanwhile.
+        #[serde(default)]
+        previous_run: Option<RunId>,
     },
     /// The workflow returned a value.
     WorkflowCompleted {
@@ -360,6 +419,10 @@ pub enum EventKind {
         failure: Failure,
         /// When the next attempt is due, if there is one.
         retry_at: Option<Timestamp>,
+        /// The last heartbeat details the attempt reported: the next
+        /// attempt starts with them.
+        #[serde(default)]
+        heartbeat: Option<Payload>,
     },
     /// An attempt completed; the execution's result.
     ActivityCompleted {
@@ -530,6 +593,34 @@ pub enum EventKind {
         /// Why.
         reason: String,
     },
+    /// Workflow code cancelled an open child (its scope was cancelled, or a
+    /// `select` or barrier member that is the child was cancelled). The
+    /// commit writes a cancellation intent that the outbox delivers to the
+    /// child, even one whose start is still in the outbox.
+    ChildCancelRequested {
+        /// The child's scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+        /// Terminate it, or ask it to cancel.
+        policy: ParentClosePolicy,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The two kinds of history event. Every [`EventKind`] is exactly one: an
+/// input reaches the run from outside and is handed to the machine; a
+/// command is issued by workflow code and matched against history on
+/// replay. The machine, the store and the simulator's checker all ask
+/// [`EventKind::class`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum EventClass {
+    /// From outside: start, results, timers fired, signals, updates,
+    /// cancellation and termination.
+    Input,
+    /// Issued by workflow code (including the run's own closing result).
+    Command,
 }
 
 /// A durable id that may receive at most one committed terminal event.
@@ -555,6 +646,8 @@ pub enum DurableKey {
     UpdateCompleted(CommandId),
     /// One scope: cancelled once.
     Scope(Step),
+    /// One child: its cancellation requested once.
+    ChildCancel(Step),
 }
 
 impl fmt::Display for DurableKey {
@@ -570,6 +663,7 @@ impl fmt::Display for DurableKey {
             DurableKey::Command(c) => write!(f, "command:{c}"),
             DurableKey::UpdateCompleted(c) => write!(f, "update:{c}"),
             DurableKey::Scope(s) => write!(f, "scope@{s}"),
+            DurableKey::ChildCancel(s) => write!(f, "child-cancel@{s}"),
         }
     }
 }
@@ -607,7 +701,55 @@ impl EventKind {
             EventKind::MemoUpserted { .. } => "MemoUpserted",
             EventKind::SearchAttributesUpserted { .. } => "SearchAttributesUpserted",
             EventKind::ScopeCancelled { .. } => "ScopeCancelled",
+            EventKind::ChildCancelRequested { .. } => "ChildCancelRequested",
         }
+    }
+
+    /// Input or command. No wildcard: a new variant must be classified.
+    pub fn class(&self) -> EventClass {
+        use EventKind as K;
+        match self {
+            K::WorkflowStarted { .. }
+            | K::ActivityCompleted { .. }
+            | K::ActivityAttemptFailed { .. }
+            | K::ActivityCancelled { .. }
+            | K::TimerFired { .. }
+            | K::ChildStarted { .. }
+            | K::ChildCompleted { .. }
+            | K::ChildFailed { .. }
+            | K::SignalReceived { .. }
+            | K::UpdateAccepted { .. }
+            | K::WorkflowCancelRequested { .. }
+            | K::WorkflowTerminated { .. } => EventClass::Input,
+            K::WorkflowCompleted { .. }
+            | K::WorkflowFailed { .. }
+            | K::WorkflowCancelled { .. }
+            | K::WorkflowContinuedAsNew { .. }
+            | K::ActivityScheduled { .. }
+            | K::ActivityCancelRequested { .. }
+            | K::TimerStarted { .. }
+            | K::TimerCancelled { .. }
+            | K::ChildScheduled { .. }
+            | K::ChildCancelRequested { .. }
+            | K::UpdateCompleted { .. }
+            | K::SideEffectRecorded { .. }
+            | K::SelectionWinnerRecorded { .. }
+            | K::SelectionOperationCancelled { .. }
+            | K::VersionMarker { .. }
+            | K::MemoUpserted { .. }
+            | K::SearchAttributesUpserted { .. }
+            | K::ScopeCancelled { .. } => EventClass::Command,
+        }
+    }
+
+    /// True for an input (see [`EventKind::class`]).
+    pub fn is_input(&self) -> bool {
+        self.class() == EventClass::Input
+    }
+
+    /// True for a command (see [`EventKind::class`]).
+    pub fn is_command(&self) -> bool {
+        self.class() == EventClass::Command
     }
 
     /// The durable ids this event closes, if it is a terminal event. The
@@ -665,6 +807,7 @@ impl EventKind {
                 vec![DurableKey::UpdateCompleted(update_id.clone())]
             }
             EventKind::ScopeCancelled { step, .. } => vec![DurableKey::Scope(*step)],
+            EventKind::ChildCancelRequested { step, .. } => vec![DurableKey::ChildCancel(*step)],
             _ => Vec::new(),
         }
     }
@@ -693,7 +836,8 @@ impl EventKind {
             | EventKind::SelectionWinnerRecorded { step, .. }
             | EventKind::SelectionOperationCancelled { step, .. }
             | EventKind::VersionMarker { step, .. }
-            | EventKind::ScopeCancelled { step, .. } => Some(*step),
+            | EventKind::ScopeCancelled { step, .. }
+            | EventKind::ChildCancelRequested { step, .. } => Some(*step),
             _ => None,
         }
     }

@@ -7,13 +7,65 @@ use serde::Serialize;
 use crate::event::{Event, EventKind, GroupPath};
 use crate::ids::{AttemptNo, RunId, Step, Timestamp};
 
+/// What a pending step waits for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepKind {
+    /// An activity execution.
+    Activity,
+    /// A durable timer.
+    Timer,
+    /// A child workflow.
+    Child,
+}
+
+impl StepKind {
+    /// Lowercase name, as the CLI prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            StepKind::Activity => "activity",
+            StepKind::Timer => "timer",
+            StepKind::Child => "child",
+        }
+    }
+}
+
+impl std::fmt::Display for StepKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a parent has seen of a child.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChildState {
+    /// Not heard back from.
+    Open,
+    /// Completed.
+    Completed,
+    /// Failed, cancelled or terminated.
+    Failed,
+}
+
+impl ChildState {
+    /// Lowercase name, as the CLI prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ChildState::Open => "open",
+            ChildState::Completed => "completed",
+            ChildState::Failed => "failed",
+        }
+    }
+}
+
 /// A durable wait that history shows as open.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 pub struct PendingStep {
     /// The command's step.
     pub step: Step,
-    /// `activity`, `timer` or `child`.
-    pub kind: &'static str,
+    /// What it waits for.
+    pub kind: StepKind,
     /// Activity or workflow type; empty for a timer.
     pub name: String,
     /// Enclosing `all` barriers.
@@ -43,8 +95,8 @@ pub struct ChildRecord {
     pub instance_id: String,
     /// The child's workflow type.
     pub workflow_type: String,
-    /// `open`, `completed` or `failed`, as the parent has seen it.
-    pub state: &'static str,
+    /// What the parent has seen of it.
+    pub state: ChildState,
 }
 
 /// The steps a history shows as open, in step order.
@@ -62,7 +114,7 @@ pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
                     *step,
                     PendingStep {
                         step: *step,
-                        kind: "activity",
+                        kind: StepKind::Activity,
                         name: activity_type.clone(),
                         group: group.clone(),
                         since: e.at,
@@ -79,6 +131,7 @@ pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
                 retry_at: Some(at),
                 attempt_id,
                 failure,
+                ..
             } => {
                 if let Some(p) = open.get_mut(step) {
                     p.attempt = Some(attempt_id.attempt.next());
@@ -95,7 +148,7 @@ pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
                     *step,
                     PendingStep {
                         step: *step,
-                        kind: "timer",
+                        kind: StepKind::Timer,
                         name: String::new(),
                         group: group.clone(),
                         since: e.at,
@@ -118,7 +171,7 @@ pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
                     *step,
                     PendingStep {
                         step: *step,
-                        kind: "child",
+                        kind: StepKind::Child,
                         name: workflow_type.clone(),
                         group: group.clone(),
                         since: e.at,
@@ -168,13 +221,13 @@ pub fn children(history: &[Event]) -> Vec<ChildRecord> {
                 run_id: *child_run_id,
                 instance_id: child_instance_id.to_string(),
                 workflow_type: workflow_type.clone(),
-                state: "open",
+                state: ChildState::Open,
             }),
             EventKind::ChildCompleted { step, .. } | EventKind::ChildFailed { step, .. } => {
                 let done = if matches!(e.kind, EventKind::ChildCompleted { .. }) {
-                    "completed"
+                    ChildState::Completed
                 } else {
-                    "failed"
+                    ChildState::Failed
                 };
                 if let Some(c) = out.iter_mut().find(|c| c.step == *step) {
                     c.state = done;

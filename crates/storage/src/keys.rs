@@ -28,13 +28,16 @@ pub enum Cf {
     Tasks,
     /// `status ‖ type ‖ 0 ‖ run` → empty: runs by status and type.
     Index,
+    /// `parent run ‖ step` → the child a run started and has not heard
+    /// back from: what its close policy applies to.
+    Children,
     /// Store metadata (format, schema version) and parked runs. Not derived.
     Meta,
 }
 
 impl Cf {
     /// Every column family, in a fixed order.
-    pub const ALL: [Cf; 10] = [
+    pub const ALL: [Cf; 11] = [
         Cf::Events,
         Cf::Runs,
         Cf::Instances,
@@ -45,10 +48,11 @@ impl Cf {
         Cf::Tasks,
         Cf::Index,
         Cf::Meta,
+        Cf::Children,
     ];
 
     /// The derived column families that `verify` rebuilds.
-    pub const DERIVED: [Cf; 8] = [
+    pub const DERIVED: [Cf; 9] = [
         Cf::Runs,
         Cf::Instances,
         Cf::Dedupe,
@@ -57,6 +61,7 @@ impl Cf {
         Cf::Outbox,
         Cf::Tasks,
         Cf::Index,
+        Cf::Children,
     ];
 
     /// The column family's name in RocksDB.
@@ -72,6 +77,7 @@ impl Cf {
             Cf::Tasks => "tasks",
             Cf::Index => "index",
             Cf::Meta => "meta",
+            Cf::Children => "children",
         }
     }
 
@@ -154,6 +160,10 @@ pub fn dedupe_key(run: RunId, key: &DurableKey) -> Vec<u8> {
             k.push(b'p');
             k.extend_from_slice(&s.0.to_be_bytes());
         }
+        DurableKey::ChildCancel(s) => {
+            k.push(b'q');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
     }
     k
 }
@@ -167,12 +177,22 @@ pub fn timer_key(due: Timestamp, run: RunId, step: Step) -> Vec<u8> {
     k
 }
 
-/// `run ‖ step`, for run timers and tasks.
+/// `run ‖ step`, for run timers, tasks and children.
 pub fn run_step_key(run: RunId, step: Step) -> Vec<u8> {
     let mut k = Vec::with_capacity(20);
     k.extend_from_slice(run.as_bytes());
     k.extend_from_slice(&step.0.to_be_bytes());
     k
+}
+
+/// Splits a `run ‖ step` key; `None` for a malformed key.
+pub fn parse_run_step_key(key: &[u8]) -> Option<(RunId, Step)> {
+    if key.len() != 20 {
+        return None;
+    }
+    let run = run_prefix(key)?;
+    let step = u32::from_be_bytes(key[16..20].try_into().ok()?);
+    Some((run, Step(step)))
 }
 
 /// Outbox key of a child start: `'S' ‖ parent run ‖ step`.
@@ -187,6 +207,20 @@ pub fn outbox_start_key(parent: RunId, step: Step) -> Vec<u8> {
 pub fn outbox_result_key(child: RunId) -> Vec<u8> {
     let mut k = vec![b'R'];
     k.extend_from_slice(child.as_bytes());
+    k
+}
+
+/// Outbox key of a child's cancellation: `'C' ‖ child run`.
+pub fn outbox_cancel_key(child: RunId) -> Vec<u8> {
+    let mut k = vec![b'C'];
+    k.extend_from_slice(child.as_bytes());
+    k
+}
+
+/// Outbox key of a continue-as-new hand-off: `'N' ‖ new run`.
+pub fn outbox_continue_key(new_run: RunId) -> Vec<u8> {
+    let mut k = vec![b'N'];
+    k.extend_from_slice(new_run.as_bytes());
     k
 }
 

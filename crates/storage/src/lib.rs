@@ -24,27 +24,30 @@ pub mod state;
 pub mod store;
 pub mod verify;
 
-pub use derive::{AppendAck, CommitAck, CommitBatch, RunAppend};
+pub use derive::{AppendAck, CommitAck, CommitBatch, Intent, IntentKey, RunAppend};
 pub use error::{Error, Result};
 pub use event::{
-    ActivityOptions, DurableKey, Event, EventKind, Failure, FailureKind, GroupEntry, GroupPath,
-    OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload, RetrySettings, SelectKey,
+    ActivityOptions, Backoff, DurableKey, Event, EventClass, EventKind, Failure, FailureKind,
+    GroupEntry, GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload,
+    RetrySettings, SelectKey,
 };
 pub use ids::{
     AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, LeaseEpoch, RunId, Seq, Step,
     Timestamp,
 };
-pub use mem::{CrashMode, MemStore};
+pub use mem::{CrashMode, MemStore, SyncedView};
 pub use rocks::{OpenMode, RocksStore};
 pub use state::{
-    InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, StoreMeta, TaskEntry, TimerEntry,
+    ChildEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, StoreMeta, TaskEntry,
+    TimerEntry,
 };
 pub use store::{CommitHandle, Durability, RunFilter, Store};
 pub use verify::{VerifyReport, Violation};
 
 /// Schema version of a data directory; opening another version fails with
-/// [`Error::SchemaVersion`] naming both.
-pub const SCHEMA_VERSION: u32 = 1;
+/// [`Error::SchemaVersion`] naming both, except that a read-write open
+/// migrates a directory of schema 1 (see `rocks::migrate_v1`).
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Largest payload (input, result, signal, side effect value) in bytes.
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;

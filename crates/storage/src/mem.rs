@@ -81,6 +81,14 @@ impl MemStore {
         f(&self.inner.lock().durable)
     }
 
+    /// This store as a reader sees it when only synced data is visible (as
+    /// with RocksDB in `Sync` mode, where a commit becomes readable once its
+    /// write, fsync included, returned). The simulator reads through it, so
+    /// no decision rests on a commit that a crash could still take back.
+    pub fn synced(self: &std::sync::Arc<Self>) -> SyncedView {
+        SyncedView(self.clone())
+    }
+
     /// Commits written but not yet synced.
     pub fn unsynced_commits(&self) -> usize {
         self.inner.lock().unsynced.len()
@@ -155,5 +163,59 @@ impl Store for MemStore {
 
     fn durability(&self) -> Durability {
         self.durability
+    }
+}
+
+/// The synced part of a [`MemStore`], as a read-only [`Store`]; see
+/// [`MemStore::synced`]. Its `commit` refuses.
+#[derive(Debug, Clone)]
+pub struct SyncedView(std::sync::Arc<MemStore>);
+
+impl KvRead for SyncedView {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.0.inner.lock().durable.get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        // Copy the range first: `visit` may read the store again.
+        let mut found = Vec::new();
+        self.0
+            .inner
+            .lock()
+            .durable
+            .scan(cf, prefix, from, &mut |k, v| {
+                found.push((k.to_vec(), v.to_vec()));
+                true
+            })?;
+        for (k, v) in found {
+            if !visit(&k, &v) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Store for SyncedView {
+    fn view(&self) -> &dyn KvRead {
+        self
+    }
+
+    fn commit(&self, _batch: CommitBatch) -> CommitHandle {
+        CommitHandle::ready(Err(Error::ReadOnly))
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn durability(&self) -> Durability {
+        self.0.durability
     }
 }

@@ -287,6 +287,9 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
                     detail: format!("format is {:?}", meta.format),
                 });
             }
+            if meta.schema_version == 1 && mode == OpenMode::ReadWrite {
+                return migrate_v1(db, path, meta);
+            }
             if meta.schema_version != SCHEMA_VERSION {
                 return Err(Error::SchemaVersion {
                     found: meta.schema_version,
@@ -318,6 +321,45 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
             detail: "no store metadata".into(),
         }),
     }
+}
+
+/// Schema 1 to 2: derived state gained the `children` family, the
+/// cancellation and continue-as-new intents and a new record version. The
+/// events are unchanged, so the whole derived state is rebuilt from them
+/// through the commit path's own code and written in one synced batch with
+/// the new schema version: a crash before the batch leaves schema 1, which
+/// the next read-write open migrates again. Only a read-write open migrates;
+/// inspection of a schema-1 directory asks for one.
+fn migrate_v1(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
+    let view = DbView(db);
+    let (rebuilt, report) = crate::verify::rebuild(&view)?;
+    if !report.ok {
+        tracing::warn!(path = %path.display(), problems = report.violations.len(),
+            "migrating a schema-1 directory with damaged runs; `keel verify` lists them");
+    }
+    let mut mutations = Vec::new();
+    for cf in Cf::DERIVED {
+        view.scan(cf, &[], &[], &mut |k, _| {
+            mutations.push(Mutation::Delete(cf, k.to_vec()));
+            true
+        })?;
+        for (k, v) in rebuilt.cf(cf) {
+            mutations.push(Mutation::Put(cf, k.clone(), v.clone()));
+        }
+    }
+    meta.schema_version = SCHEMA_VERSION;
+    let bytes = codec::encode(RecordKind::StoreMeta, &meta).map_err(|source| Error::Corrupt {
+        cf: "meta",
+        run: None,
+        seq: None,
+        source,
+    })?;
+    mutations.push(Mutation::Put(Cf::Meta, STORE_META_KEY.to_vec(), bytes));
+    let mut wo = WriteOptions::default();
+    wo.set_sync(true);
+    write_batch(db, mutations, &wo)?;
+    tracing::info!(path = %path.display(), runs = report.runs, "migrated the data directory from schema 1 to 2");
+    Ok(())
 }
 
 struct DbView<'a>(&'a DB);

@@ -149,6 +149,85 @@ pub enum OutboxMessage {
         /// How the child closed.
         outcome: Outcome,
     },
+    /// Terminate a child or ask it to cancel: its parent closed (its close
+    /// policy), or workflow code cancelled it. Stays until the child closes.
+    CancelChild {
+        /// The parent and the child's scheduling step.
+        parent: ParentRef,
+        /// The child's run.
+        child_run_id: RunId,
+        /// `Terminate` or `RequestCancel`.
+        policy: crate::event::ParentClosePolicy,
+        /// Why.
+        reason: String,
+    },
+    /// Start the run that continues a run closed by continue-as-new.
+    Continue {
+        /// The closed run.
+        from: RunId,
+        /// Its instance.
+        instance_id: InstanceId,
+        /// The workflow type.
+        workflow_type: String,
+        /// The new run.
+        new_run_id: RunId,
+        /// Its input.
+        input: Payload,
+        /// The parent of a child that continued as new: the chain's last
+        /// run reports to it.
+        #[serde(default)]
+        parent: Option<ParentRef>,
+    },
+}
+
+impl OutboxMessage {
+    /// The run this message is delivered to.
+    pub fn target(&self) -> RunId {
+        match self {
+            OutboxMessage::StartChild { child_run_id, .. }
+            | OutboxMessage::CancelChild { child_run_id, .. } => *child_run_id,
+            OutboxMessage::ChildResult { parent, .. } => parent.run_id,
+            OutboxMessage::Continue { new_run_id, .. } => *new_run_id,
+        }
+    }
+
+    /// The run whose commit wrote it: its shard delivers it.
+    pub fn owner(&self) -> RunId {
+        match self {
+            OutboxMessage::StartChild { parent, .. }
+            | OutboxMessage::CancelChild { parent, .. } => parent.run_id,
+            OutboxMessage::ChildResult { child_run_id, .. } => *child_run_id,
+            OutboxMessage::Continue { from, .. } => *from,
+        }
+    }
+
+    /// Its key in the outbox family.
+    pub fn key(&self) -> Vec<u8> {
+        match self {
+            OutboxMessage::StartChild { parent, .. } => {
+                crate::keys::outbox_start_key(parent.run_id, parent.step)
+            }
+            OutboxMessage::ChildResult { child_run_id, .. } => {
+                crate::keys::outbox_result_key(*child_run_id)
+            }
+            OutboxMessage::CancelChild { child_run_id, .. } => {
+                crate::keys::outbox_cancel_key(*child_run_id)
+            }
+            OutboxMessage::Continue { new_run_id, .. } => {
+                crate::keys::outbox_continue_key(*new_run_id)
+            }
+        }
+    }
+}
+
+/// A child its parent started and has not heard back from (the `children`
+/// family): what the parent's close policy applies to.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ChildEntry {
+    /// The child's run.
+    pub child_run_id: RunId,
+    /// What happens to it when the parent closes.
+    pub close_policy: crate::event::ParentClosePolicy,
 }
 
 /// The pending attempt of an activity execution: what the dispatcher hands
@@ -173,6 +252,9 @@ pub struct TaskEntry {
     pub due: Timestamp,
     /// Whether workflow code asked to cancel it.
     pub cancel_requested: bool,
+    /// The last heartbeat details of an earlier attempt, for the next one.
+    #[serde(default)]
+    pub heartbeat: Option<Payload>,
 }
 
 /// Why a run is parked (not an event: an operational state that replay

@@ -159,6 +159,23 @@ impl KvWrite for Rebuilt {
 
 /// Verifies a store through its byte-level view.
 pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
+    let (rebuilt, broken, mut report) = rebuild_inner(view)?;
+    compare(view, &rebuilt, &broken, &mut report)?;
+    report.inner.ok = report.inner.violations.is_empty();
+    Ok(report.inner)
+}
+
+/// The derived state the events of `view` imply, folded through the
+/// commit path's own code (what a schema migration writes), with the
+/// problems found on the way (runs with gaps, bad records or histories the
+/// commit path would refuse are left out of the state).
+pub fn rebuild(view: &dyn KvRead) -> Result<(Maps, VerifyReport)> {
+    let (rebuilt, _, mut report) = rebuild_inner(view)?;
+    report.inner.ok = report.inner.violations.is_empty();
+    Ok((rebuilt.maps, report.inner))
+}
+
+fn rebuild_inner(view: &dyn KvRead) -> Result<(Rebuilt, BTreeSet<RunId>, Report)> {
     let mut report = Report {
         inner: VerifyReport {
             ok: true,
@@ -201,7 +218,7 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
                 next: Seq::FIRST,
                 started: None,
                 closed: None,
-                continued_from: None,
+                previous: None,
                 ok: true,
             });
         }
@@ -227,9 +244,14 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
                     cur.ok = false;
                 }
                 if key_seq == Seq::FIRST {
-                    if let EventKind::WorkflowStarted { continued_from, .. } = &e.kind {
+                    if let EventKind::WorkflowStarted {
+                        continued_from,
+                        previous_run,
+                        ..
+                    } = &e.kind
+                    {
                         cur.started = Some(e.at);
-                        cur.continued_from = *continued_from;
+                        cur.previous = previous_run.or(*continued_from);
                     }
                 }
                 if e.kind.closes_run() {
@@ -311,7 +333,17 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
         }
     }
 
-    // Compare derived families, skipping keys of runs already reported.
+    Ok((rebuilt, broken, report))
+}
+
+/// Compares the stored derived families with the rebuilt ones, skipping
+/// keys of runs already reported.
+fn compare(
+    view: &dyn KvRead,
+    rebuilt: &Rebuilt,
+    broken: &BTreeSet<RunId>,
+    report: &mut Report,
+) -> Result<()> {
     for cf in Cf::DERIVED {
         let mut stored: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
         view.scan(cf, &[], &[], &mut |k, v| {
@@ -341,8 +373,7 @@ pub fn verify(view: &dyn KvRead) -> Result<VerifyReport> {
             }
         }
     }
-    report.inner.ok = report.inner.violations.is_empty();
-    Ok(report.inner)
+    Ok(())
 }
 
 /// What pass 1 learned about one run's events.
@@ -354,40 +385,39 @@ struct RunScan {
     started: Option<Timestamp>,
     /// When its closing event was committed.
     closed: Option<Timestamp>,
-    /// The run it continues, after continue-as-new.
-    continued_from: Option<RunId>,
+    /// The instance's run it follows (`previous_run`, or for histories
+    /// written before that field, the run it continues).
+    previous: Option<RunId>,
     /// No gap, no bad record.
     ok: bool,
 }
 
 /// The order to fold sound runs in: the order their instances saw them.
-/// Runs of one instance never overlap, so ordering by start, then close
-/// (open runs last), puts them in commit order even when a run starts in
-/// the millisecond its predecessor started; when both also closed in that
-/// millisecond, a continue-as-new chain decides.
+/// Each start records the instance's run it follows, so the runs of one
+/// instance form a chain: they are folded along it (root first), whatever
+/// their clocks said. Runs without a recorded link (histories of the first
+/// schema) fall back to start, then close time (open runs last).
 fn fold_order(sound: &[RunScan]) -> Vec<RunId> {
-    let from: BTreeMap<RunId, RunId> = sound
-        .iter()
-        .filter_map(|s| s.continued_from.map(|f| (s.run, f)))
-        .collect();
-    let depth = |run: RunId| {
+    let by_run: BTreeMap<RunId, &RunScan> = sound.iter().map(|s| (s.run, s)).collect();
+    let root_and_depth = |scan: &RunScan| {
         let mut d = 0usize;
-        let mut at = run;
+        let mut at = scan;
         // Bounded: a damaged chain may loop.
-        while let Some(prev) = from.get(&at) {
+        while let Some(prev) = at.previous.and_then(|p| by_run.get(&p)) {
             if d >= sound.len() {
                 break;
             }
             d += 1;
-            at = *prev;
+            at = prev;
         }
-        d
+        (at.started, d)
     };
     let mut keyed: Vec<_> = sound
         .iter()
         .map(|s| {
             let closed = s.closed.unwrap_or(Timestamp(u64::MAX));
-            ((s.started, closed, depth(s.run), s.run), s.run)
+            let (root_started, depth) = root_and_depth(s);
+            ((root_started, depth, s.started, closed, s.run), s.run)
         })
         .collect();
     keyed.sort();
@@ -412,7 +442,15 @@ fn value_runs(cf: Cf, value: &[u8]) -> Vec<RunId> {
                 parent,
                 child_run_id,
                 ..
+            })
+            | Ok(OutboxMessage::CancelChild {
+                parent,
+                child_run_id,
+                ..
             }) => vec![parent.run_id, child_run_id],
+            Ok(OutboxMessage::Continue {
+                from, new_run_id, ..
+            }) => vec![from, new_run_id],
             Err(_) => Vec::new(),
         },
         _ => Vec::new(),
@@ -441,7 +479,9 @@ fn mismatch(cf: Cf, key: &[u8], problem: &str) -> Violation {
 /// The run a derived key belongs to, where the key layout names one.
 fn key_run(cf: Cf, key: &[u8]) -> Option<RunId> {
     match cf {
-        Cf::Runs | Cf::Dedupe | Cf::RunTimers | Cf::Tasks | Cf::Events => keys::run_prefix(key),
+        Cf::Runs | Cf::Dedupe | Cf::RunTimers | Cf::Tasks | Cf::Events | Cf::Children => {
+            keys::run_prefix(key)
+        }
         Cf::Timers => key.get(8..).and_then(keys::run_prefix),
         Cf::Outbox => key.get(1..).and_then(keys::run_prefix),
         Cf::Index => key

@@ -9,8 +9,9 @@
 use keel_storage::codec::{self, RecordKind, HEADER_BYTES, MAGIC};
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::{
-    ActivityOptions, AttemptNo, CommandId, Event, EventKind, Failure, FailureKind, GroupEntry,
-    InstanceId, OperationKind, Payload, RetrySettings, RunId, SelectKey, Seq, Step, Timestamp,
+    ActivityOptions, AttemptNo, Backoff, CommandId, Event, EventKind, Failure, FailureKind,
+    GroupEntry, InstanceId, Jitter, OperationKind, Payload, RetrySettings, RunId, SelectKey, Seq,
+    Step, Timestamp,
 };
 use proptest::prelude::*;
 
@@ -68,16 +69,34 @@ fn options() -> impl Strategy<Value = ActivityOptions> {
         // Finite floats only: NaN != NaN would make equality meaningless.
         -1e12f64..1e12f64,
         any::<u64>(),
-        text(),
+        prop_oneof![
+            Just(Jitter::None),
+            Just(Jitter::Full),
+            Just(Jitter::Equal),
+            Just(Jitter::Decorrelated)
+        ],
+        proptest::option::of(prop_oneof![
+            Just(Backoff::Constant),
+            Just(Backoff::Linear),
+            Just(Backoff::Exponential)
+        ]),
     )
         .prop_map(
-            |(attempts_max, initial_delay_ms, backoff_factor, delay_max_ms, jitter)| {
+            |(
+                attempts_max,
+                initial_delay_ms,
+                backoff_factor,
+                delay_max_ms,
+                jitter,
+                backoff_mode,
+            )| {
                 RetrySettings {
                     attempts_max,
                     initial_delay_ms,
                     backoff_factor,
                     delay_max_ms,
                     jitter,
+                    backoff_mode,
                 }
             },
         );
@@ -87,13 +106,15 @@ fn options() -> impl Strategy<Value = ActivityOptions> {
         proptest::option::of(any::<u64>()),
         proptest::option::of(retry),
         proptest::option::of(text()),
+        proptest::option::of(any::<u64>()),
     )
-        .prop_map(|(a, b, c, retry, profile)| ActivityOptions {
+        .prop_map(|(a, b, c, retry, profile, d)| ActivityOptions {
             start_to_close_ms: a,
             schedule_to_close_ms: b,
             heartbeat_ms: c,
             retry,
             profile,
+            schedule_to_start_ms: d,
         })
 }
 
@@ -106,9 +127,10 @@ fn kind() -> impl Strategy<Value = EventKind> {
             payload(),
             proptest::option::of(text()),
             proptest::option::of(run_id()),
-            any::<u64>()
+            any::<u64>(),
+            proptest::option::of(run_id()),
         )
-            .prop_map(|(i, run_id, t, input, cmd, from, seed)| {
+            .prop_map(|(i, run_id, t, input, cmd, from, seed, previous)| {
                 EventKind::WorkflowStarted {
                     instance_id: InstanceId::new(i),
                     run_id,
@@ -118,6 +140,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
                     parent: None,
                     continued_from: from,
                     random_seed: seed,
+                    previous_run: previous,
                 }
             }),
         payload().prop_map(|result| EventKind::WorkflowCompleted { result }),
@@ -149,14 +172,16 @@ fn kind() -> impl Strategy<Value = EventKind> {
             any::<u32>(),
             any::<u32>(),
             failure(),
-            proptest::option::of(any::<u64>())
+            proptest::option::of(any::<u64>()),
+            proptest::option::of(payload()),
         )
-            .prop_map(|(run, step, a, failure, retry)| {
+            .prop_map(|(run, step, a, failure, retry, heartbeat)| {
                 EventKind::ActivityAttemptFailed {
                     step: Step(step),
                     attempt_id: attempt_of(run, Step(step), AttemptNo(a)),
                     failure,
                     retry_at: retry.map(Timestamp),
+                    heartbeat,
                 }
             }),
         (run_id(), any::<u32>(), any::<u32>(), payload()).prop_map(|(run, step, a, result)| {

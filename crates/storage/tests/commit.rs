@@ -576,6 +576,7 @@ fn child_start_and_result_flow_through_the_outbox() {
                     parent: Some(parent_ref.clone()),
                     continued_from: None,
                     random_seed: 1,
+                    previous_run: None,
                 }],
             )
             .unwrap();

@@ -3,24 +3,26 @@
 // Method: one deterministic sample per `EventKind` variant (every optional
 // field filled, so a renamed or reordered field shows), encoded through the
 // record envelope and compared byte for byte with
-// `tests/data/golden/events/<Variant>.bin`; each golden file is also decoded
-// and compared with its sample. `KEEL_BLESS=1` rewrites the files. An
-// exhaustive `match` (no wildcard) makes a new variant a build error here
-// until it has a sample and a golden file.
+// `tests/data/golden/events/v<EVENT_VERSION>/<Variant>.bin`; each golden file
+// is also decoded and compared with its sample. The files of every earlier
+// version stay, and each must still decode to its sample with the fields
+// that version lacked at their defaults. `KEEL_BLESS=1` rewrites the files of
+// the current version only. An exhaustive `match` (no wildcard) makes a new
+// variant a build error here until it has a sample and a golden file.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use keel_storage::codec::{self, RecordKind};
+use keel_storage::codec::{self, RecordKind, EVENT_VERSION};
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::{
-    ActivityOptions, AttemptNo, CommandId, Event, EventKind, Failure, FailureKind, GroupEntry,
-    InstanceId, OperationKind, ParentClosePolicy, ParentRef, Payload, RetrySettings, RunId,
-    SelectKey, Seq, Step, Timestamp,
+    ActivityOptions, AttemptNo, Backoff, CommandId, Event, EventKind, Failure, FailureKind,
+    GroupEntry, InstanceId, Jitter, OperationKind, ParentClosePolicy, ParentRef, Payload,
+    RetrySettings, RunId, SelectKey, Seq, Step, Timestamp,
 };
 
 /// Number of `EventKind` variants; `ordinal` must map onto `0..VARIANTS`.
-const VARIANTS: usize = 29;
+const VARIANTS: usize = 30;
 
 /// A dense number per variant. No wildcard arm: adding a variant to
 /// `EventKind` fails to compile until it is listed here (and then the
@@ -56,6 +58,7 @@ fn ordinal(kind: &EventKind) -> usize {
         EventKind::MemoUpserted { .. } => 26,
         EventKind::SearchAttributesUpserted { .. } => 27,
         EventKind::ScopeCancelled { .. } => 28,
+        EventKind::ChildCancelRequested { .. } => 29,
     }
 }
 
@@ -113,6 +116,7 @@ fn samples() -> Vec<Event> {
             }),
             continued_from: Some(other_run()),
             random_seed: 0xdead_beef_cafe_f00d,
+            previous_run: Some(other_run()),
         },
         EventKind::WorkflowCompleted {
             result: payload("result"),
@@ -147,9 +151,11 @@ fn samples() -> Vec<Event> {
                     initial_delay_ms: 100,
                     backoff_factor: 2.5,
                     delay_max_ms: 60_000,
-                    jitter: "full".into(),
+                    jitter: Jitter::Full,
+                    backoff_mode: Some(Backoff::Linear),
                 }),
                 profile: Some("payments".into()),
+                schedule_to_start_ms: Some(2_000),
             },
         },
         EventKind::ActivityAttemptFailed {
@@ -157,6 +163,7 @@ fn samples() -> Vec<Event> {
             attempt_id: attempt_of(run, Step(5), AttemptNo(2)),
             failure: failure(),
             retry_at: Some(Timestamp(1_700_000_005_000)),
+            heartbeat: Some(payload("row 812")),
         },
         EventKind::ActivityCompleted {
             step: Step(5),
@@ -260,6 +267,12 @@ fn samples() -> Vec<Event> {
             step: Step(16),
             reason: "select lost".into(),
         },
+        EventKind::ChildCancelRequested {
+            step: Step(9),
+            child_run_id: other_run(),
+            policy: ParentClosePolicy::Terminate,
+            reason: "its scope was cancelled".into(),
+        },
     ];
     kinds
         .into_iter()
@@ -272,8 +285,32 @@ fn samples() -> Vec<Event> {
         .collect()
 }
 
+fn golden_dir_of(version: u16) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data/golden/events")
+        .join(format!("v{version}"))
+}
+
 fn golden_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden/events")
+    golden_dir_of(EVENT_VERSION)
+}
+
+/// What a sample looked like in schema version 1: the fields added since
+/// at their defaults; `None` for a variant version 1 did not have.
+fn as_v1(mut e: Event) -> Option<Event> {
+    match &mut e.kind {
+        EventKind::WorkflowStarted { previous_run, .. } => *previous_run = None,
+        EventKind::ActivityAttemptFailed { heartbeat, .. } => *heartbeat = None,
+        EventKind::ActivityScheduled { options, .. } => {
+            options.schedule_to_start_ms = None;
+            if let Some(r) = &mut options.retry {
+                r.backoff_mode = None;
+            }
+        }
+        EventKind::ChildCancelRequested { .. } => return None,
+        _ => {}
+    }
+    Some(e)
 }
 
 fn blessing() -> bool {
@@ -344,6 +381,38 @@ fn encoding_matches_golden_bytes_and_golden_bytes_decode() {
             Err(e) => failures.push(format!("{name}: golden does not decode: {e}")),
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn every_earlier_version_still_decodes() {
+    // Version 1's files were written before `previous_run`, `heartbeat`,
+    // `backoff_mode`, `schedule_to_start_ms` and `ChildCancelRequested`
+    // existed (its sample for `ActivityScheduled` recorded jitter "full",
+    // factor 2.5): they decode, the new fields at their defaults.
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for sample in samples() {
+        let Some(mut old) = as_v1(sample) else {
+            continue;
+        };
+        let name = old.kind.name();
+        let path = golden_dir_of(1).join(format!("{name}.bin"));
+        let bytes = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{name}: cannot read {}: {e}", path.display()));
+        if let EventKind::ActivityScheduled { options, .. } = &mut old.kind {
+            if let Some(r) = &mut options.retry {
+                r.jitter = Jitter::Full;
+            }
+        }
+        checked += 1;
+        match codec::decode::<Event>(RecordKind::Event, &bytes) {
+            Ok(decoded) if decoded == old => {}
+            Ok(decoded) => failures.push(format!("{name}: v1 decodes to {decoded:?}")),
+            Err(e) => failures.push(format!("{name}: v1 does not decode: {e}")),
+        }
+    }
+    assert_eq!(checked, VARIANTS - 1, "every v1 variant has a file");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -37,6 +37,7 @@ pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
         parent: None,
         continued_from: None,
         random_seed: 7,
+        previous_run: None,
     }
 }
 
@@ -68,6 +69,7 @@ pub fn attempt_failed(run: RunId, step: u32, attempt: u32, retry_at: Option<u64>
         attempt_id: attempt_of(run, Step(step), AttemptNo(attempt)),
         failure: Failure::new(FailureKind::Application, "boom", true),
         retry_at: retry_at.map(Timestamp),
+        heartbeat: None,
     }
 }
 

@@ -1,0 +1,148 @@
+//! The activity runtime: runs the attempts a shard dispatches on a tokio
+//! pool off the arbiter threads, admits each through its resilience profile
+//! in this process, turns a panic into a retryable failure, and reports
+//! results and heartbeats (with the lease epoch) to the shard. A copy the
+//! shard asks to stop sees its [`keel_core::CancelSignal`] raised.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::Addr;
+use futures::FutureExt;
+use keel_core::driver::{AttemptKey, AttemptOrder, ShardInput};
+use keel_core::{ActivityContext, CancelSignal, HeartbeatFn};
+use keel_storage::{AttemptId, AttemptNo, ExecutionId, Failure, FailureKind, Payload};
+use tracing::{info_span, Instrument};
+
+use crate::engine::Host;
+use crate::shard::{Feed, ShardActor};
+
+/// Runs one copy of an attempt.
+pub(crate) fn run(host: &Arc<Host>, shard: Addr<ShardActor>, order: AttemptOrder) {
+    let (key, epoch, attempt) = (order.key, order.epoch, order.attempt);
+    let cancel = CancelSignal::new();
+    host.copies.lock().insert((key, epoch), cancel.clone());
+    let beats = shard.clone();
+    let heartbeat: HeartbeatFn = Arc::new(move |details| {
+        beats.do_send(Feed(ShardInput::Heartbeat {
+            key,
+            epoch,
+            details,
+        }));
+    });
+    let id = AttemptId {
+        execution: ExecutionId {
+            run_id: key.run,
+            step: key.step,
+        },
+        attempt,
+    };
+    let ctx = ActivityContext::new(id, heartbeat, cancel, order.heartbeat.clone());
+    let activity = host.activities.get(&order.activity_type).cloned();
+    let profile = order
+        .profile
+        .as_ref()
+        .and_then(|p| host.profiles.get(p).cloned());
+    let span = info_span!("attempt", run_id = %key.run, step = key.step.0, attempt = attempt.0, epoch = epoch.0);
+    let host = host.clone();
+    let activity_type = order.activity_type;
+    let input = order.input;
+    let (deadline_ms, is_retry) = (order.deadline_ms, order.is_retry);
+    host.activity_rt.clone().spawn(
+        async move {
+            // Per-process admission (breaker, rate limit, bulkhead) in the
+            // pipeline's fixed order. A refusal never reaches the activity
+            // and is not a dependency failure; the shard offers it again.
+            let execution = id.execution.to_string();
+            let mut admission = None;
+            if let Some(p) = &profile {
+                let admitted = keel_resilience::Safety::idempotent(&execution)
+                    .map_err(|e| e.to_string())
+                    .and_then(|safety| {
+                        p.new_context(Duration::from_millis(deadline_ms), safety, &execution)
+                            .map_err(|e| e.to_string())
+                    })
+                    .and_then(|c| p.admit(&c, is_retry).map_err(|r| r.reason().to_string()));
+                match admitted {
+                    Ok(mut a) => {
+                        a.mark_dispatched();
+                        admission = Some(a);
+                    }
+                    Err(policy) => {
+                        host.copies.lock().remove(&(key, epoch));
+                        shard.do_send(Feed(ShardInput::AttemptRefused { key, epoch, policy }));
+                        return;
+                    }
+                }
+            }
+            let result = match activity {
+                None => Err(Failure::new(
+                    FailureKind::Application,
+                    format!("unknown activity type {activity_type:?}"),
+                    false,
+                )),
+                Some(a) => match AssertUnwindSafe(a.start(ctx, input)).catch_unwind().await {
+                    Ok(r) => r,
+                    Err(p) => {
+                        let msg = p
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "activity panicked".into());
+                        Err(Failure::new(
+                            FailureKind::Panic,
+                            format!("activity panicked: {msg}"),
+                            true,
+                        ))
+                    }
+                },
+            };
+            if let (Some(a), Some(p)) = (admission, &profile) {
+                let verdict = match &result {
+                    Ok(_) => keel_resilience::Verdict::Success,
+                    Err(f) => p.classifier().classify(f).verdict,
+                };
+                a.settle(verdict);
+            }
+            host.copies.lock().remove(&(key, epoch));
+            shard.do_send(Feed(ShardInput::AttemptFinished {
+                key,
+                attempt,
+                epoch,
+                result,
+            }));
+        }
+        .instrument(span),
+    );
+}
+
+/// Calls an activity's fallback for a final failure.
+pub(crate) fn fallback(
+    host: &Arc<Host>,
+    shard: Addr<ShardActor>,
+    key: AttemptKey,
+    attempt: AttemptNo,
+    activity_type: String,
+    input: Payload,
+    failure: Failure,
+) {
+    let activity = host.activities.get(&activity_type).cloned();
+    host.activity_rt.spawn_blocking(move || {
+        let result = activity.and_then(|a| {
+            std::panic::catch_unwind(AssertUnwindSafe(|| a.fallback(input, &failure)))
+                .unwrap_or_else(|_| {
+                    Some(Err(Failure::new(
+                        FailureKind::Panic,
+                        "the activity's fallback panicked",
+                        false,
+                    )))
+                })
+        });
+        shard.do_send(Feed(ShardInput::FallbackDone {
+            key,
+            attempt,
+            result,
+        }));
+    });
+}

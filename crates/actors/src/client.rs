@@ -1,0 +1,444 @@
+//! The [`Client`]: starting, signalling, cancelling, terminating, awaiting,
+//! describing and resuming workflows. Each call is one request to the
+//! shard its target routes to; the shard's driver decides and answers, and
+//! the client turns the answer into a result. The client holds no store
+//! and no engine thread: once the engine shuts down, every call (and every
+//! call still waiting) ends with [`EngineError::Shutdown`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use actix::Addr;
+use futures::channel::oneshot;
+use keel_core::driver::{
+    Answer, Refusal, Request, RequestId, Resumed, ReusePolicy, RunDescription, ShardInput,
+};
+use keel_core::Workflow;
+use keel_storage::{CommandId, Failure, InstanceId, Outcome, Payload, RunId, PAYLOAD_BYTES_MAX};
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::shard::{Feed, ShardActor};
+
+/// Times a call is sent again when the engine answered "try again" (a
+/// commit failed) before the call fails with [`EngineError::Unavailable`].
+pub const CLIENT_RETRIES_MAX: u32 = 8;
+
+/// Errors the engine and client return. Bad input is refused with a typed
+/// error before anything is written.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// No workflow of this type is registered.
+    #[error("unknown workflow type {0:?}")]
+    UnknownWorkflowType(String),
+    /// The input does not decode into the workflow's input type.
+    #[error("input for workflow {workflow_type:?} does not decode: {detail}")]
+    InvalidInput {
+        /// The workflow type.
+        workflow_type: String,
+        /// The decoder's message.
+        detail: String,
+    },
+    /// A value could not be encoded.
+    #[error("value does not encode: {0}")]
+    Encode(String),
+    /// A payload over the limit.
+    #[error("payload of {bytes} bytes exceeds the limit of {max} bytes")]
+    PayloadTooLarge {
+        /// Its size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// No instance or run by that id.
+    #[error("unknown instance or run {0:?}")]
+    UnknownInstance(String),
+    /// The run is closed.
+    #[error("run {run} is closed")]
+    RunClosed {
+        /// The run.
+        run: RunId,
+    },
+    /// The instance's last run is closed and the reuse policy refuses a new one.
+    #[error(
+        "instance {instance} already ran (run {run}, {status}); the reuse policy refuses a new run"
+    )]
+    AlreadyClosed {
+        /// The instance.
+        instance: InstanceId,
+        /// Its last run.
+        run: RunId,
+        /// That run's status.
+        status: &'static str,
+    },
+    /// The run is parked.
+    #[error("run {run} is parked: {reason}")]
+    Parked {
+        /// The run.
+        run: RunId,
+        /// Why.
+        reason: String,
+    },
+    /// The workflow failed.
+    #[error("workflow failed: {0}")]
+    WorkflowFailed(Failure),
+    /// The workflow was cancelled.
+    #[error("workflow cancelled: {0}")]
+    WorkflowCancelled(String),
+    /// The workflow was terminated.
+    #[error("workflow terminated: {0}")]
+    WorkflowTerminated(String),
+    /// The result does not decode into the expected type.
+    #[error("result does not decode: {0}")]
+    ResultDecode(String),
+    /// The store refused the request (a limit), or could not open.
+    #[error(transparent)]
+    Store(#[from] keel_storage::Error),
+    /// The store refused the request's commit for good.
+    #[error("the store refused the request: {0}")]
+    Refused(String),
+    /// The engine kept answering "try again".
+    #[error("the engine could not take the request after {CLIENT_RETRIES_MAX} tries: {0}")]
+    Unavailable(String),
+    /// The engine is shutting down.
+    #[error("the engine is shut down")]
+    Shutdown,
+}
+
+/// What `start` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StartOutcome {
+    /// A new run started.
+    Started(RunId),
+    /// The instance already had an open run (or the same start, by command
+    /// id, was done before); it is returned.
+    Existing(RunId),
+}
+
+impl StartOutcome {
+    /// The run, new or existing.
+    pub fn run_id(self) -> RunId {
+        match self {
+            StartOutcome::Started(r) | StartOutcome::Existing(r) => r,
+        }
+    }
+}
+
+/// What clients share: the shards' addresses and the calls waiting for
+/// their answer.
+pub(crate) struct ClientCore {
+    pub(crate) shards: OnceLock<Vec<Addr<ShardActor>>>,
+    pending: Mutex<HashMap<RequestId, oneshot::Sender<Answer>>>,
+    next: AtomicU64,
+    rng: Mutex<u64>,
+    shutting_down: AtomicBool,
+}
+
+impl ClientCore {
+    pub(crate) fn new(seed: u64) -> Self {
+        ClientCore {
+            shards: OnceLock::new(),
+            pending: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(0),
+            rng: Mutex::new(seed),
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    /// A shard answered request `id`.
+    pub(crate) fn answer(&self, id: RequestId, answer: Answer) {
+        if let Some(tx) = self.pending.lock().remove(&id) {
+            let _ = tx.send(answer);
+        }
+    }
+
+    /// The engine stops: every waiting call ends with a shutdown error.
+    pub(crate) fn shut_down(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+        let waiting: Vec<_> = self.pending.lock().drain().collect();
+        for (_, tx) in waiting {
+            let _ = tx.send(Answer::Refused(Refusal::Shutdown));
+        }
+    }
+
+    /// Randomness for new runs (ids and seeds): drawn here, recorded in
+    /// events, never drawn by the driver.
+    fn random(&self) -> u64 {
+        let mut s = self.rng.lock();
+        *s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    async fn call(&self, request: Request) -> Result<Answer, EngineError> {
+        let mut tries = 0;
+        loop {
+            let answer = self.call_once(request.clone()).await?;
+            match answer {
+                Answer::Retry(why) => {
+                    tries += 1;
+                    if tries >= CLIENT_RETRIES_MAX {
+                        return Err(EngineError::Unavailable(why));
+                    }
+                    // A short pause without a runtime of our own: the
+                    // caller may be on any executor.
+                    let pause = Duration::from_millis(5u64 << tries.min(6));
+                    let (tx, rx) = oneshot::channel::<()>();
+                    std::thread::spawn(move || {
+                        std::thread::sleep(pause);
+                        let _ = tx.send(());
+                    });
+                    let _ = rx.await;
+                }
+                Answer::Refused(Refusal::Shutdown) => return Err(EngineError::Shutdown),
+                other => return Ok(other),
+            }
+        }
+    }
+
+    async fn call_once(&self, request: Request) -> Result<Answer, EngineError> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return Err(EngineError::Shutdown);
+        }
+        let shards = self.shards.get().ok_or(EngineError::Shutdown)?;
+        let id = RequestId(self.next.fetch_add(1, Ordering::Relaxed) + 1);
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().insert(id, tx);
+        let shard = request.shard(shards.len() as u16);
+        let addr = &shards[usize::from(shard.0)];
+        if addr
+            .send(Feed(ShardInput::Request { id, request }))
+            .await
+            .is_err()
+        {
+            self.pending.lock().remove(&id);
+            return Err(EngineError::Shutdown);
+        }
+        // Shut down after the request was queued: nobody will answer it.
+        if self.shutting_down.load(Ordering::Acquire) {
+            self.pending.lock().remove(&id);
+        }
+        rx.await.map_err(|_| EngineError::Shutdown)
+    }
+}
+
+/// A cloneable handle for starting, signalling, awaiting and inspecting
+/// workflows.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) core: Arc<ClientCore>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Client")
+    }
+}
+
+fn check_size(p: &Payload) -> Result<(), EngineError> {
+    if p.len() > PAYLOAD_BYTES_MAX {
+        return Err(EngineError::PayloadTooLarge {
+            bytes: p.len(),
+            max: PAYLOAD_BYTES_MAX,
+        });
+    }
+    Ok(())
+}
+
+/// The error for an answer no call expects.
+fn unexpected(answer: Answer) -> EngineError {
+    EngineError::Refused(format!("unexpected answer {answer:?}"))
+}
+
+fn refused(r: Refusal) -> EngineError {
+    match r {
+        Refusal::UnknownWorkflowType(t) => EngineError::UnknownWorkflowType(t),
+        Refusal::InvalidInput {
+            workflow_type,
+            detail,
+        } => EngineError::InvalidInput {
+            workflow_type,
+            detail,
+        },
+        Refusal::UnknownRun(id) => EngineError::UnknownInstance(id),
+        Refusal::RunClosed(run) => EngineError::RunClosed { run },
+        Refusal::AlreadyClosed {
+            instance,
+            run,
+            status,
+        } => EngineError::AlreadyClosed {
+            instance,
+            run,
+            status,
+        },
+        Refusal::Parked { run, reason } => EngineError::Parked { run, reason },
+        Refusal::NothingOpen { run, detail } => {
+            EngineError::Refused(format!("run {run}: {detail}"))
+        }
+        Refusal::Store(detail) => EngineError::Refused(detail),
+        Refusal::Shutdown => EngineError::Shutdown,
+    }
+}
+
+impl Client {
+    /// Starts workflow `W` as `instance`. A second start of an instance
+    /// with an open run returns that run.
+    pub async fn start<W: Workflow>(
+        &self,
+        instance: &str,
+        input: &W::Input,
+    ) -> Result<StartOutcome, EngineError> {
+        let payload = Payload::encode(input).map_err(|e| EngineError::Encode(e.to_string()))?;
+        self.start_raw(W::NAME, instance, payload, None, ReusePolicy::default())
+            .await
+    }
+
+    /// Starts a workflow by type name with a serialized input. A retry with
+    /// the same `command_id` is the same start, even after its run closed.
+    pub async fn start_raw(
+        &self,
+        workflow_type: &str,
+        instance: &str,
+        input: Payload,
+        command_id: Option<CommandId>,
+        reuse: ReusePolicy,
+    ) -> Result<StartOutcome, EngineError> {
+        check_size(&input)?;
+        let request = Request::Start {
+            run_id: RunId::from_u64_pair(self.core.random(), self.core.random()),
+            workflow_type: workflow_type.to_string(),
+            instance: InstanceId::new(instance),
+            input,
+            command_id,
+            reuse,
+            random_seed: self.core.random(),
+        };
+        match self.core.call(request).await? {
+            Answer::Started(run) => Ok(StartOutcome::Started(run)),
+            Answer::Existing(run) => Ok(StartOutcome::Existing(run)),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Sends a signal to the instance's current run (or a run by id);
+    /// `command_id` deduplicates retries of the same signal.
+    pub async fn signal<T: Serialize>(
+        &self,
+        instance: &str,
+        name: &str,
+        payload: &T,
+        command_id: Option<&str>,
+    ) -> Result<(), EngineError> {
+        let payload = Payload::encode(payload).map_err(|e| EngineError::Encode(e.to_string()))?;
+        check_size(&payload)?;
+        let request = Request::Signal {
+            target: instance.to_string(),
+            name: name.to_string(),
+            payload,
+            command_id: command_id.map(CommandId::new),
+        };
+        self.done(request).await
+    }
+
+    /// Requests cooperative cancellation; workflow code observes it. A
+    /// closed run answers [`EngineError::RunClosed`].
+    pub async fn cancel(&self, instance: &str, reason: &str) -> Result<(), EngineError> {
+        self.cancel_with(instance, reason, None).await
+    }
+
+    /// [`Client::cancel`] with a command id that deduplicates retries.
+    pub async fn cancel_with(
+        &self,
+        instance: &str,
+        reason: &str,
+        command_id: Option<&str>,
+    ) -> Result<(), EngineError> {
+        let request = Request::Cancel {
+            target: instance.to_string(),
+            reason: reason.to_string(),
+            command_id: command_id.map(CommandId::new),
+        };
+        self.done(request).await
+    }
+
+    /// Terminates the current run without running workflow code (a parked
+    /// run too). A closed run answers [`EngineError::RunClosed`].
+    pub async fn terminate(&self, instance: &str, reason: &str) -> Result<(), EngineError> {
+        let request = Request::Terminate {
+            target: instance.to_string(),
+            reason: reason.to_string(),
+        };
+        self.done(request).await
+    }
+
+    async fn done(&self, request: Request) -> Result<(), EngineError> {
+        match self.core.call(request).await? {
+            Answer::Committed | Answer::Duplicate => Ok(()),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Waits for the instance's outcome, following continue-as-new.
+    pub async fn outcome(&self, instance: &str) -> Result<Outcome, EngineError> {
+        let mut target = instance.to_string();
+        loop {
+            let request = Request::Result {
+                target: target.clone(),
+            };
+            match self.core.call(request).await? {
+                Answer::Outcome(_, Outcome::ContinuedAsNew(next)) => target = next.to_string(),
+                Answer::Outcome(_, other) => return Ok(other),
+                Answer::Refused(r) => return Err(refused(r)),
+                other => return Err(unexpected(other)),
+            }
+        }
+    }
+
+    /// Waits for workflow `W`'s result.
+    pub async fn result<W: Workflow>(&self, instance: &str) -> Result<W::Output, EngineError> {
+        match self.outcome(instance).await? {
+            Outcome::Completed(p) => p
+                .decode()
+                .map_err(|e| EngineError::ResultDecode(e.to_string())),
+            Outcome::Failed(f) => Err(EngineError::WorkflowFailed(f)),
+            Outcome::Cancelled(r) => Err(EngineError::WorkflowCancelled(r)),
+            Outcome::Terminated(r) => Err(EngineError::WorkflowTerminated(r)),
+            Outcome::ContinuedAsNew(_) => unreachable!("outcome() follows continue-as-new"),
+        }
+    }
+
+    /// Status, open waits with group paths, attempts and leases, children
+    /// and parked reason of the instance's current run (or of a run by
+    /// id). Only committed state: a run's commits in flight are answered
+    /// first.
+    pub async fn describe(&self, id: &str) -> Result<RunDescription, EngineError> {
+        let request = Request::Describe {
+            target: id.to_string(),
+        };
+        match self.core.call(request).await? {
+            Answer::Described(d) => Ok(*d),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Re-checks a parked run against the code registered now: if its
+    /// history replays, the run goes on (its timers, attempts and messages
+    /// are driven again); if not, it stays parked and the answer says why.
+    pub async fn resume(&self, id: &str) -> Result<Resumed, EngineError> {
+        let request = Request::Resume {
+            target: id.to_string(),
+        };
+        match self.core.call(request).await? {
+            Answer::Resumed(r) => Ok(r),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+}

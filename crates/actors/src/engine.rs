@@ -1,0 +1,468 @@
+//! The engine: opens the store, starts the actor system on its own threads
+//! (one arbiter per shard), the activity runtime, and hands out
+//! [`Client`]s. Each shard actor recovers its shard's durable work from the
+//! store when it starts.
+//!
+//! The engine runs on threads of its own, so it embeds the same way in a
+//! plain `main`, under `#[tokio::main]`, `#[actix::main]` or inside an
+//! actix-web application: no nested runtime, and no call that blocks an
+//! async caller for long ([`Engine::build`] waits for its threads to
+//! start; prefer [`Engine::shutdown`] to dropping it in async code).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix::{Actor, Addr, Arbiter};
+use keel_core::driver::{
+    AttemptKey, DriverConfig, Message, Shard, ShardId, ShardInput, LEASE_MS_DEFAULT,
+    RUN_CACHE_MAX_DEFAULT, WORKER_CONCURRENCY_MAX,
+};
+use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
+use keel_resilience::CompiledPipeline;
+use keel_storage::{Durability, Failure, LeaseEpoch, MemStore, RocksStore, Store, Timestamp};
+use parking_lot::Mutex;
+
+use crate::client::{Client, ClientCore, EngineError};
+use crate::shard::{Counts, Feed, ShardActor, Stop};
+
+/// How long a shutdown waits for activity code to reach an await point.
+pub const ACTIVITY_SHUTDOWN_MS: u64 = 2_000;
+
+/// The engine's clock, in milliseconds since the Unix epoch.
+pub(crate) fn now() -> Timestamp {
+    Timestamp(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    )
+}
+
+/// Tunables of an engine, each with its unit in the name.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Runs kept in memory, over all shards.
+    pub run_cache_max: usize,
+    /// Shards (each on its own arbiter thread); runs are spread over them
+    /// by the hash of their id.
+    pub shards: usize,
+    /// Threads activity code runs on.
+    pub activity_threads: usize,
+    /// Lease of an attempt without heartbeat or start-to-close timeout.
+    pub lease_ms_default: u64,
+    /// Attempts running at once, over all shards.
+    pub worker_concurrency_max: usize,
+    /// How commits are made durable.
+    pub durability: Durability,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        EngineConfig {
+            run_cache_max: RUN_CACHE_MAX_DEFAULT,
+            shards: cores.max(1),
+            activity_threads: cores.max(1),
+            lease_ms_default: LEASE_MS_DEFAULT,
+            worker_concurrency_max: WORKER_CONCURRENCY_MAX,
+            durability: Durability::Sync,
+        }
+    }
+}
+
+/// Builds an [`Engine`].
+pub struct EngineBuilder {
+    data_dir: Option<PathBuf>,
+    store: Option<Arc<dyn Store>>,
+    workflows: WorkflowRegistry,
+    activities: ActivityRegistry,
+    config: EngineConfig,
+    profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
+}
+
+impl std::fmt::Debug for EngineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineBuilder")
+            .field("data_dir", &self.data_dir)
+            .field("workflows", &self.workflows)
+            .field("activities", &self.activities)
+            .finish()
+    }
+}
+
+impl EngineBuilder {
+    /// Keeps the log in RocksDB in `dir` (the default is `./keel-data`).
+    pub fn data_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.data_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps the log in memory (tests).
+    pub fn in_memory(mut self) -> Self {
+        self.store = Some(Arc::new(MemStore::new(Durability::Sync)));
+        self
+    }
+
+    /// Uses the given store.
+    pub fn store(mut self, store: Arc<dyn Store>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Durability of commits (`Sync` by default).
+    pub fn durability(mut self, d: Durability) -> Self {
+        self.config.durability = d;
+        self
+    }
+
+    /// Replaces the configuration.
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Registers workflow `W`.
+    pub fn register_workflow<W: Workflow>(mut self) -> Self {
+        self.workflows.register::<W>();
+        self
+    }
+
+    /// Registers activity `A`, built with `Default`.
+    pub fn register_activity<A: Activity + Default>(mut self) -> Self {
+        self.activities.register(A::default());
+        self
+    }
+
+    /// Registers an activity instance (one carrying its dependencies).
+    pub fn activity<A: Activity>(mut self, activity: A) -> Self {
+        self.activities.register(activity);
+        self
+    }
+
+    /// Registers a compiled resilience pipeline as profile `name`. An
+    /// activity call that names it (`.profile(name)`) gets all of its
+    /// policies: admission through its circuit breaker, retry budget, rate
+    /// limit and bulkhead in this engine process; its attempt timeout as the
+    /// attempt's start-to-close limit; its retry policy as the call's durable
+    /// retry when the call sets none; its classifier to decide what is
+    /// retried; and its fallback (the activity's `fallback`) for a final
+    /// failure it marks eligible.
+    pub fn resilience_profile(mut self, name: &str, pipeline: CompiledPipeline<Failure>) -> Self {
+        self.profiles.insert(name.to_string(), Arc::new(pipeline));
+        self
+    }
+
+    /// Registers every workflow of `registry`.
+    pub fn workflows(mut self, registry: &WorkflowRegistry) -> Self {
+        for name in registry.names() {
+            if let Some(w) = registry.get(name) {
+                self.workflows.register_erased(w.clone());
+            }
+        }
+        self
+    }
+
+    /// Registers every activity of `registry`.
+    pub fn activities(mut self, registry: ActivityRegistry) -> Self {
+        self.activities = registry;
+        self
+    }
+
+    /// Opens the store, starts the actor system and recovers durable work
+    /// (timers, pending attempts, outbox). Works inside or outside a tokio
+    /// or actix runtime: the engine runs on its own threads.
+    pub fn build(self) -> Result<Engine, EngineError> {
+        let store: Arc<dyn Store> = match self.store {
+            Some(s) => s,
+            None => {
+                let dir = self.data_dir.unwrap_or_else(|| PathBuf::from("keel-data"));
+                Arc::new(RocksStore::open(dir, self.config.durability)?)
+            }
+        };
+        Engine::start(
+            store,
+            self.workflows,
+            self.activities,
+            self.config,
+            self.profiles,
+        )
+    }
+}
+
+/// What the shard actors share: the store, the activities and their
+/// profiles, the activity runtime, the shards' addresses and the copies of
+/// attempts running now.
+pub(crate) struct Host {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) activities: ActivityRegistry,
+    pub(crate) profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
+    pub(crate) activity_rt: tokio::runtime::Handle,
+    pub(crate) shards: OnceLock<Vec<Addr<ShardActor>>>,
+    pub(crate) client: Arc<ClientCore>,
+    pub(crate) copies: Mutex<HashMap<(AttemptKey, LeaseEpoch), CancelSignal>>,
+}
+
+impl Host {
+    /// Delivers a message to a shard (a hand-off between live actors: their
+    /// mailboxes never refuse it; at shutdown the store still holds the
+    /// work, and the next start recovers it).
+    pub(crate) fn send(&self, to: ShardId, message: Message) {
+        if let Some(addr) = self.shards.get().and_then(|s| s.get(usize::from(to.0))) {
+            addr.do_send(Feed(ShardInput::Message(message)));
+        }
+    }
+
+    /// Asks the copy of an attempt with this lease epoch to stop.
+    pub(crate) fn stop_copy(&self, key: AttemptKey, epoch: LeaseEpoch) {
+        if let Some(c) = self.copies.lock().get(&(key, epoch)) {
+            c.raise();
+        }
+    }
+}
+
+/// A running engine. Dropping it shuts it down; in async code prefer
+/// [`Engine::shutdown`].
+pub struct Engine {
+    host: Option<Arc<Host>>,
+    client: Arc<ClientCore>,
+    system: Option<actix::System>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    activity_rt: Option<tokio::runtime::Runtime>,
+    workflows: WorkflowRegistry,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("workflows", &self.workflows)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// A builder with nothing registered.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder {
+            data_dir: None,
+            store: None,
+            workflows: WorkflowRegistry::new(),
+            activities: ActivityRegistry::new(),
+            config: EngineConfig::default(),
+            profiles: BTreeMap::new(),
+        }
+    }
+
+    fn start(
+        store: Arc<dyn Store>,
+        workflows: WorkflowRegistry,
+        activities: ActivityRegistry,
+        config: EngineConfig,
+        profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
+    ) -> Result<Self, EngineError> {
+        let activity_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.activity_threads.max(1))
+            .thread_name("keel-activity")
+            .enable_all()
+            .build()
+            .map_err(keel_storage::Error::from)?;
+        let clock = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        // Lease epochs only grow, across restarts too: start from the clock.
+        let epoch_base = clock.as_micros() as u64;
+        let seed = clock.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32);
+        let client = Arc::new(ClientCore::new(seed));
+        let host = Arc::new(Host {
+            store,
+            activities,
+            profiles,
+            activity_rt: activity_rt.handle().clone(),
+            shards: OnceLock::new(),
+            client: client.clone(),
+            copies: Mutex::new(HashMap::new()),
+        });
+        let shards = config.shards.clamp(1, usize::from(u16::MAX));
+        let driver = DriverConfig {
+            shards: shards as u16,
+            run_cache_max: (config.run_cache_max / shards).max(1),
+            lease_ms_default: config.lease_ms_default,
+            worker_concurrency_max: (config.worker_concurrency_max / shards).max(1),
+            profiles: host.profiles.clone(),
+            breaks: None,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h2 = host.clone();
+        let w2 = workflows.clone();
+        let thread = std::thread::Builder::new()
+            .name("keel-engine".into())
+            .spawn(move || {
+                let sys = actix::System::new();
+                let arbiters: Vec<Arbiter> = (0..shards).map(|_| Arbiter::new()).collect();
+                let addrs: Vec<Addr<ShardActor>> = arbiters
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| {
+                        let (workflows, config) = (w2.clone(), driver.clone());
+                        let host = h2.clone();
+                        // Built on its arbiter: a shard holds run machines,
+                        // which stay on one thread.
+                        ShardActor::start_in_arbiter(&a.handle(), move |_| {
+                            let shard =
+                                Shard::new(ShardId(i as u16), workflows, config, epoch_base);
+                            ShardActor::new(shard, host)
+                        })
+                    })
+                    .collect();
+                let _ = h2.shards.set(addrs.clone());
+                let _ = h2.client.shards.set(addrs);
+                drop(h2);
+                let _ = tx.send(actix::System::current());
+                sys.run().ok();
+                for a in arbiters {
+                    a.stop();
+                    let _ = a.join();
+                }
+            })
+            .map_err(keel_storage::Error::from)?;
+        let system = rx.recv().map_err(|_| EngineError::Shutdown)?;
+        Ok(Engine {
+            host: Some(host),
+            client,
+            system: Some(system),
+            thread: Some(thread),
+            activity_rt: Some(activity_rt),
+            workflows,
+        })
+    }
+
+    /// A client for this engine.
+    pub fn client(&self) -> Client {
+        Client {
+            core: self.client.clone(),
+        }
+    }
+
+    /// The store (for inspection and tests). Holding it past the engine's
+    /// shutdown keeps the data directory open.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.host
+            .as_ref()
+            .map(|h| h.store.clone())
+            .expect("the store is open while the engine runs")
+    }
+
+    /// Runs and attempts the shards hold in memory now.
+    pub async fn in_memory(&self) -> (usize, usize) {
+        let mut total = (0, 0);
+        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
+            for s in shards {
+                if let Ok((r, a)) = s.send(Counts).await {
+                    total.0 += r;
+                    total.1 += a;
+                }
+            }
+        }
+        total
+    }
+
+    /// Stops: every waiting call (a `result()` too) ends with
+    /// [`EngineError::Shutdown`], the actors stop, and the store is closed
+    /// (its writer answers every commit it queued), so the data directory
+    /// can be opened again at once, whatever [`Client`]s still live.
+    pub async fn shutdown(mut self) {
+        self.stop_shards_async().await;
+        let (tx, rx) = futures::channel::oneshot::channel();
+        let mut parts = self.take_parts();
+        std::thread::spawn(move || {
+            parts.finish();
+            let _ = tx.send(());
+        });
+        let _ = rx.await;
+    }
+
+    /// [`Engine::shutdown`] for code that is not async: blocks until the
+    /// engine stopped and its store is closed.
+    pub fn shutdown_blocking(mut self) {
+        self.client.shut_down();
+        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
+            for s in shards {
+                // Waits for the shard to answer its clients; a stopped
+                // shard answers nothing, which is the same.
+                let _ = futures::executor::block_on(s.send(Stop));
+            }
+        }
+        let mut parts = self.take_parts();
+        std::thread::spawn(move || parts.finish()).join().ok();
+    }
+
+    async fn stop_shards_async(&self) {
+        self.client.shut_down();
+        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
+            for s in shards {
+                let _ = s.send(Stop).await;
+            }
+        }
+    }
+
+    fn take_parts(&mut self) -> Parts {
+        Parts {
+            system: self.system.take(),
+            thread: self.thread.take(),
+            activity_rt: self.activity_rt.take(),
+            host: self.host.take(),
+        }
+    }
+}
+
+/// What stopping an engine takes apart, in order.
+struct Parts {
+    system: Option<actix::System>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    activity_rt: Option<tokio::runtime::Runtime>,
+    host: Option<Arc<Host>>,
+}
+
+impl Parts {
+    fn finish(&mut self) {
+        if let Some(sys) = self.system.take() {
+            sys.stop();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Some(rt) = self.activity_rt.take() {
+            // Activity code still running is dropped at its next await (a
+            // copy that never yields is left behind after the limit), so
+            // nothing holds the store when it closes below. Inside an async
+            // runtime (a drop in async code) nothing may block: it is left
+            // to finish in the background.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                rt.shutdown_background();
+            } else {
+                rt.shutdown_timeout(std::time::Duration::from_millis(ACTIVITY_SHUTDOWN_MS));
+            }
+        }
+        if let Some(host) = self.host.take() {
+            let _ = host.store.sync();
+            // The last reference: the store closes here (its writer drains).
+            drop(host);
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.system.is_none() {
+            return; // shut down already
+        }
+        self.client.shut_down();
+        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
+            for s in shards {
+                s.do_send(Stop);
+            }
+        }
+        let mut parts = self.take_parts();
+        parts.finish();
+    }
+}

@@ -1,0 +1,555 @@
+//! [`WorkflowContext`]: the durable tools workflow code uses, and the
+//! futures behind them. Each command is issued on its future's first poll,
+//! so sequential `.await`s suspend one at a time while a future polled
+//! alongside others (in `all`) issues in the same pass.
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use keel_storage::{
+    ActivityOptions, AttemptNo, Backoff, EventKind, ExecutionId, Failure, FailureKind, InstanceId,
+    Jitter, Payload, RetrySettings, RunId, Step, Timestamp,
+};
+use serde::{de::DeserializeOwned, Serialize};
+
+use crate::activity::Activity;
+use crate::core::{Core, Issued, OpenWait, Resolution, WaitKind};
+
+/// A spawned coroutine waiting to be handed to the executor.
+pub(crate) type Spawn = Pin<Box<dyn Future<Output = ()>>>;
+
+/// The handle workflow code uses to reach the outside world durably.
+/// Cheap to clone; lives on the run's thread.
+#[derive(Clone)]
+pub struct WorkflowContext {
+    pub(crate) core: Rc<RefCell<Core>>,
+    pub(crate) spawns: Rc<RefCell<Vec<Spawn>>>,
+    pub(crate) scope_registry: crate::scope::ScopeRegistry,
+    pub(crate) closures: crate::concurrency::Closures,
+}
+
+impl std::fmt::Debug for WorkflowContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let core = self.core.borrow();
+        f.debug_struct("WorkflowContext")
+            .field("run_id", &core.run_id)
+            .field("instance_id", &core.instance_id)
+            .finish()
+    }
+}
+
+fn decode_failure(what: &str, e: impl std::fmt::Display) -> Failure {
+    Failure::new(
+        FailureKind::Application,
+        format!("{what} does not decode: {e}"),
+        false,
+    )
+}
+
+impl WorkflowContext {
+    /// This run's id.
+    pub fn run_id(&self) -> RunId {
+        self.core.borrow().run_id
+    }
+
+    /// This run's instance.
+    pub fn instance_id(&self) -> InstanceId {
+        self.core.borrow().instance_id.clone()
+    }
+
+    /// The workflow's time: when the input being processed was committed.
+    /// The same on every replay.
+    pub fn now(&self) -> Timestamp {
+        self.core.borrow().now
+    }
+
+    /// A deterministic random number, the same on every replay.
+    pub fn random(&self) -> u64 {
+        self.core.borrow_mut().next_random()
+    }
+
+    /// A deterministic version-4 uuid, the same on every replay.
+    pub fn uuid(&self) -> uuid::Uuid {
+        let mut core = self.core.borrow_mut();
+        let (a, b) = (core.next_random(), core.next_random());
+        uuid::Builder::from_u128(((a as u128) << 64) | b as u128)
+            .with_version(uuid::Version::Random)
+            .with_variant(uuid::Variant::RFC4122)
+            .into_uuid()
+    }
+
+    /// Calls activity `A`. Configure the call with the builder methods, then
+    /// `.await` it; the command is issued on the first poll.
+    pub fn activity<A: Activity>(&self, input: A::Input) -> ActivityCall<A> {
+        ActivityCall {
+            core: self.core.clone(),
+            input: Some(
+                Payload::encode(&input).map_err(|e| format!("activity input does not encode: {e}")),
+            ),
+            options: ActivityOptions::default(),
+            step: None,
+            _activity: PhantomData,
+        }
+    }
+
+    /// A durable timer that fires `duration` after the workflow's `now`.
+    pub fn timer(&self, duration: Duration) -> Timer {
+        Timer {
+            core: self.core.clone(),
+            duration,
+            step: None,
+        }
+    }
+
+    /// Waits for the next signal named `name` and decodes its payload.
+    /// Signals are consumed in the order they were committed.
+    pub fn wait_signal<T: DeserializeOwned>(&self, name: &str) -> SignalWait<T> {
+        SignalWait {
+            core: self.core.clone(),
+            name: name.to_string(),
+            counted: false,
+            _t: PhantomData,
+        }
+    }
+
+    /// Resolves once `predicate` over workflow state holds. Re-checked after
+    /// every input the run receives.
+    pub fn condition<F: FnMut() -> bool>(&self, predicate: F) -> Condition<F> {
+        Condition {
+            core: self.core.clone(),
+            predicate,
+        }
+    }
+
+    /// Runs `f` once and records its value; replay returns the recorded
+    /// value without running `f` again.
+    pub fn side_effect<T, F>(&self, f: F) -> Result<T, Failure>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce() -> T,
+    {
+        let mut core = self.core.borrow_mut();
+        let step = core.take_step();
+        let value = if core.replaying() {
+            Payload::default()
+        } else {
+            Payload::encode(&f()).map_err(|e| decode_failure("side effect value", e))?
+        };
+        match core.issue(EventKind::SideEffectRecorded { step, value }) {
+            Issued::Live(e) | Issued::Replayed(e) => match e.kind {
+                EventKind::SideEffectRecorded { value, .. } => value
+                    .decode()
+                    .map_err(|e| decode_failure("side effect value", e)),
+                _ => unreachable!("issue returns the matching kind"),
+            },
+            Issued::Diverged => Err(Failure::new(
+                FailureKind::Application,
+                "history diverged; the run will be parked",
+                false,
+            )),
+        }
+    }
+
+    /// True once cancellation of this run has been requested.
+    pub fn is_cancel_requested(&self) -> bool {
+        self.core.borrow().cancel_requested.is_some()
+    }
+
+    /// Resolves with the reason once cancellation is requested.
+    pub fn cancelled(&self) -> CancelRequested {
+        CancelRequested {
+            core: self.core.clone(),
+        }
+    }
+
+    /// Starts a coroutine of this run (used by scopes). It is polled in FIFO
+    /// order with the others.
+    pub fn spawn_local(&self, fut: impl Future<Output = ()> + 'static) {
+        self.spawns.borrow_mut().push(Box::pin(fut));
+    }
+}
+
+/// Retry policy of one activity call: attempts, backoff, jitter. The
+/// delays come from the resilience crate's backoff (one implementation for
+/// in-process pipelines and durable retries); every retry is a new attempt
+/// after a durable backoff, so retries survive restarts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RetryPolicy {
+    /// Total attempts, including the first.
+    pub attempts_max: u32,
+    /// Delay before the first retry.
+    pub initial_delay: Duration,
+    /// How the delay grows.
+    pub backoff: Backoff,
+    /// Cap on the delay.
+    pub delay_max: Duration,
+    /// How randomness spreads the delay (drawn per attempt, deterministic).
+    pub jitter: Jitter,
+}
+
+impl RetryPolicy {
+    /// Exponential backoff (doubling) without jitter.
+    pub fn exponential(attempts_max: u32, initial_delay: Duration, delay_max: Duration) -> Self {
+        RetryPolicy {
+            attempts_max,
+            initial_delay,
+            backoff: Backoff::Exponential,
+            delay_max,
+            jitter: Jitter::None,
+        }
+    }
+
+    /// Constant delay between attempts.
+    pub fn constant(attempts_max: u32, delay: Duration) -> Self {
+        RetryPolicy {
+            attempts_max,
+            initial_delay: delay,
+            backoff: Backoff::Constant,
+            delay_max: delay,
+            jitter: Jitter::None,
+        }
+    }
+
+    /// Linearly growing delay (`initial * n`), capped at `delay_max`.
+    pub fn linear(attempts_max: u32, initial_delay: Duration, delay_max: Duration) -> Self {
+        RetryPolicy {
+            attempts_max,
+            initial_delay,
+            backoff: Backoff::Linear,
+            delay_max,
+            jitter: Jitter::None,
+        }
+    }
+
+    /// With a jitter mode.
+    pub fn with_jitter(mut self, jitter: Jitter) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// Checks the numbers the way the resilience crate does (attempts in
+    /// `1..=100`, a positive initial delay, a cap at least the initial
+    /// delay and at most a day, decorrelated jitter only with exponential
+    /// backoff) and returns what history records.
+    pub fn settings(&self) -> Result<RetrySettings, String> {
+        let settings = RetrySettings {
+            attempts_max: self.attempts_max,
+            initial_delay_ms: u64::try_from(self.initial_delay.as_millis()).unwrap_or(u64::MAX),
+            backoff_factor: match self.backoff {
+                Backoff::Exponential => 2.0,
+                Backoff::Constant | Backoff::Linear => 1.0,
+            },
+            delay_max_ms: u64::try_from(self.delay_max.as_millis()).unwrap_or(u64::MAX),
+            jitter: self.jitter,
+            backoff_mode: Some(self.backoff),
+        };
+        crate::retry::policy_of(&settings).map_err(|e| e.to_string())?;
+        Ok(settings)
+    }
+}
+
+/// A call to activity `A`, issued on first poll.
+pub struct ActivityCall<A: Activity> {
+    core: Rc<RefCell<Core>>,
+    input: Option<Result<Payload, String>>,
+    options: ActivityOptions,
+    step: Option<Step>,
+    _activity: PhantomData<fn() -> A>,
+}
+
+impl<A: Activity> std::fmt::Debug for ActivityCall<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ActivityCall({}, step {:?})", A::NAME, self.step)
+    }
+}
+
+impl<A: Activity> ActivityCall<A> {
+    /// The durable step, once the call has been issued.
+    pub fn step(&self) -> Option<Step> {
+        self.step
+    }
+
+    /// Limit on one attempt, from dispatch to result.
+    pub fn start_to_close(mut self, d: Duration) -> Self {
+        self.options.start_to_close_ms = Some(d.as_millis() as u64);
+        self
+    }
+
+    /// Limit on the whole execution across attempts.
+    pub fn schedule_to_close(mut self, d: Duration) -> Self {
+        self.options.schedule_to_close_ms = Some(d.as_millis() as u64);
+        self
+    }
+
+    /// The activity must heartbeat within this interval.
+    pub fn heartbeat_timeout(mut self, d: Duration) -> Self {
+        self.options.heartbeat_ms = Some(d.as_millis() as u64);
+        self
+    }
+
+    /// Retries per `policy`, each a new attempt after a durable backoff. A
+    /// policy with invalid numbers fails the call when it is awaited, with
+    /// a failure naming the problem, and issues nothing.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        match policy.settings() {
+            Ok(s) => self.options.retry = Some(s),
+            Err(e) => self.input = Some(Err(format!("invalid retry policy: {e}"))),
+        }
+        self
+    }
+
+    /// Fails a dispatched attempt that has not started within `d` of its
+    /// due time (waiting behind the worker limit or a resilience profile).
+    pub fn schedule_to_start(mut self, d: Duration) -> Self {
+        self.options.schedule_to_start_ms = Some(d.as_millis() as u64);
+        self
+    }
+
+    /// Admits attempts through the engine's resilience profile `name`
+    /// (rate limit, circuit breaker, bulkhead per engine process).
+    pub fn profile(mut self, name: &str) -> Self {
+        self.options.profile = Some(name.into());
+        self
+    }
+}
+
+fn take_resolution(core: &mut Core, step: Step, cx: &Context<'_>) -> Option<Resolution> {
+    match core.resolved.remove(&step) {
+        Some(r) => Some(r),
+        None => {
+            core.wait_on(step, cx.waker());
+            None
+        }
+    }
+}
+
+impl<A: Activity> Future for ActivityCall<A> {
+    type Output = Result<A::Output, Failure>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut core = this.core.borrow_mut();
+        let step = match this.step {
+            Some(s) => s,
+            None => {
+                let input = match this.input.take() {
+                    Some(Ok(p)) => p,
+                    Some(Err(e)) => {
+                        return Poll::Ready(Err(Failure::new(FailureKind::Application, e, false)))
+                    }
+                    None => return Poll::Pending,
+                };
+                let step = core.take_step();
+                let group = core.group();
+                let kind = EventKind::ActivityScheduled {
+                    step,
+                    group: group.clone(),
+                    execution_id: ExecutionId {
+                        run_id: core.run_id,
+                        step,
+                    },
+                    activity_type: A::NAME.to_string(),
+                    input,
+                    options: this.options.clone(),
+                };
+                this.step = Some(step);
+                match core.issue(kind) {
+                    Issued::Live(e) | Issued::Replayed(e) => {
+                        let options = match &e.kind {
+                            EventKind::ActivityScheduled { options, .. } => options.clone(),
+                            _ => this.options.clone(),
+                        };
+                        let owner = core.current_owner;
+                        core.open.insert(
+                            step,
+                            OpenWait {
+                                step,
+                                kind: WaitKind::Activity,
+                                name: A::NAME.to_string(),
+                                group,
+                                since: e.at,
+                                attempt: AttemptNo::FIRST,
+                                options: Some(options),
+                                fire_at: None,
+                                child_run: None,
+                                owner,
+                                close_policy: None,
+                                child_started: false,
+                            },
+                        );
+                    }
+                    Issued::Diverged => return Poll::Pending,
+                }
+                step
+            }
+        };
+        match take_resolution(&mut core, step, cx) {
+            Some(Resolution::Value(p)) => {
+                Poll::Ready(p.decode().map_err(|e| decode_failure("activity result", e)))
+            }
+            Some(Resolution::Failed(f)) => Poll::Ready(Err(f)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+/// A durable timer, started on first poll.
+#[derive(Debug)]
+pub struct Timer {
+    core: Rc<RefCell<Core>>,
+    duration: Duration,
+    step: Option<Step>,
+}
+
+impl Timer {
+    pub(crate) fn new(core: Rc<RefCell<Core>>, duration: Duration) -> Self {
+        Timer {
+            core,
+            duration,
+            step: None,
+        }
+    }
+
+    /// The durable step, once the timer has been started.
+    pub fn step(&self) -> Option<Step> {
+        self.step
+    }
+}
+
+impl Future for Timer {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let mut core = this.core.borrow_mut();
+        let step = match this.step {
+            Some(s) => s,
+            None => {
+                let step = core.take_step();
+                let group = core.group();
+                let fire_at = core.now.plus_ms(this.duration.as_millis() as u64);
+                this.step = Some(step);
+                match core.issue(EventKind::TimerStarted {
+                    step,
+                    group: group.clone(),
+                    fire_at,
+                }) {
+                    Issued::Live(e) | Issued::Replayed(e) => {
+                        let fire_at = match e.kind {
+                            EventKind::TimerStarted { fire_at, .. } => fire_at,
+                            _ => fire_at,
+                        };
+                        let owner = core.current_owner;
+                        core.open.insert(
+                            step,
+                            OpenWait {
+                                step,
+                                kind: WaitKind::Timer,
+                                name: String::new(),
+                                group,
+                                since: e.at,
+                                attempt: AttemptNo::FIRST,
+                                options: None,
+                                fire_at: Some(fire_at),
+                                child_run: None,
+                                owner,
+                                close_policy: None,
+                                child_started: false,
+                            },
+                        );
+                    }
+                    Issued::Diverged => return Poll::Pending,
+                }
+                step
+            }
+        };
+        match take_resolution(&mut core, step, cx) {
+            Some(_) => Poll::Ready(()),
+            None => Poll::Pending,
+        }
+    }
+}
+
+/// A wait for the next signal of a name.
+#[derive(Debug)]
+pub struct SignalWait<T> {
+    core: Rc<RefCell<Core>>,
+    name: String,
+    counted: bool,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: DeserializeOwned> Future for SignalWait<T> {
+    type Output = Result<T, Failure>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut core = this.core.borrow_mut();
+        if let Some(p) = core.signals.get_mut(&this.name).and_then(|q| q.pop_front()) {
+            if this.counted {
+                if let Some(n) = core.signal_waits.get_mut(&this.name) {
+                    *n -= 1;
+                    if *n == 0 {
+                        core.signal_waits.remove(&this.name);
+                    }
+                }
+            }
+            return Poll::Ready(p.decode().map_err(|e| decode_failure("signal payload", e)));
+        }
+        if !this.counted {
+            this.counted = true;
+            *core.signal_waits.entry(this.name.clone()).or_default() += 1;
+        }
+        core.wait_any(cx.waker());
+        Poll::Pending
+    }
+}
+
+/// A wait until a predicate over workflow state holds.
+pub struct Condition<F> {
+    core: Rc<RefCell<Core>>,
+    predicate: F,
+}
+
+impl<F> std::fmt::Debug for Condition<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Condition")
+    }
+}
+
+impl<F: FnMut() -> bool + Unpin> Future for Condition<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if (this.predicate)() {
+            return Poll::Ready(());
+        }
+        this.core.borrow_mut().wait_any(cx.waker());
+        Poll::Pending
+    }
+}
+
+/// Resolves with the reason once the run's cancellation is requested.
+#[derive(Debug)]
+pub struct CancelRequested {
+    core: Rc<RefCell<Core>>,
+}
+
+impl Future for CancelRequested {
+    type Output = String;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<String> {
+        let mut core = self.core.borrow_mut();
+        if let Some(r) = &core.cancel_requested {
+            return Poll::Ready(r.clone());
+        }
+        core.wait_any(cx.waker());
+        Poll::Pending
+    }
+}

@@ -1,0 +1,460 @@
+//! The state a run's workflow code shares with its machine.
+//!
+//! Command futures reach the machine through [`Core::issue`]: while the run
+//! replays, an issued command must match the next recorded command event
+//! (else a typed non-determinism error); once history is exhausted, the
+//! command becomes a new event in the pending batch. So matching happens at
+//! the moment code issues a command, in the order it issues them.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::task::Waker;
+
+use keel_storage::{
+    ActivityOptions, AttemptNo, CommandId, Event, EventKind, Failure, GroupEntry, GroupPath,
+    InstanceId, Payload, RunId, Seq, Step, Timestamp,
+};
+
+use crate::machine::MachineError;
+
+/// An `all` barrier whose leaves are being issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ActiveGroup {
+    /// The barrier's durable step.
+    pub step: Step,
+    /// Its size (leaves, or members for a limited barrier).
+    pub size: u32,
+    /// The index the next leaf gets.
+    pub next: u32,
+    /// Whether each leaf advances the index (plain `all`) or the barrier
+    /// sets it per member (limited fan-out).
+    pub per_leaf: bool,
+}
+
+/// How a command's wait ended.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Resolution {
+    /// A value (activity or child result; timer fired with an empty payload).
+    Value(Payload),
+    /// A typed failure.
+    Failed(Failure),
+}
+
+/// What kind of durable wait is open at a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitKind {
+    /// An activity execution.
+    Activity,
+    /// A timer.
+    Timer,
+    /// A child workflow.
+    Child,
+}
+
+/// An open durable wait, for `describe`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpenWait {
+    /// The command's step.
+    pub step: Step,
+    /// What it waits for.
+    pub kind: WaitKind,
+    /// Activity or workflow type; empty for timers.
+    pub name: String,
+    /// Enclosing `all` barriers.
+    pub group: GroupPath,
+    /// When it was issued.
+    pub since: Timestamp,
+    /// For activities: the current attempt.
+    pub attempt: AttemptNo,
+    /// For activities: options (retry policy); for timers: none.
+    pub options: Option<ActivityOptions>,
+    /// For timers: when it fires.
+    pub fire_at: Option<Timestamp>,
+    /// For children: the child's run.
+    pub child_run: Option<RunId>,
+    /// The scope and coroutine that issued it, if a scope's coroutine did.
+    pub owner: Option<(Step, u32)>,
+    /// For children: what happens to the child when its scope or its
+    /// parent is cancelled or closes.
+    pub close_policy: Option<keel_storage::ParentClosePolicy>,
+    /// For children: whether `ChildStarted` was committed.
+    pub child_started: bool,
+}
+
+/// The result of issuing a command.
+pub(crate) enum Issued {
+    /// A new command: its event is in the pending batch.
+    Live(Event),
+    /// The command was found in history: its recorded event.
+    Replayed(Event),
+    /// The command does not match history; the machine parks the run.
+    Diverged,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("run_id", &self.run_id)
+            .field("next_step", &self.next_step)
+            .field("next_seq", &self.next_seq)
+            .finish()
+    }
+}
+
+pub(crate) struct Core {
+    pub run_id: RunId,
+    pub instance_id: InstanceId,
+    pub workflow_type: String,
+    pub next_step: u32,
+    pub next_seq: Seq,
+    pub now: Timestamp,
+    rng: u64,
+    pub replay: VecDeque<Event>,
+    pub pending: Vec<Event>,
+    pub resolved: HashMap<Step, Resolution>,
+    waiters: HashMap<Step, Waker>,
+    pub signals: BTreeMap<String, VecDeque<Payload>>,
+    pub signal_waits: BTreeMap<String, usize>,
+    general_waiters: Vec<Waker>,
+    pub cancel_requested: Option<String>,
+    pub group_stack: Vec<ActiveGroup>,
+    pub error: Option<MachineError>,
+    pub open: BTreeMap<Step, OpenWait>,
+    pub seen_commands: HashSet<CommandId>,
+    pub closed: bool,
+    /// The scope coroutine being polled (scope step, coroutine index).
+    pub current_owner: Option<(Step, u32)>,
+    /// Set while the machine is being dropped: scopes must not issue.
+    pub tearing_down: bool,
+    /// Memo fields, latest value per name.
+    pub memo: BTreeMap<String, Payload>,
+    /// Children whose cancellation was issued (at most once each).
+    pub child_cancelled: std::collections::BTreeSet<Step>,
+}
+
+impl Core {
+    pub(crate) fn new(
+        run_id: RunId,
+        instance_id: InstanceId,
+        workflow_type: String,
+        random_seed: u64,
+    ) -> Self {
+        Core {
+            run_id,
+            instance_id,
+            workflow_type,
+            next_step: 1,
+            next_seq: Seq::FIRST,
+            now: Timestamp(0),
+            rng: random_seed,
+            replay: VecDeque::new(),
+            pending: Vec::new(),
+            resolved: HashMap::new(),
+            waiters: HashMap::new(),
+            signals: BTreeMap::new(),
+            signal_waits: BTreeMap::new(),
+            general_waiters: Vec::new(),
+            cancel_requested: None,
+            group_stack: Vec::new(),
+            error: None,
+            open: BTreeMap::new(),
+            seen_commands: HashSet::new(),
+            closed: false,
+            current_owner: None,
+            tearing_down: false,
+            memo: BTreeMap::new(),
+            child_cancelled: Default::default(),
+        }
+    }
+
+    /// True while recorded events remain to be matched.
+    pub(crate) fn replaying(&self) -> bool {
+        !self.replay.is_empty()
+    }
+
+    /// The next deterministic random number (splitmix64 over the run's seed,
+    /// which is recorded in `WorkflowStarted`).
+    pub(crate) fn next_random(&mut self) -> u64 {
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Allocates the next step.
+    pub(crate) fn take_step(&mut self) -> Step {
+        let s = Step(self.next_step);
+        self.next_step += 1;
+        s
+    }
+
+    /// The group path of a leaf issued now. Barriers that count leaves
+    /// advance their index for the next leaf.
+    pub(crate) fn group(&mut self) -> GroupPath {
+        let path = self
+            .group_stack
+            .iter()
+            .map(|g| GroupEntry {
+                step: g.step,
+                size: g.size,
+                index: g.next,
+            })
+            .collect();
+        for g in &mut self.group_stack {
+            if g.per_leaf {
+                g.next += 1;
+            }
+        }
+        path
+    }
+
+    /// Appends a new event to the pending batch.
+    pub(crate) fn push_event(&mut self, kind: EventKind) -> Event {
+        let event = Event {
+            seq: self.next_seq,
+            at: self.now,
+            kind,
+        };
+        self.next_seq = self.next_seq.next();
+        self.pending.push(event.clone());
+        event
+    }
+
+    /// Issues a command: matched against history while replaying, appended
+    /// as a new event otherwise.
+    pub(crate) fn issue(&mut self, candidate: EventKind) -> Issued {
+        if self.error.is_some() {
+            return Issued::Diverged;
+        }
+        let Some(front) = self.replay.front() else {
+            return Issued::Live(self.push_event(candidate));
+        };
+        if front.kind.is_command() && commands_match(&front.kind, &candidate) {
+            let event = self.replay.pop_front().expect("front exists");
+            self.next_seq = event.seq.next();
+            return Issued::Replayed(event);
+        }
+        let step = candidate.step().unwrap_or_default();
+        self.error = Some(if missing_group(&front.kind, &candidate) {
+            MachineError::IncompatibleHistory {
+                step,
+                detail: format!(
+                    "{} at step {step} was recorded without its parallel group path; \
+                     history from an older version cannot be placed in the current barrier",
+                    front.kind.name()
+                ),
+            }
+        } else {
+            MachineError::NonDeterminism {
+                step,
+                recorded: describe_recorded(front),
+                issued: describe_command(&candidate),
+            }
+        });
+        Issued::Diverged
+    }
+
+    /// Registers the waker of the future waiting on `step`.
+    pub(crate) fn wait_on(&mut self, step: Step, waker: &Waker) {
+        self.waiters.insert(step, waker.clone());
+    }
+
+    /// Registers a waker woken after every input (signals, conditions,
+    /// cancellation).
+    pub(crate) fn wait_any(&mut self, waker: &Waker) {
+        self.general_waiters.push(waker.clone());
+    }
+
+    /// Records a step's resolution and wakes its waiter.
+    pub(crate) fn resolve(&mut self, step: Step, r: Resolution) {
+        self.open.remove(&step);
+        self.resolved.insert(step, r);
+        if let Some(w) = self.waiters.remove(&step) {
+            w.wake();
+        }
+    }
+
+    /// Issues the command that cancels the open wait at `step`: a timer is
+    /// cancelled, an activity asked to cancel, a child cancelled per its
+    /// close policy (an abandoned child is left alone). Returns false when
+    /// nothing is open there.
+    pub(crate) fn cancel_wait(&mut self, step: Step, reason: &str) -> bool {
+        let Some(w) = self.open.get(&step) else {
+            return false;
+        };
+        let (kind, fire_at, child, policy) = (w.kind, w.fire_at, w.child_run, w.close_policy);
+        match kind {
+            WaitKind::Timer => {
+                let fire_at = fire_at.unwrap_or(self.now);
+                self.open.remove(&step);
+                let _ = self.issue(EventKind::TimerCancelled { step, fire_at });
+            }
+            WaitKind::Activity => {
+                let _ = self.issue(EventKind::ActivityCancelRequested {
+                    step,
+                    execution_id: keel_storage::event::execution_of(self.run_id, step),
+                });
+            }
+            WaitKind::Child => {
+                let policy = policy.unwrap_or_default();
+                if let (Some(child_run_id), true) =
+                    (child, policy != keel_storage::ParentClosePolicy::Abandon)
+                {
+                    if !self.child_cancelled.contains(&step) {
+                        self.child_cancelled.insert(step);
+                        let _ = self.issue(EventKind::ChildCancelRequested {
+                            step,
+                            child_run_id,
+                            policy,
+                            reason: reason.to_string(),
+                        });
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Coroutines waiting for any change (signal waits, conditions,
+    /// cancellation).
+    pub(crate) fn general_waiting(&self) -> usize {
+        self.general_waiters.len()
+    }
+
+    /// Wakes every general waiter (they re-check their own condition).
+    pub(crate) fn wake_general(&mut self) {
+        for w in self.general_waiters.drain(..) {
+            w.wake();
+        }
+    }
+}
+
+fn missing_group(recorded: &EventKind, issued: &EventKind) -> bool {
+    std::mem::discriminant(recorded) == std::mem::discriminant(issued)
+        && recorded.step() == issued.step()
+        && recorded.group().is_some_and(|g| g.is_empty())
+        && issued.group().is_some_and(|g| !g.is_empty())
+}
+
+/// Whether an issued command is the one history recorded: same kind, same
+/// step, same identity (type names) and same group path. Inputs and
+/// durations may change between versions without breaking replay.
+fn commands_match(recorded: &EventKind, issued: &EventKind) -> bool {
+    use EventKind as K;
+    match (recorded, issued) {
+        (
+            K::ActivityScheduled {
+                step: a,
+                group: ga,
+                activity_type: ta,
+                ..
+            },
+            K::ActivityScheduled {
+                step: b,
+                group: gb,
+                activity_type: tb,
+                ..
+            },
+        ) => a == b && ga == gb && ta == tb,
+        (
+            K::TimerStarted {
+                step: a, group: ga, ..
+            },
+            K::TimerStarted {
+                step: b, group: gb, ..
+            },
+        ) => a == b && ga == gb,
+        (
+            K::ChildScheduled {
+                step: a,
+                group: ga,
+                workflow_type: ta,
+                ..
+            },
+            K::ChildScheduled {
+                step: b,
+                group: gb,
+                workflow_type: tb,
+                ..
+            },
+        ) => a == b && ga == gb && ta == tb,
+        (
+            K::VersionMarker {
+                step: a,
+                change_id: ca,
+                ..
+            },
+            K::VersionMarker {
+                step: b,
+                change_id: cb,
+                ..
+            },
+        ) => a == b && ca == cb,
+        (
+            K::SelectionWinnerRecorded { step: a, .. },
+            K::SelectionWinnerRecorded { step: b, .. },
+        ) => a == b,
+        (
+            K::SelectionOperationCancelled {
+                step: a,
+                member_index: ma,
+                ..
+            },
+            K::SelectionOperationCancelled {
+                step: b,
+                member_index: mb,
+                ..
+            },
+        ) => a == b && ma == mb,
+        (K::UpdateCompleted { update_id: a, .. }, K::UpdateCompleted { update_id: b, .. }) => {
+            a == b
+        }
+        (K::MemoUpserted { .. }, K::MemoUpserted { .. })
+        | (K::SearchAttributesUpserted { .. }, K::SearchAttributesUpserted { .. })
+        | (K::WorkflowCompleted { .. }, K::WorkflowCompleted { .. })
+        | (K::WorkflowFailed { .. }, K::WorkflowFailed { .. })
+        | (K::WorkflowCancelled { .. }, K::WorkflowCancelled { .. })
+        | (K::WorkflowContinuedAsNew { .. }, K::WorkflowContinuedAsNew { .. }) => true,
+        (r, i) => std::mem::discriminant(r) == std::mem::discriminant(i) && r.step() == i.step(),
+    }
+}
+
+/// A one-line description of a recorded event, for divergence reports.
+pub(crate) fn describe_recorded(e: &Event) -> String {
+    format!("{} (seq {})", describe_command(&e.kind), e.seq)
+}
+
+/// A one-line description of a command.
+pub(crate) fn describe_command(kind: &EventKind) -> String {
+    let step = kind
+        .step()
+        .map(|s| format!(" at step {s}"))
+        .unwrap_or_default();
+    let what = match kind {
+        EventKind::ActivityScheduled { activity_type, .. } => {
+            format!("schedule activity {activity_type}")
+        }
+        EventKind::ChildScheduled { workflow_type, .. } => format!("start child {workflow_type}"),
+        EventKind::TimerStarted { .. } => "start timer".to_string(),
+        other if !other.is_command() => {
+            format!("no command (next recorded is input {})", other.name())
+        }
+        other => other.name().to_string(),
+    };
+    let group = kind
+        .group()
+        .filter(|g| !g.is_empty())
+        .map(|g| format!(" group {}", format_group(g)))
+        .unwrap_or_default();
+    format!("{what}{step}{group}")
+}
+
+/// Renders a group path as `[step/size#index, ...]`.
+pub fn format_group(g: &GroupPath) -> String {
+    let parts: Vec<String> = g
+        .iter()
+        .map(|e| format!("{}/{}#{}", e.step, e.size, e.index))
+        .collect();
+    format!("[{}]", parts.join(", "))
+}

@@ -1,0 +1,171 @@
+//! What `describe` reports about a run: only committed state. A shard
+//! answers it once the run has no commit in flight, from the store (the
+//! history, its open steps, its children) and from its own memory (the
+//! machine's signal waits and scopes, the attempts it supervises).
+
+use std::collections::BTreeMap;
+
+use keel_storage::history::{pending_steps, PendingStep};
+use keel_storage::{Error as StoreError, EventKind, ParkInfo, RunId, RunStatus, Step, Timestamp};
+use serde::Serialize;
+
+use super::{Answer, ReadResult, Refusal, ReplyTo, Shard};
+
+/// A child run as its parent's history records it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChildView {
+    /// The parent's step.
+    pub step: Step,
+    /// The child's run.
+    pub run_id: RunId,
+    /// The child's instance.
+    pub instance_id: String,
+    /// The child's workflow type.
+    pub workflow_type: String,
+    /// The child's status in the store (`None`: not started yet).
+    pub status: Option<RunStatus>,
+}
+
+/// One supervised attempt and its lease.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AttemptView {
+    /// The execution's step.
+    pub step: Step,
+    /// The attempt id.
+    pub attempt_id: String,
+    /// The lease owner.
+    pub lease_owner: String,
+    /// The lease's fencing epoch (0 when not running).
+    pub epoch: u64,
+    /// When the lease expires (when running), when it was refused (when
+    /// delayed by a resilience policy), else when it is due.
+    pub expires_at: Timestamp,
+    /// Deliveries of this attempt so far (1 + redeliveries).
+    pub deliveries: u32,
+    /// The resilience policy that refused it, while it waits to be offered
+    /// again.
+    pub delayed_by: Option<String>,
+    /// `waiting`, `queued`, `running`, `refused`, `reporting` or `fallback`.
+    pub state: &'static str,
+    /// Whether its execution was asked to cancel.
+    pub cancel_requested: bool,
+}
+
+/// What only the run's machine in memory knows.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MachineView {
+    /// Signal names coroutines wait for, with how many wait.
+    pub signal_waits: Vec<(String, usize)>,
+    /// Live coroutines.
+    pub coroutines: usize,
+    /// Live scopes, in step order; `parent` gives the tree.
+    pub scopes: Vec<crate::scope::ScopeView>,
+}
+
+/// What `describe` reports about a run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunDescription {
+    /// The run.
+    pub run_id: RunId,
+    /// Its instance.
+    pub instance_id: String,
+    /// Its workflow type.
+    pub workflow_type: String,
+    /// Its status.
+    pub status: RunStatus,
+    /// Events in its history.
+    pub history_len: u64,
+    /// When it started.
+    pub started_at: Timestamp,
+    /// When it closed.
+    pub closed_at: Option<Timestamp>,
+    /// Its parent (run and step), for a child.
+    pub parent: Option<(RunId, Step)>,
+    /// Open durable waits with their group paths.
+    pub pending: Vec<PendingStep>,
+    /// Signals coroutines wait for (when the run is in memory).
+    pub signal_waits: Vec<(String, usize)>,
+    /// Live coroutines (when the run is in memory).
+    pub coroutines: Option<usize>,
+    /// Live scopes, in step order; `parent` gives the tree.
+    pub scopes: Vec<crate::scope::ScopeView>,
+    /// Supervised attempts and their leases.
+    pub attempts: Vec<AttemptView>,
+    /// Children.
+    pub children: Vec<ChildView>,
+    /// Whether cancellation was requested.
+    pub cancel_requested: bool,
+    /// Why it is parked, if it is.
+    pub parked: Option<ParkInfo>,
+    /// Memo fields (latest value of each, as JSON text), e.g. progress.
+    pub memo: Vec<(String, String)>,
+}
+
+impl Shard {
+    pub(super) fn describe_read(
+        &mut self,
+        run: RunId,
+        view: Option<MachineView>,
+        reply: ReplyTo,
+        result: Result<ReadResult, StoreError>,
+    ) {
+        let facts = match result {
+            Ok(ReadResult::Describe(Some(f))) => f,
+            Ok(ReadResult::Describe(None)) => {
+                let answer = Answer::Refused(Refusal::UnknownRun(run.to_string()));
+                return self.reply(reply, answer, None);
+            }
+            Ok(_) => return,
+            Err(e) => {
+                return self.reply(reply, Answer::Retry(format!("run unreadable: {e}")), None)
+            }
+        };
+        let meta = facts.meta;
+        let mut memo: BTreeMap<String, String> = BTreeMap::new();
+        for e in &facts.history {
+            if let EventKind::MemoUpserted { fields } = &e.kind {
+                for (k, v) in fields {
+                    memo.insert(k.clone(), v.preview(200));
+                }
+            }
+        }
+        let closed = meta.status.is_closed();
+        let description = RunDescription {
+            run_id: run,
+            instance_id: meta.instance_id.to_string(),
+            workflow_type: meta.workflow_type.clone(),
+            status: meta.status,
+            history_len: meta.next_seq.0 - 1,
+            started_at: meta.started_at,
+            closed_at: meta.closed_at,
+            parent: meta.parent.as_ref().map(|p| (p.run_id, p.step)),
+            pending: pending_steps(&facts.history),
+            signal_waits: view
+                .as_ref()
+                .map(|v| v.signal_waits.clone())
+                .unwrap_or_default(),
+            coroutines: view.as_ref().map(|v| v.coroutines),
+            scopes: view.as_ref().map(|v| v.scopes.clone()).unwrap_or_default(),
+            attempts: if closed {
+                Vec::new()
+            } else {
+                self.attempt_views(run)
+            },
+            children: facts
+                .children
+                .into_iter()
+                .map(|(c, m)| ChildView {
+                    step: c.step,
+                    run_id: c.run_id,
+                    instance_id: c.instance_id,
+                    workflow_type: c.workflow_type,
+                    status: m.map(|m| m.status),
+                })
+                .collect(),
+            cancel_requested: meta.cancel_requested,
+            parked: facts.parked,
+            memo: memo.into_iter().collect(),
+        };
+        self.reply(reply, Answer::Described(Box::new(description)), None);
+    }
+}

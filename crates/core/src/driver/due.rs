@@ -1,0 +1,63 @@
+//! What a shard must do at a later time: fire a timer, dispatch a task at
+//! its backoff, check a lease, retry a delivery. Ordered by (time, order of
+//! insertion), so two hosts that feed the same inputs see the same order.
+//!
+//! Entries are not removed when their reason goes away (a timer cancelled,
+//! a lease renewed); each is checked against the shard's state when it
+//! comes due, and dropped if it no longer applies.
+
+use std::collections::BTreeMap;
+
+use keel_storage::{AttemptNo, LeaseEpoch, RunId, Step, Timestamp};
+
+use super::AttemptKey;
+
+/// One thing due.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Due {
+    /// A durable timer fires.
+    Timer(RunId, Step),
+    /// A pending attempt is due (first dispatch, a retry's backoff, a
+    /// profile's refusal over).
+    Task(AttemptKey, AttemptNo),
+    /// A lease may have ended.
+    Lease(AttemptKey, LeaseEpoch),
+    /// An attempt's schedule-to-start limit.
+    StartDeadline(AttemptKey, AttemptNo),
+    /// An attempt's result is reported again (its commit failed).
+    Report(AttemptKey, AttemptNo),
+    /// An outbox message is delivered again.
+    Outbox(Vec<u8>),
+    /// A run's activation is tried again (an async child whose closure its
+    /// parent has not bound yet).
+    Activate(RunId),
+    /// A start is decided again (another run held its instance).
+    Start(Box<super::requests::StartJob>),
+}
+
+#[derive(Debug, Default)]
+pub(super) struct DueQueue {
+    queue: BTreeMap<(Timestamp, u64), Due>,
+    next: u64,
+}
+
+impl DueQueue {
+    pub(super) fn push(&mut self, at: Timestamp, due: Due) {
+        self.next += 1;
+        self.queue.insert((at, self.next), due);
+    }
+
+    /// The earliest due time.
+    pub(super) fn next(&self) -> Option<Timestamp> {
+        self.queue.keys().next().map(|(t, _)| *t)
+    }
+
+    /// The earliest entry due at or before `now`.
+    pub(super) fn pop(&mut self, now: Timestamp) -> Option<Due> {
+        let entry = self.queue.first_entry()?;
+        if entry.key().0 > now {
+            return None;
+        }
+        Some(entry.remove())
+    }
+}

@@ -1,0 +1,1072 @@
+//! The driver: every decision keel makes around the run machine, as
+//! deterministic code with no actix, no tokio, no clock, no threads and no
+//! IO.
+//!
+//! Runs are spread over a fixed number of shards by the hash of their id
+//! ([`shard_of`]); a [`Shard`] decides everything for its runs: activating a
+//! run by replay, checking inputs against durable ids (and answering a
+//! duplicate only once what it duplicates is durable), handing inputs to the
+//! machine, asking for commits, running effects from the intent rows a
+//! commit's answer names, leases and epochs of activity attempts, their
+//! timeouts, heartbeats and redeliveries, durable retries, timers, outbox
+//! deliveries, client requests, passivation, recovery and resumption.
+//!
+//! Like quinn-proto's `Connection`, a shard is driven from outside:
+//!
+//! - [`Shard::handle`] with each [`ShardInput`] (a client request, a
+//!   message from a shard, a read or a commit answered, an attempt's result
+//!   or heartbeat) and the current time;
+//! - [`Shard::handle_timeout`] when the time [`Shard::poll_timeout`] asked
+//!   for has come;
+//! - [`Shard::poll_action`] until it returns `None`, performing each
+//!   [`Action`]: read the store, commit a batch, run or stop an attempt, send
+//!   a message to a shard, reply to a client.
+//!
+//! The actix engine (`keel-actors`) and the simulator (`keel-sim`) are the
+//! two hosts; they decide nothing themselves.
+//!
+//! Architecture invariant: an effect action names the event it depends on
+//! ([`Cause`]); it is only emitted once that event's commit was answered, or
+//! when it was read back from the store. Every input ends committed, dropped
+//! as a duplicate, or with its run parked and the reason recorded.
+
+mod attempts;
+mod describe;
+mod due;
+mod outbox;
+mod read;
+mod requests;
+mod run;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use keel_resilience::CompiledPipeline;
+use keel_storage::{
+    AttemptNo, CommandId, CommitAck, CommitBatch, Error as StoreError, Failure, InstanceId,
+    LeaseEpoch, Outcome, Payload, RunId, Seq, Step, Timestamp,
+};
+
+use crate::machine::{Input, StartSpec};
+use crate::workflow::WorkflowRegistry;
+
+pub use attempts::{FAILURE_MESSAGE_BYTES_MAX, PROFILE_DEADLINE_MS_DEFAULT};
+pub use describe::{AttemptView, ChildView, MachineView, RunDescription};
+pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult};
+
+use attempts::Attempts;
+use due::{Due, DueQueue};
+use outbox::Outbox;
+use run::RunSlot;
+
+/// Lease of an attempt without a heartbeat or start-to-close timeout.
+pub const LEASE_MS_DEFAULT: u64 = 60_000;
+/// Redeliveries of one attempt after its lease ended before it fails.
+pub const LEASE_REDELIVERIES_MAX: u32 = 3;
+/// Runs a shard keeps in memory by default; beyond its share of the limit
+/// the least recently used idle run is passivated (replayed when needed).
+pub const RUN_CACHE_MAX_DEFAULT: usize = 10_000;
+/// Attempts running at once in one engine process by default.
+pub const WORKER_CONCURRENCY_MAX: usize = 1024;
+/// Failed activations (unreadable history) before a run is parked.
+pub const RUN_RESTARTS_MAX: u32 = 5;
+/// How long an attempt a resilience profile refused waits before it is
+/// offered again.
+pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;
+/// First and longest wait between two tries of a delivery that must not be
+/// lost (an attempt's result, a timer, an outbox message).
+pub const DELIVERY_BACKOFF_MS_MIN: u64 = 5;
+/// See [`DELIVERY_BACKOFF_MS_MIN`].
+pub const DELIVERY_BACKOFF_MS_MAX: u64 = 5_000;
+/// Requests waiting for one run (its activation, or its commits in flight)
+/// before more are refused with a retryable answer: the run's mailbox.
+pub const RUN_QUEUE_MAX: usize = 1024;
+/// Times a start is decided again after another start took the instance.
+pub const START_DECISIONS_MAX: u32 = 8;
+/// How long an async child waits for its parent to bind its closure before
+/// its activation is tried again, and how often before it is parked.
+pub const ASYNC_BIND_RETRY_MS: u64 = 20;
+/// See [`ASYNC_BIND_RETRY_MS`].
+pub const ASYNC_BIND_TRIES_MAX: u32 = 50;
+
+/// A shard of the engine: a fixed slice of runs by hash.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct ShardId(pub u16);
+
+impl std::fmt::Display for ShardId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shard-{}", self.0)
+    }
+}
+
+/// The shard a run belongs to, out of `shards`.
+pub fn shard_of(run: RunId, shards: u16) -> ShardId {
+    let b = run.as_bytes();
+    let h = u64::from_le_bytes(b[8..16].try_into().expect("16-byte id"))
+        ^ u64::from_le_bytes(b[..8].try_into().expect("16-byte id")).rotate_left(7);
+    ShardId((h % u64::from(shards.max(1))) as u16)
+}
+
+/// The shard that resolves a request naming `target` (an instance id or a
+/// run id): any shard would do; hashing spreads them.
+pub fn shard_of_target(target: &str, shards: u16) -> ShardId {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in target.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    ShardId((h % u64::from(shards.max(1))) as u16)
+}
+
+/// A client request's id, chosen by the host; its [`Action::Reply`] carries
+/// it back.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct RequestId(pub u64);
+
+/// A token a shard hands out with a read, a commit or a message that
+/// expects an answer; the answer carries it back.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct Token(pub u64);
+
+/// One activity execution as its shard supervises it: (run, step).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct AttemptKey {
+    /// The run.
+    pub run: RunId,
+    /// The step that scheduled the execution.
+    pub step: Step,
+}
+
+/// The event an effect depends on: `(run, seq)` must be durable before the
+/// effect happens. `None` for effects of rows read back from the store.
+pub type Cause = Option<(RunId, Seq)>;
+
+/// What `start` does when the instance's last run is closed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReusePolicy {
+    /// Start a new run.
+    #[default]
+    AllowDuplicate,
+    /// Start a new run only if the last one did not complete.
+    AllowDuplicateFailedOnly,
+    /// Refuse: the instance ran once.
+    RejectDuplicate,
+}
+
+/// A client request.
+#[derive(Clone, Debug)]
+pub enum Request {
+    /// Start a run of `workflow_type` as `instance`; `run_id` is the new
+    /// run's id if one starts (drawn by the host).
+    Start {
+        /// The new run's id.
+        run_id: RunId,
+        /// The registered workflow type.
+        workflow_type: String,
+        /// The instance.
+        instance: InstanceId,
+        /// The serialized input.
+        input: Payload,
+        /// Deduplicates retries of this start.
+        command_id: Option<CommandId>,
+        /// What to do when the instance's last run is closed.
+        reuse: ReusePolicy,
+        /// The run's seed (drawn by the host).
+        random_seed: u64,
+    },
+    /// A signal to the instance's current run (or a run by id).
+    Signal {
+        /// Instance or run id.
+        target: String,
+        /// The signal's name.
+        name: String,
+        /// Its payload.
+        payload: Payload,
+        /// Deduplicates retries.
+        command_id: Option<CommandId>,
+    },
+    /// Cooperative cancellation.
+    Cancel {
+        /// Instance or run id.
+        target: String,
+        /// Why.
+        reason: String,
+        /// Deduplicates retries.
+        command_id: Option<CommandId>,
+    },
+    /// Termination without running workflow code.
+    Terminate {
+        /// Instance or run id.
+        target: String,
+        /// Why.
+        reason: String,
+    },
+    /// The run's outcome, once it closes.
+    Result {
+        /// Instance or run id.
+        target: String,
+    },
+    /// Status, open waits, attempts, children, parked reason.
+    Describe {
+        /// Instance or run id.
+        target: String,
+    },
+    /// Re-checks a parked run against the current code.
+    Resume {
+        /// Instance or run id.
+        target: String,
+    },
+}
+
+impl Request {
+    /// The shard this request goes to.
+    pub fn shard(&self, shards: u16) -> ShardId {
+        match self {
+            Request::Start { run_id, .. } => shard_of(*run_id, shards),
+            Request::Signal { target, .. }
+            | Request::Cancel { target, .. }
+            | Request::Terminate { target, .. }
+            | Request::Result { target }
+            | Request::Describe { target }
+            | Request::Resume { target } => shard_of_target(target, shards),
+        }
+    }
+}
+
+/// Why a request was refused for good. Nothing was written.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum Refusal {
+    /// No workflow of this type is registered.
+    #[error("unknown workflow type {0:?}")]
+    UnknownWorkflowType(String),
+    /// The input does not decode into the workflow's input type.
+    #[error("input for workflow {workflow_type:?} does not decode: {detail}")]
+    InvalidInput {
+        /// The workflow type.
+        workflow_type: String,
+        /// The decoder's message.
+        detail: String,
+    },
+    /// No instance or run by that id.
+    #[error("unknown instance or run {0:?}")]
+    UnknownRun(String),
+    /// The run is closed.
+    #[error("run {0} is closed")]
+    RunClosed(RunId),
+    /// The instance's last run is closed and the reuse policy refuses a new one.
+    #[error(
+        "instance {instance} already ran (run {run}, {status}); the reuse policy refuses a new run"
+    )]
+    AlreadyClosed {
+        /// The instance.
+        instance: InstanceId,
+        /// Its last run.
+        run: RunId,
+        /// That run's status.
+        status: &'static str,
+    },
+    /// The run is parked.
+    #[error("run {run} is parked: {reason}")]
+    Parked {
+        /// The run.
+        run: RunId,
+        /// Why.
+        reason: String,
+    },
+    /// The input refers to nothing open in the run (dropped).
+    #[error("run {run}: {detail}")]
+    NothingOpen {
+        /// The run.
+        run: RunId,
+        /// What was not open.
+        detail: String,
+    },
+    /// The store refused the request's commit for a reason retrying cannot
+    /// fix (a payload or history over its limit).
+    #[error("the store refused it: {0}")]
+    Store(String),
+    /// The engine is shutting down.
+    #[error("the engine is shut down")]
+    Shutdown,
+}
+
+/// The answer to a request or a message: one vocabulary for everything a
+/// shard answers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    /// Committed: its event is durable.
+    Committed,
+    /// Already committed before (a redelivery, a retry, a late result):
+    /// dropped, and what it duplicates is durable.
+    Duplicate,
+    /// A new run started.
+    Started(RunId),
+    /// The start found its run already there (an open run of the instance,
+    /// or an earlier start with the same command id).
+    Existing(RunId),
+    /// Refused for good.
+    Refused(Refusal),
+    /// Not done; trying again may succeed (a commit failed).
+    Retry(String),
+    /// A run's outcome.
+    Outcome(RunId, Outcome),
+    /// A run's description.
+    Described(Box<RunDescription>),
+    /// What a resume found.
+    Resumed(Resumed),
+}
+
+/// What [`Request::Resume`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resumed {
+    /// The run.
+    pub run: RunId,
+    /// Whether it was parked.
+    pub was_parked: bool,
+    /// Whether its history replays against the current code now; if not,
+    /// the run stays parked and `reason` says why.
+    pub fits: bool,
+    /// Why it does not fit.
+    pub reason: Option<String>,
+}
+
+/// Where an answer goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplyTo {
+    /// Nobody waits.
+    Nobody,
+    /// A client: the shard emits [`Action::Reply`].
+    Client(RequestId),
+    /// A shard: [`Message::Answer`] with this token.
+    Shard(ShardId, Token),
+}
+
+/// What a message asks of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RunOp {
+    /// An input.
+    Input(Input),
+    /// The run's outcome once it closes.
+    Result,
+    /// Its description.
+    Describe,
+    /// Re-check a parked run.
+    Resume,
+    /// Replay it, so that the closures of its async children are bound.
+    Activate,
+}
+
+/// A message between shards (a shard may send one to itself).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    /// An operation on a run of the receiving shard.
+    ToRun {
+        /// The run.
+        run: RunId,
+        /// What to do.
+        op: RunOp,
+        /// Who waits for the answer.
+        reply: ReplyTo,
+    },
+    /// Start a run of the receiving shard (a child, a continuation), then
+    /// hand it `then` in the same commit (a pending cancellation).
+    Start {
+        /// The run.
+        spec: StartSpec,
+        /// An input for the new run, committed with its start.
+        then: Option<Input>,
+        /// Who waits for the answer.
+        reply: ReplyTo,
+    },
+    /// The answer to a message that carried [`ReplyTo::Shard`].
+    Answer {
+        /// The token the request carried.
+        token: Token,
+        /// The answer.
+        answer: Answer,
+    },
+}
+
+/// Everything a host hands a shard.
+#[derive(Debug)]
+pub enum ShardInput {
+    /// A client request routed here (see [`Request::shard`]).
+    Request {
+        /// Its id, for the reply.
+        id: RequestId,
+        /// The request.
+        request: Request,
+    },
+    /// A message from a shard.
+    Message(Message),
+    /// A read asked for with [`Action::Read`], done.
+    Read {
+        /// Its token.
+        token: Token,
+        /// What it found.
+        result: Result<ReadResult, StoreError>,
+    },
+    /// A commit asked for with [`Action::Commit`], answered by the store.
+    Committed {
+        /// Its token.
+        token: Token,
+        /// The store's answer.
+        result: Result<CommitAck, StoreError>,
+    },
+    /// A copy of an attempt finished.
+    AttemptFinished {
+        /// The execution.
+        key: AttemptKey,
+        /// The attempt.
+        attempt: AttemptNo,
+        /// The copy's lease epoch.
+        epoch: LeaseEpoch,
+        /// Its result.
+        result: Result<Payload, Failure>,
+    },
+    /// A copy of an attempt reported progress.
+    Heartbeat {
+        /// The execution.
+        key: AttemptKey,
+        /// The copy's lease epoch.
+        epoch: LeaseEpoch,
+        /// Details for a later delivery or attempt.
+        details: Option<Payload>,
+    },
+    /// A resilience profile refused a copy in this process before it ran.
+    AttemptRefused {
+        /// The execution.
+        key: AttemptKey,
+        /// The copy's lease epoch.
+        epoch: LeaseEpoch,
+        /// The policy that refused it.
+        policy: String,
+    },
+    /// The fallback asked for with [`Action::RunFallback`], done.
+    FallbackDone {
+        /// The execution.
+        key: AttemptKey,
+        /// The attempt whose failure it replaces.
+        attempt: AttemptNo,
+        /// The fallback's value, if the activity has one.
+        result: Option<Result<Payload, Failure>>,
+    },
+}
+
+/// One attempt for a host to run, under a lease.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttemptOrder {
+    /// The execution.
+    pub key: AttemptKey,
+    /// The attempt.
+    pub attempt: AttemptNo,
+    /// The lease's fencing epoch: results and heartbeats carry it back.
+    pub epoch: LeaseEpoch,
+    /// The activity type.
+    pub activity_type: String,
+    /// Its input.
+    pub input: Payload,
+    /// The resilience profile to admit it through in this process.
+    pub profile: Option<String>,
+    /// Whether it is a retry (for the profile's retry budget).
+    pub is_retry: bool,
+    /// Time left to the execution's deadline (for the profile's context).
+    pub deadline_ms: u64,
+    /// The last heartbeat details of an earlier delivery or attempt.
+    pub heartbeat: Option<Payload>,
+    /// When the lease ends unless a heartbeat extends it.
+    pub lease_until: Timestamp,
+    /// The interval within which the attempt must heartbeat, if any.
+    pub heartbeat_ms: Option<u64>,
+    /// The attempt's limit from start to result (the call's or its
+    /// profile's), if any.
+    pub start_to_close_ms: Option<u64>,
+    /// True when no retry follows a failure of this attempt (its policy's
+    /// last attempt, or no retry policy).
+    pub final_attempt: bool,
+}
+
+/// What a shard asks its host to do.
+#[derive(Debug)]
+pub enum Action {
+    /// Read the store (see [`ReadQuery::perform`]); answer with
+    /// [`ShardInput::Read`].
+    Read {
+        /// The token for the answer.
+        token: Token,
+        /// What to read.
+        query: ReadQuery,
+    },
+    /// Commit a batch; answer with [`ShardInput::Committed`] once the store
+    /// answered (durable per its durability mode).
+    Commit {
+        /// The token for the answer.
+        token: Token,
+        /// The batch.
+        batch: CommitBatch,
+    },
+    /// Run an attempt; report with [`ShardInput::AttemptFinished`],
+    /// [`ShardInput::Heartbeat`], [`ShardInput::AttemptRefused`].
+    RunAttempt {
+        /// The attempt.
+        order: AttemptOrder,
+        /// The event it depends on.
+        cause: Cause,
+    },
+    /// Ask the copy with this epoch to stop (cancelled, timed out, its
+    /// lease ended, or its run closed).
+    StopAttempt {
+        /// The execution.
+        key: AttemptKey,
+        /// The copy's epoch.
+        epoch: LeaseEpoch,
+    },
+    /// Call the activity's fallback for a final failure; answer with
+    /// [`ShardInput::FallbackDone`].
+    RunFallback {
+        /// The execution.
+        key: AttemptKey,
+        /// The attempt whose failure it replaces.
+        attempt: AttemptNo,
+        /// The activity type.
+        activity_type: String,
+        /// Its input.
+        input: Payload,
+        /// The failure.
+        failure: Failure,
+    },
+    /// Deliver a message to a shard.
+    Send {
+        /// The receiving shard.
+        to: ShardId,
+        /// The message.
+        message: Message,
+        /// The event it depends on.
+        cause: Cause,
+    },
+    /// Answer a client request.
+    Reply {
+        /// The request.
+        id: RequestId,
+        /// The answer.
+        answer: Answer,
+        /// The event it depends on.
+        cause: Cause,
+    },
+}
+
+/// A deliberately broken driver, for the simulator to prove that its checks
+/// can fail (`keel sim --break`). Production never sets one.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BreakMode {
+    /// Inputs are not checked against durable ids (and the store's
+    /// duplicate-terminal check is off): a duplicate result is committed
+    /// twice.
+    NoAttemptDedupe,
+    /// Attempts of a commit are dispatched when the commit is asked for,
+    /// before it is durable.
+    EffectBeforeCommit,
+    /// A client is told "committed" when the commit is asked for, before
+    /// it is durable: a crash loses an acknowledged commit.
+    LoseUnsyncedAck,
+    /// The close-policy and cancellation intents of the outbox are never
+    /// delivered: children outlive the parent and the scope that cancelled
+    /// them.
+    SkipClosePolicy,
+    /// A lease that ended is redelivered under the same epoch: the copy it
+    /// should fence keeps its lease.
+    RedeliverSameEpoch,
+}
+
+impl BreakMode {
+    /// Every mode.
+    pub const ALL: [BreakMode; 5] = [
+        BreakMode::NoAttemptDedupe,
+        BreakMode::EffectBeforeCommit,
+        BreakMode::LoseUnsyncedAck,
+        BreakMode::SkipClosePolicy,
+        BreakMode::RedeliverSameEpoch,
+    ];
+
+    /// The `--break` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BreakMode::NoAttemptDedupe => "no-attempt-dedupe",
+            BreakMode::EffectBeforeCommit => "effect-before-commit",
+            BreakMode::LoseUnsyncedAck => "lose-unsynced-ack",
+            BreakMode::SkipClosePolicy => "skip-close-policy",
+            BreakMode::RedeliverSameEpoch => "redeliver-same-epoch",
+        }
+    }
+}
+
+impl std::fmt::Display for BreakMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BreakMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        BreakMode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = BreakMode::ALL.iter().map(|m| m.name()).collect();
+                format!(
+                    "unknown break mode {s:?}; expected one of: {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// What a shard needs to decide: the workflows, the limits, the activity
+/// profiles.
+#[derive(Clone)]
+pub struct DriverConfig {
+    /// Shards in the engine.
+    pub shards: u16,
+    /// Runs this shard keeps in memory before passivating idle ones.
+    pub run_cache_max: usize,
+    /// Lease of an attempt without a heartbeat or start-to-close timeout.
+    pub lease_ms_default: u64,
+    /// Attempts this shard runs at once.
+    pub worker_concurrency_max: usize,
+    /// Resilience profiles activities may name. The driver reads their
+    /// attempt timeout, retry policy, classifier and fallback switch; the
+    /// host admits attempts through them.
+    pub profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
+    /// A deliberately broken driver (simulator only).
+    pub breaks: Option<BreakMode>,
+}
+
+impl std::fmt::Debug for DriverConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriverConfig")
+            .field("shards", &self.shards)
+            .field("run_cache_max", &self.run_cache_max)
+            .field("lease_ms_default", &self.lease_ms_default)
+            .field("worker_concurrency_max", &self.worker_concurrency_max)
+            .field("profiles", &self.profiles.keys().collect::<Vec<_>>())
+            .field("breaks", &self.breaks)
+            .finish()
+    }
+}
+
+impl Default for DriverConfig {
+    fn default() -> Self {
+        DriverConfig {
+            shards: 1,
+            run_cache_max: RUN_CACHE_MAX_DEFAULT,
+            lease_ms_default: LEASE_MS_DEFAULT,
+            worker_concurrency_max: WORKER_CONCURRENCY_MAX,
+            profiles: BTreeMap::new(),
+            breaks: None,
+        }
+    }
+}
+
+/// What a pending read is for.
+#[derive(Debug)]
+enum ReadFor {
+    Activate(RunId),
+    Instance(Box<requests::StartJob>),
+    Resolve { op: RunOp, reply: ReplyTo },
+    Result(RunId, Token),
+    Describe(RunId, Option<MachineView>, ReplyTo),
+    Recover,
+    RunIntents(RunId),
+}
+
+/// What a pending commit is for.
+#[derive(Debug)]
+enum CommitFor {
+    /// A run's events.
+    Run(RunId),
+    /// A run's park marker set or cleared.
+    Marker(RunId),
+}
+
+/// Who waits for the answer to an operation on a run of this shard.
+#[derive(Clone, Debug, PartialEq)]
+enum Origin {
+    Reply(ReplyTo),
+    Attempt(AttemptKey, AttemptNo),
+    Timer(RunId, Step),
+    Outbox(Vec<u8>),
+    Start(Box<requests::StartJob>),
+}
+
+/// One shard's driver. See the module docs for how a host drives it.
+pub struct Shard {
+    id: ShardId,
+    config: DriverConfig,
+    workflows: WorkflowRegistry,
+    now: Timestamp,
+    next_token: u64,
+    next_epoch: u64,
+    actions: VecDeque<Action>,
+    due: DueQueue,
+    runs: BTreeMap<RunId, RunSlot>,
+    lru: BTreeMap<u64, RunId>,
+    tick: u64,
+    reads: BTreeMap<Token, ReadFor>,
+    commits: BTreeMap<Token, CommitFor>,
+    /// Who waits for a run's outcome, by the token of their registration.
+    results: BTreeMap<RunId, BTreeMap<Token, ReplyTo>>,
+    /// Timers armed: their fire time.
+    timers: BTreeMap<(RunId, Step), Timestamp>,
+    attempts: Attempts,
+    outbox: Outbox,
+    shut_down: bool,
+}
+
+impl std::fmt::Debug for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shard")
+            .field("id", &self.id)
+            .field("runs", &self.runs.len())
+            .field("attempts", &self.attempts.len())
+            .field("timers", &self.timers.len())
+            .field("outbox", &self.outbox.len())
+            .finish()
+    }
+}
+
+impl Shard {
+    /// A shard with nothing in memory. `epoch_base` must be larger than any
+    /// lease epoch an earlier process of this engine handed out (the host
+    /// derives it from its clock): epochs only grow.
+    pub fn new(
+        id: ShardId,
+        workflows: WorkflowRegistry,
+        config: DriverConfig,
+        epoch_base: u64,
+    ) -> Shard {
+        Shard {
+            id,
+            config,
+            workflows,
+            now: Timestamp(0),
+            next_token: 0,
+            next_epoch: epoch_base,
+            actions: VecDeque::new(),
+            due: DueQueue::default(),
+            runs: BTreeMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            reads: BTreeMap::new(),
+            commits: BTreeMap::new(),
+            results: BTreeMap::new(),
+            timers: BTreeMap::new(),
+            attempts: Attempts::default(),
+            outbox: Outbox::default(),
+            shut_down: false,
+        }
+    }
+
+    /// This shard.
+    pub fn id(&self) -> ShardId {
+        self.id
+    }
+
+    /// The workflows it runs.
+    pub fn workflows(&self) -> &WorkflowRegistry {
+        &self.workflows
+    }
+
+    /// Starts recovery: reads every intent row this shard owns (pending
+    /// attempts, timers, outbox messages) and drives each exactly as if a
+    /// commit had just written it. Call once, after [`Shard::new`].
+    pub fn recover(&mut self, now: Timestamp) {
+        self.now = self.now.max(now);
+        let token = self.token();
+        self.reads.insert(token, ReadFor::Recover);
+        self.actions.push_back(Action::Read {
+            token,
+            query: ReadQuery::Intents {
+                shard: self.id,
+                shards: self.config.shards,
+            },
+        });
+    }
+
+    /// Feeds one input at time `now`.
+    pub fn handle(&mut self, now: Timestamp, input: ShardInput) {
+        self.now = self.now.max(now);
+        match input {
+            ShardInput::Request { id, request } => self.request(id, request),
+            ShardInput::Message(m) => self.message(m),
+            ShardInput::Read { token, result } => self.read_done(token, result),
+            ShardInput::Committed { token, result } => self.commit_done(token, result),
+            ShardInput::AttemptFinished {
+                key,
+                attempt,
+                epoch,
+                result,
+            } => self.attempt_finished(key, attempt, epoch, result),
+            ShardInput::Heartbeat {
+                key,
+                epoch,
+                details,
+            } => self.heartbeat(key, epoch, details),
+            ShardInput::AttemptRefused { key, epoch, policy } => {
+                self.attempt_refused(key, epoch, policy)
+            }
+            ShardInput::FallbackDone {
+                key,
+                attempt,
+                result,
+            } => self.fallback_done(key, attempt, result),
+        }
+        self.passivate();
+    }
+
+    /// When the shard next needs [`Shard::handle_timeout`], if ever.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.due.next()
+    }
+
+    /// Runs everything due at `now`.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.now = self.now.max(now);
+        while let Some(due) = self.due.pop(self.now) {
+            match due {
+                Due::Timer(run, step) => self.fire_timer(run, step),
+                Due::Task(key, attempt) => self.task_due(key, attempt),
+                Due::Lease(key, epoch) => self.lease_check(key, epoch),
+                Due::StartDeadline(key, attempt) => self.start_deadline(key, attempt),
+                Due::Report(key, attempt) => self.report_again(key, attempt),
+                Due::Outbox(key) => self.deliver_outbox(&key),
+                Due::Activate(run) => self.retry_activation(run),
+                Due::Start(job) => self.start_again(*job),
+            }
+        }
+        self.passivate();
+    }
+
+    /// The next action to perform, if any.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Stops: every client still waiting is answered that the engine shuts
+    /// down; nothing more is started.
+    pub fn shutdown(&mut self) {
+        self.shut_down = true;
+        let mut clients = Vec::new();
+        for slot in self.runs.values_mut() {
+            clients.extend(slot.take_clients());
+        }
+        for waiters in std::mem::take(&mut self.results).into_values() {
+            clients.extend(waiters.into_values().filter_map(|r| match r {
+                ReplyTo::Client(id) => Some(id),
+                _ => None,
+            }));
+        }
+        for read in std::mem::take(&mut self.reads).into_values() {
+            match read {
+                ReadFor::Resolve {
+                    reply: ReplyTo::Client(id),
+                    ..
+                }
+                | ReadFor::Describe(_, _, ReplyTo::Client(id)) => clients.push(id),
+                ReadFor::Instance(job) => clients.extend(job.client()),
+                _ => {}
+            }
+        }
+        clients.sort();
+        clients.dedup();
+        for id in clients {
+            self.actions.push_back(Action::Reply {
+                id,
+                answer: Answer::Refused(Refusal::Shutdown),
+                cause: None,
+            });
+        }
+    }
+
+    /// Runs in memory (activated, loading or with work in flight).
+    pub fn runs_in_memory(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Attempts supervised now.
+    pub fn attempts_supervised(&self) -> usize {
+        self.attempts.len()
+    }
+
+    fn token(&mut self) -> Token {
+        self.next_token += 1;
+        Token(self.next_token)
+    }
+
+    fn breaks(&self, mode: BreakMode) -> bool {
+        self.config.breaks == Some(mode)
+    }
+
+    fn message(&mut self, m: Message) {
+        match m {
+            Message::ToRun { run, op, reply } => self.run_op(run, op, Origin::Reply(reply)),
+            Message::Start { spec, then, reply } => self.start_internal(spec, then, reply),
+            Message::Answer { token, answer } => self.peer_answer(token, answer),
+        }
+    }
+
+    /// Sends an answer to whoever waits for it.
+    fn answer(&mut self, origin: Origin, answer: Answer, cause: Cause) {
+        match origin {
+            Origin::Reply(reply) => self.reply(reply, answer, cause),
+            Origin::Attempt(key, attempt) => self.report_answered(key, attempt, answer),
+            Origin::Timer(run, step) => self.fire_answered(run, step, answer),
+            Origin::Outbox(key) => self.outbox_answered(&key, answer),
+            Origin::Start(job) => self.start_answered(*job, answer, cause),
+        }
+    }
+
+    fn reply(&mut self, reply: ReplyTo, answer: Answer, cause: Cause) {
+        match reply {
+            ReplyTo::Nobody => {}
+            ReplyTo::Client(id) => self.actions.push_back(Action::Reply { id, answer, cause }),
+            ReplyTo::Shard(to, token) => self.actions.push_back(Action::Send {
+                to,
+                message: Message::Answer { token, answer },
+                cause,
+            }),
+        }
+    }
+
+    fn send(&mut self, to_run: RunId, op: RunOp, reply: ReplyTo, cause: Cause) {
+        let to = shard_of(to_run, self.config.shards);
+        self.actions.push_back(Action::Send {
+            to,
+            message: Message::ToRun {
+                run: to_run,
+                op,
+                reply,
+            },
+            cause,
+        });
+    }
+
+    fn read(&mut self, query: ReadQuery, purpose: ReadFor) -> Token {
+        let token = self.token();
+        self.reads.insert(token, purpose);
+        self.actions.push_back(Action::Read { token, query });
+        token
+    }
+
+    fn read_done(&mut self, token: Token, result: Result<ReadResult, StoreError>) {
+        let Some(purpose) = self.reads.remove(&token) else {
+            return;
+        };
+        match purpose {
+            ReadFor::Activate(run) => self.history_read(run, result),
+            ReadFor::Instance(job) => self.instance_read(*job, result),
+            ReadFor::Resolve { op, reply } => self.resolved(op, reply, result),
+            ReadFor::Result(run, waiter) => self.result_read(run, waiter, result),
+            ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
+            ReadFor::Recover => self.recovered(result),
+            ReadFor::RunIntents(run) => self.run_intents_read(run, result),
+        }
+    }
+
+    fn commit_done(&mut self, token: Token, result: Result<CommitAck, StoreError>) {
+        match self.commits.remove(&token) {
+            Some(CommitFor::Run(run)) => self.run_committed(run, token, result),
+            Some(CommitFor::Marker(run)) => self.marker_committed(run, token, result),
+            None => {}
+        }
+    }
+
+    /// Every intent row of `rows` drives its effect: written by a commit
+    /// just answered (`cause` names it) or read back at recovery.
+    fn intents(&mut self, rows: Vec<keel_storage::Intent>, cause: Cause) {
+        for row in rows {
+            match row {
+                keel_storage::Intent::Task(task) => self.task_intent(task, cause),
+                keel_storage::Intent::Timer(t) => self.arm_timer(t.run_id, t.step, t.fire_at),
+                keel_storage::Intent::Outbox(msg) => self.outbox_intent(msg, cause),
+            }
+        }
+    }
+
+    fn removed(&mut self, keys: Vec<keel_storage::IntentKey>) {
+        for key in keys {
+            match key {
+                keel_storage::IntentKey::Task(run, step) => {
+                    self.task_removed(AttemptKey { run, step })
+                }
+                keel_storage::IntentKey::Timer(run, step) => {
+                    self.timers.remove(&(run, step));
+                }
+                keel_storage::IntentKey::Outbox(key) => self.outbox_removed(&key),
+            }
+        }
+    }
+
+    fn recovered(&mut self, result: Result<ReadResult, StoreError>) {
+        match result {
+            Ok(ReadResult::Intents(rows)) => {
+                tracing::info!(shard = %self.id, intents = rows.len(), "recovering durable work");
+                self.intents(rows, None);
+            }
+            Ok(other) => tracing::error!(?other, "recovery read answered the wrong query"),
+            Err(e) => {
+                // Without its intents the shard would forget work: try again.
+                tracing::error!(shard = %self.id, error = %e, "recovery read failed; retrying");
+                let token = self.token();
+                self.reads.insert(token, ReadFor::Recover);
+                self.actions.push_back(Action::Read {
+                    token,
+                    query: ReadQuery::Intents {
+                        shard: self.id,
+                        shards: self.config.shards,
+                    },
+                });
+            }
+        }
+    }
+
+    // ---- timers -------------------------------------------------------
+
+    fn arm_timer(&mut self, run: RunId, step: Step, fire_at: Timestamp) {
+        self.timers.insert((run, step), fire_at);
+        self.due.push(fire_at, Due::Timer(run, step));
+    }
+
+    fn fire_timer(&mut self, run: RunId, step: Step) {
+        if !self.timers.contains_key(&(run, step)) {
+            return; // cancelled, fired, or its run closed
+        }
+        self.run_op(
+            run,
+            RunOp::Input(Input::TimerFired { step }),
+            Origin::Timer(run, step),
+        );
+    }
+
+    fn fire_answered(&mut self, run: RunId, step: Step, answer: Answer) {
+        match answer {
+            Answer::Retry(_) => {
+                let at = self.now.plus_ms(DELIVERY_BACKOFF_MS_MIN * 2);
+                self.due.push(at, Due::Timer(run, step));
+            }
+            // Committed, a duplicate, its run closed or parked (a resume
+            // re-arms it from its row).
+            _ => {
+                self.timers.remove(&(run, step));
+            }
+        }
+    }
+
+    /// Backoff before try `tries + 1` of a delivery.
+    fn backoff(tries: u32) -> u64 {
+        DELIVERY_BACKOFF_MS_MIN
+            .saturating_mul(1u64 << tries.min(16))
+            .min(DELIVERY_BACKOFF_MS_MAX)
+    }
+}

@@ -1,0 +1,316 @@
+//! The outbox: messages a commit wrote for another run (start a child,
+//! deliver a child's result, cancel a child, start a continuation),
+//! delivered at least once by the shard of the run that wrote them, until
+//! the target answers for good. A row leaves the store in the commit that
+//! consumes it (the child's start, the parent's receipt of a result, the
+//! child's close, the continuation's start); its delivery stops earlier, as
+//! soon as the target has answered.
+
+use std::collections::BTreeMap;
+
+use keel_storage::keys;
+use keel_storage::{CommandId, Failure, FailureKind, OutboxMessage, ParentClosePolicy, RunId};
+
+use super::{
+    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, Refusal, ReplyTo, RunOp, Shard, Token,
+};
+use crate::machine::{Input, StartSpec};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Delivering the message itself.
+    Deliver,
+    /// A child's start was answered: telling its parent.
+    Notify,
+}
+
+#[derive(Debug)]
+struct Row {
+    msg: OutboxMessage,
+    cause: Cause,
+    tries: u32,
+    stage: Stage,
+    /// The parent's input once a child's start was answered.
+    notify: Option<Input>,
+    /// The delivery whose answer is awaited.
+    awaiting: Option<Token>,
+    /// Its consuming commit was answered in this shard: it is not
+    /// delivered again, only its awaited answer is still followed.
+    consumed: bool,
+}
+
+/// The outbox rows one shard delivers.
+#[derive(Debug, Default)]
+pub(super) struct Outbox {
+    rows: BTreeMap<Vec<u8>, Row>,
+    pending: BTreeMap<Token, Vec<u8>>,
+}
+
+impl Outbox {
+    pub(super) fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+/// The input that cancels a child per `policy`. A cancel request carries a
+/// command id derived from its origin, so redeliveries are duplicates.
+fn cancel_input(
+    parent: RunId,
+    step: keel_storage::Step,
+    policy: ParentClosePolicy,
+    reason: &str,
+) -> Input {
+    match policy {
+        ParentClosePolicy::RequestCancel | ParentClosePolicy::Abandon => Input::CancelRequested {
+            reason: reason.to_string(),
+            command_id: Some(CommandId::new(format!("keel.cancel/{parent}/{step}"))),
+        },
+        ParentClosePolicy::Terminate => Input::Terminate {
+            reason: reason.to_string(),
+        },
+    }
+}
+
+impl Shard {
+    /// An outbox row was written (or read back): deliver it.
+    pub(super) fn outbox_intent(&mut self, msg: OutboxMessage, cause: Cause) {
+        if matches!(msg, OutboxMessage::CancelChild { .. })
+            && self.breaks(BreakMode::SkipClosePolicy)
+        {
+            return; // broken on purpose: cancellations are never delivered
+        }
+        let key = msg.key();
+        self.outbox.rows.insert(
+            key.clone(),
+            Row {
+                msg,
+                cause,
+                tries: 0,
+                stage: Stage::Deliver,
+                notify: None,
+                awaiting: None,
+                consumed: false,
+            },
+        );
+        self.deliver_outbox(&key);
+    }
+
+    /// The row's consuming commit was answered (in this shard): it is not
+    /// delivered again. A delivery whose answer is awaited is still
+    /// followed (a child's start still tells its parent).
+    pub(super) fn outbox_removed(&mut self, key: &[u8]) {
+        match self.outbox.rows.get_mut(key) {
+            Some(row) if row.awaiting.is_some() => row.consumed = true,
+            Some(_) => {
+                self.outbox.rows.remove(key);
+            }
+            None => {}
+        }
+    }
+
+    pub(super) fn deliver_outbox(&mut self, key: &[u8]) {
+        let Some(row) = self.outbox.rows.get(key) else {
+            return;
+        };
+        let cause = row.cause;
+        if row.consumed && row.stage == Stage::Deliver {
+            self.outbox.rows.remove(key);
+            return;
+        }
+        if row.stage == Stage::Notify {
+            let Some(input) = row.notify.clone() else {
+                return;
+            };
+            let parent = row.msg.owner();
+            let origin = Origin::Outbox(key.to_vec());
+            return self.run_op(parent, RunOp::Input(input), origin);
+        }
+        let msg = row.msg.clone();
+        let token = self.token();
+        self.outbox.pending.insert(token, key.to_vec());
+        if let Some(row) = self.outbox.rows.get_mut(key) {
+            row.awaiting = Some(token);
+        }
+        let reply = ReplyTo::Shard(self.id, token);
+        match msg {
+            OutboxMessage::StartChild {
+                parent,
+                child_instance_id,
+                child_run_id,
+                workflow_type,
+                input,
+            } => {
+                // A cancellation already written for the child rides with
+                // its start, in the same commit.
+                let then = match self.outbox.rows.get(&keys::outbox_cancel_key(child_run_id)) {
+                    Some(Row {
+                        msg:
+                            OutboxMessage::CancelChild {
+                                parent,
+                                policy,
+                                reason,
+                                ..
+                            },
+                        ..
+                    }) => Some(cancel_input(parent.run_id, parent.step, *policy, reason)),
+                    _ => None,
+                };
+                let spec = StartSpec::child(
+                    parent,
+                    child_instance_id,
+                    child_run_id,
+                    workflow_type,
+                    input,
+                );
+                self.start_message(spec, then, reply, cause);
+            }
+            OutboxMessage::ChildResult {
+                parent,
+                child_run_id,
+                outcome,
+            } => {
+                let Some(input) = Input::child_closed(parent.step, child_run_id, outcome) else {
+                    self.outbox.rows.remove(key);
+                    return;
+                };
+                self.send(parent.run_id, RunOp::Input(input), reply, cause);
+            }
+            OutboxMessage::CancelChild {
+                parent,
+                child_run_id,
+                policy,
+                reason,
+            } => {
+                let input = cancel_input(parent.run_id, parent.step, policy, &reason);
+                self.send(child_run_id, RunOp::Input(input), reply, cause);
+            }
+            OutboxMessage::Continue {
+                from,
+                instance_id,
+                workflow_type,
+                new_run_id,
+                input,
+                parent,
+            } => {
+                let spec = StartSpec::continuation(
+                    from,
+                    instance_id,
+                    workflow_type,
+                    new_run_id,
+                    input,
+                    parent,
+                );
+                self.start_message(spec, None, reply, cause);
+            }
+        }
+    }
+
+    fn start_message(
+        &mut self,
+        spec: StartSpec,
+        then: Option<Input>,
+        reply: ReplyTo,
+        cause: Cause,
+    ) {
+        let to = shard_of(spec.run_id, self.config.shards);
+        self.actions.push_back(super::Action::Send {
+            to,
+            message: Message::Start { spec, then, reply },
+            cause,
+        });
+    }
+
+    /// An answer from a shard to a message this shard sent.
+    pub(super) fn peer_answer(&mut self, token: Token, answer: Answer) {
+        let Some(key) = self.outbox.pending.remove(&token) else {
+            return;
+        };
+        match self.outbox.rows.get_mut(&key) {
+            // An answer to an earlier delivery of a row delivered again
+            // since: the newer delivery decides.
+            Some(row) if row.awaiting != Some(token) => {}
+            Some(row) => {
+                row.awaiting = None;
+                self.outbox_answered(&key, answer);
+            }
+            None => {}
+        }
+    }
+
+    pub(super) fn outbox_answered(&mut self, key: &[u8], answer: Answer) {
+        let now = self.now;
+        let Some(row) = self.outbox.rows.get_mut(key) else {
+            return;
+        };
+        let again = |row: &mut Row| {
+            row.tries += 1;
+            now.plus_ms(Shard::backoff(row.tries))
+        };
+        if row.stage == Stage::Notify {
+            match answer {
+                Answer::Retry(_) => {
+                    let at = again(row);
+                    self.due.push(at, Due::Outbox(key.to_vec()));
+                }
+                _ => {
+                    self.outbox.rows.remove(key);
+                }
+            }
+            return;
+        }
+        match (&row.msg, answer) {
+            (_, Answer::Retry(_)) if row.consumed => {
+                self.outbox.rows.remove(key);
+            }
+            (_, Answer::Retry(_)) => {
+                let at = again(row);
+                self.due.push(at, Due::Outbox(key.to_vec()));
+            }
+            (
+                OutboxMessage::StartChild {
+                    parent,
+                    child_run_id,
+                    ..
+                },
+                answer,
+            ) => {
+                let input = match answer {
+                    Answer::Started(_) | Answer::Existing(_) => Input::ChildStarted {
+                        step: parent.step,
+                        child_run_id: *child_run_id,
+                    },
+                    other => Input::ChildFailed {
+                        step: parent.step,
+                        child_run_id: *child_run_id,
+                        failure: Failure::new(
+                            FailureKind::Application,
+                            format!("child did not start: {}", describe(&other)),
+                            false,
+                        ),
+                    },
+                };
+                row.stage = Stage::Notify;
+                row.tries = 0;
+                row.notify = Some(input);
+                self.deliver_outbox(key);
+            }
+            (OutboxMessage::CancelChild { .. }, Answer::Refused(Refusal::UnknownRun(_))) => {
+                // Its start has not been committed yet: try again.
+                let at = again(row);
+                self.due.push(at, Due::Outbox(key.to_vec()));
+            }
+            // Delivered for good: committed, a duplicate, closed, parked (a
+            // resume drives the rows addressed to it again).
+            _ => {
+                self.outbox.rows.remove(key);
+            }
+        }
+    }
+}
+
+fn describe(answer: &Answer) -> String {
+    match answer {
+        Answer::Refused(r) => r.to_string(),
+        other => format!("{other:?}"),
+    }
+}

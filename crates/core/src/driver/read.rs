@@ -1,0 +1,175 @@
+//! The reads a shard asks its host for, and how a host performs them.
+//!
+//! A shard never reads the store itself: it emits [`super::Action::Read`]
+//! and the host calls [`ReadQuery::perform`] wherever reading may block (a
+//! reader thread in the actix engine; at once in the simulator) and feeds
+//! the result back. So the host's part is one call, and what is read for
+//! which decision stays in the driver.
+
+use keel_storage::history::{children, ChildRecord};
+use keel_storage::{
+    CommandId, Error as StoreError, Event, EventKind, InstanceId, InstanceMeta, Intent,
+    OutboxMessage, ParkInfo, RunId, RunMeta, Seq, Store,
+};
+
+use super::{shard_of, ShardId};
+
+/// What to read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReadQuery {
+    /// A run's whole history (to activate it by replay).
+    History(RunId),
+    /// An instance's current run, with the command id of its start (to
+    /// decide a start).
+    Instance(InstanceId),
+    /// A run id or an instance id, to the run it names.
+    Resolve(String),
+    /// A run's metadata.
+    RunMeta(RunId),
+    /// What `describe` shows of a run that the store knows.
+    Describe(RunId),
+    /// Every intent row a shard owns: pending attempts and timers of its
+    /// runs, outbox messages its runs wrote.
+    Intents {
+        /// The shard.
+        shard: ShardId,
+        /// Shards in the engine.
+        shards: u16,
+    },
+    /// A run's intent rows, and the outbox messages addressed to it (to
+    /// drive them again after the run is resumed).
+    IntentsOf(RunId),
+}
+
+/// An instance's current run as a start sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstanceState {
+    /// The instance record.
+    pub instance: InstanceMeta,
+    /// Its current run.
+    pub run: RunMeta,
+    /// The command id its start carried.
+    pub start_command: Option<CommandId>,
+}
+
+/// What `describe` reads of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DescribeFacts {
+    /// The run's metadata.
+    pub meta: RunMeta,
+    /// Its history.
+    pub history: Vec<Event>,
+    /// Its children as its history records them, with their status in the
+    /// store (`None`: not started).
+    pub children: Vec<(ChildRecord, Option<RunMeta>)>,
+    /// Why it is parked, if it is.
+    pub parked: Option<ParkInfo>,
+}
+
+/// What a read found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ReadResult {
+    /// See [`ReadQuery::History`]: the events, and the park marker if the
+    /// run is marked parked.
+    History(Vec<Event>, Option<ParkInfo>),
+    /// See [`ReadQuery::Instance`].
+    Instance(Option<InstanceState>),
+    /// See [`ReadQuery::Resolve`].
+    Resolved(Option<RunId>),
+    /// See [`ReadQuery::RunMeta`].
+    RunMeta(Option<RunMeta>),
+    /// See [`ReadQuery::Describe`]; `None` when the store has no such run.
+    Describe(Option<Box<DescribeFacts>>),
+    /// See [`ReadQuery::Intents`] and [`ReadQuery::IntentsOf`].
+    Intents(Vec<Intent>),
+}
+
+impl ReadQuery {
+    /// Performs the read against `store`.
+    pub fn perform(&self, store: &dyn Store) -> Result<ReadResult, StoreError> {
+        Ok(match self {
+            ReadQuery::History(run) => {
+                ReadResult::History(store.history(*run)?, store.parked(*run)?)
+            }
+            ReadQuery::Instance(instance) => {
+                let state = match store.instance(instance)? {
+                    None => None,
+                    Some(i) => match store.run_meta(i.current_run)? {
+                        None => None,
+                        Some(run) => {
+                            let mut start_command = None;
+                            store.for_each_event(run.run_id, Seq::FIRST, &mut |e| {
+                                if let EventKind::WorkflowStarted { command_id, .. } = e.kind {
+                                    start_command = command_id;
+                                }
+                                false
+                            })?;
+                            Some(InstanceState {
+                                instance: i,
+                                run,
+                                start_command,
+                            })
+                        }
+                    },
+                };
+                ReadResult::Instance(state)
+            }
+            ReadQuery::Resolve(target) => ReadResult::Resolved(store.resolve(target)?),
+            ReadQuery::RunMeta(run) => ReadResult::RunMeta(store.run_meta(*run)?),
+            ReadQuery::Describe(run) => match store.run_meta(*run)? {
+                None => ReadResult::Describe(None),
+                Some(meta) => {
+                    let history = store.history(*run)?;
+                    let mut kids = Vec::new();
+                    for c in children(&history) {
+                        let m = store.run_meta(c.run_id)?;
+                        kids.push((c, m));
+                    }
+                    let parked = store.parked(*run)?;
+                    ReadResult::Describe(Some(Box::new(DescribeFacts {
+                        meta,
+                        history,
+                        children: kids,
+                        parked,
+                    })))
+                }
+            },
+            ReadQuery::Intents { shard, shards } => {
+                let mine = |run: RunId| shard_of(run, *shards) == *shard;
+                let mut rows = Vec::new();
+                for t in store.tasks(usize::MAX)? {
+                    if mine(t.execution_id.run_id) {
+                        rows.push(Intent::Task(t));
+                    }
+                }
+                for t in store.due_timers(keel_storage::Timestamp(u64::MAX), usize::MAX)? {
+                    if mine(t.run_id) {
+                        rows.push(Intent::Timer(t));
+                    }
+                }
+                for m in store.outbox(usize::MAX)? {
+                    if mine(m.owner()) {
+                        rows.push(Intent::Outbox(m));
+                    }
+                }
+                ReadResult::Intents(rows)
+            }
+            ReadQuery::IntentsOf(run) => {
+                let mut rows: Vec<Intent> = store
+                    .run_tasks(*run)?
+                    .into_iter()
+                    .map(Intent::Task)
+                    .collect();
+                rows.extend(store.run_timers(*run)?.into_iter().map(Intent::Timer));
+                rows.extend(
+                    store
+                        .outbox(usize::MAX)?
+                        .into_iter()
+                        .filter(|m: &OutboxMessage| m.target() == *run || m.owner() == *run)
+                        .map(Intent::Outbox),
+                );
+                ReadResult::Intents(rows)
+            }
+        })
+    }
+}

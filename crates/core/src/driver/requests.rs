@@ -1,0 +1,405 @@
+//! Client requests and starts.
+//!
+//! A start reads the instance's current run and decides: the open run
+//! answers it (a second start of a running instance), an earlier start with
+//! the same command id answers it (a retry), the reuse policy decides for a
+//! closed instance, and a chain that continued as new answers with its next
+//! run. The new run's `WorkflowStarted` records the run it follows, so the
+//! commit refuses the start if another took the instance meanwhile; the
+//! start is then decided again.
+//!
+//! Every other request names an instance or a run; the receiving shard
+//! resolves it and hands the operation to the run's shard.
+
+use keel_storage::{
+    CommitBatch, Error as StoreError, Event, EventKind, Outcome, ParkInfo, RunId, RunStatus, Seq,
+};
+
+use super::{
+    run::Phase, Answer, Origin, ReadFor, ReadQuery, ReadResult, Refusal, ReplyTo, Request,
+    RequestId, ReusePolicy, RunOp, Shard, START_DECISIONS_MAX,
+};
+use crate::machine::{Input, MachineError, RunMachine, StartSpec};
+
+/// A start being decided.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct StartJob {
+    spec: StartSpec,
+    then: Option<Input>,
+    /// `Some` for a client's start; internal starts (children,
+    /// continuations) have no reuse policy.
+    reuse: Option<ReusePolicy>,
+    reply: ReplyTo,
+    decisions: u32,
+    /// Times an async child's start waited for its parent to bind its
+    /// closure.
+    bind_tries: u32,
+}
+
+impl StartJob {
+    /// The client waiting, if one is.
+    pub(super) fn client(&self) -> Option<RequestId> {
+        match self.reply {
+            ReplyTo::Client(id) => Some(id),
+            _ => None,
+        }
+    }
+}
+
+impl Shard {
+    pub(super) fn request(&mut self, id: RequestId, request: Request) {
+        let reply = ReplyTo::Client(id);
+        if self.shut_down {
+            return self.reply(reply, Answer::Refused(Refusal::Shutdown), None);
+        }
+        let (target, op) = match request {
+            Request::Start {
+                run_id,
+                workflow_type,
+                instance,
+                input,
+                command_id,
+                reuse,
+                random_seed,
+            } => {
+                let Some(w) = self.workflows.get(&workflow_type) else {
+                    let r = Refusal::UnknownWorkflowType(workflow_type);
+                    return self.reply(reply, Answer::Refused(r), None);
+                };
+                if let Err(detail) = w.check_input(&input) {
+                    let r = Refusal::InvalidInput {
+                        workflow_type,
+                        detail,
+                    };
+                    return self.reply(reply, Answer::Refused(r), None);
+                }
+                let spec = StartSpec {
+                    run_id,
+                    instance_id: instance,
+                    workflow_type,
+                    input,
+                    command_id,
+                    parent: None,
+                    continued_from: None,
+                    random_seed,
+                    previous_run: None,
+                };
+                let job = StartJob {
+                    spec,
+                    then: None,
+                    reuse: Some(reuse),
+                    reply,
+                    decisions: 0,
+                    bind_tries: 0,
+                };
+                return self.decide_start(job);
+            }
+            Request::Signal {
+                target,
+                name,
+                payload,
+                command_id,
+            } => (
+                target,
+                RunOp::Input(Input::Signal {
+                    name,
+                    payload,
+                    command_id,
+                }),
+            ),
+            Request::Cancel {
+                target,
+                reason,
+                command_id,
+            } => (
+                target,
+                RunOp::Input(Input::CancelRequested { reason, command_id }),
+            ),
+            Request::Terminate { target, reason } => {
+                (target, RunOp::Input(Input::Terminate { reason }))
+            }
+            Request::Result { target } => (target, RunOp::Result),
+            Request::Describe { target } => (target, RunOp::Describe),
+            Request::Resume { target } => (target, RunOp::Resume),
+        };
+        self.read(
+            ReadQuery::Resolve(target.clone()),
+            ReadFor::Resolve { op, reply },
+        );
+    }
+
+    /// The request's target resolved: hand the operation to its run.
+    pub(super) fn resolved(
+        &mut self,
+        op: RunOp,
+        reply: ReplyTo,
+        result: Result<ReadResult, StoreError>,
+    ) {
+        match result {
+            Ok(ReadResult::Resolved(Some(run))) => {
+                if super::shard_of(run, self.config.shards) == self.id {
+                    self.run_op(run, op, Origin::Reply(reply));
+                } else {
+                    self.send(run, op, reply, None);
+                }
+            }
+            Ok(ReadResult::Resolved(None)) => {
+                let answer = Answer::Refused(Refusal::UnknownRun("the target".into()));
+                self.reply(reply, answer, None);
+            }
+            Ok(_) => {}
+            Err(e) => self.reply(reply, Answer::Retry(format!("store unreadable: {e}")), None),
+        }
+    }
+
+    /// A child's or a continuation's start, from the outbox of a shard.
+    pub(super) fn start_internal(&mut self, spec: StartSpec, then: Option<Input>, reply: ReplyTo) {
+        if self.shut_down {
+            return self.reply(reply, Answer::Retry("the engine is shut down".into()), None);
+        }
+        let job = StartJob {
+            spec,
+            then,
+            reuse: None,
+            reply,
+            decisions: 0,
+            bind_tries: 0,
+        };
+        self.decide_start(job);
+    }
+
+    fn decide_start(&mut self, mut job: StartJob) {
+        job.decisions += 1;
+        let run = job.spec.run_id;
+        // The run is in memory here already, its start committed or in
+        // flight: the start was delivered twice.
+        if let Some(slot) = self.runs.get(&run) {
+            if slot.exists() {
+                let origin = Origin::Reply(job.reply);
+                return self.answer_when_durable(run, origin, Answer::Existing(run));
+            }
+        }
+        let instance = job.spec.instance_id.clone();
+        self.read(
+            ReadQuery::Instance(instance),
+            ReadFor::Instance(Box::new(job)),
+        );
+    }
+
+    pub(super) fn instance_read(
+        &mut self,
+        mut job: StartJob,
+        result: Result<ReadResult, StoreError>,
+    ) {
+        let state = match result {
+            Ok(ReadResult::Instance(state)) => state,
+            Ok(_) => return,
+            Err(e) => {
+                let answer = Answer::Retry(format!("instance unreadable: {e}"));
+                return self.reply(job.reply, answer, None);
+            }
+        };
+        let run = job.spec.run_id;
+        let previous = match state {
+            None => None,
+            Some(st) => {
+                let current = st.run.run_id;
+                if current == run {
+                    // Delivered again after it committed.
+                    return self.reply(job.reply, Answer::Existing(run), None);
+                }
+                if !st.run.status.is_closed() {
+                    return self.reply(job.reply, Answer::Existing(current), None);
+                }
+                if job.reuse.is_some()
+                    && job.spec.command_id.is_some()
+                    && st.start_command == job.spec.command_id
+                {
+                    // A retried start of a run that has since closed is the
+                    // same start, whatever the reuse policy.
+                    return self.reply(job.reply, Answer::Existing(current), None);
+                }
+                match (job.reuse, &st.run.outcome) {
+                    // A chain that continued as new is still running.
+                    (Some(_), Some(Outcome::ContinuedAsNew(next))) => {
+                        return self.reply(job.reply, Answer::Existing(*next), None);
+                    }
+                    (Some(reuse), _) => {
+                        let refuse = match reuse {
+                            ReusePolicy::AllowDuplicate => false,
+                            ReusePolicy::AllowDuplicateFailedOnly => {
+                                st.run.status == RunStatus::Completed
+                            }
+                            ReusePolicy::RejectDuplicate => true,
+                        };
+                        if refuse {
+                            let r = Refusal::AlreadyClosed {
+                                instance: job.spec.instance_id.clone(),
+                                run: current,
+                                status: st.run.status.name(),
+                            };
+                            return self.reply(job.reply, Answer::Refused(r), None);
+                        }
+                        Some(current)
+                    }
+                    (None, _) => {
+                        if job.spec.previous_run != Some(current) {
+                            // Internal starts have a fixed place in their
+                            // instance (a child's is new; a continuation
+                            // follows its run).
+                            let r = Refusal::Store(format!(
+                                "instance {} moved on to run {current}",
+                                job.spec.instance_id
+                            ));
+                            return self.reply(job.reply, Answer::Refused(r), None);
+                        }
+                        Some(current)
+                    }
+                }
+            }
+        };
+        if job.reuse.is_some() {
+            job.spec.previous_run = previous;
+        }
+        self.create(job);
+    }
+
+    /// Starts the run: its first activation's events (and `then`'s) in one
+    /// commit.
+    fn create(&mut self, mut job: StartJob) {
+        let run = job.spec.run_id;
+        let now = self.now;
+        // An async child runs the closure its parent binds when it issues
+        // (or replays) the call: after a restart the parent may not have
+        // replayed yet. Replay it (wherever its shard is), then try again.
+        if let (true, Some(parent)) = (
+            job.spec.workflow_type == crate::concurrency::ASYNC_WORKFLOW_TYPE,
+            job.spec.parent.as_ref().map(|p| p.run_id),
+        ) {
+            if !self.workflows.async_bound(run) && job.bind_tries < super::ASYNC_BIND_TRIES_MAX {
+                job.bind_tries += 1;
+                self.send(parent, RunOp::Activate, ReplyTo::Nobody, None);
+                let at = now.plus_ms(super::ASYNC_BIND_RETRY_MS);
+                self.due.push(at, super::Due::Start(Box::new(job)));
+                return;
+            }
+        }
+        match RunMachine::start(&self.workflows, job.spec.clone(), now) {
+            Ok((mut machine, mut events)) => {
+                if let Some(then) = job.then.clone() {
+                    match machine.handle(then, now) {
+                        Ok(more) => events.extend(more),
+                        Err(e) => return self.create_parked(job, e),
+                    }
+                }
+                let slot = self.slot(run);
+                slot.phase = Phase::Ready(Box::new(machine));
+                self.commit_run(run, events, Origin::Start(Box::new(job)), true);
+                // Operations that came before the start (a cancellation
+                // sent to a child not started yet) wait no more.
+                self.run_waiting(run);
+            }
+            Err(e @ (MachineError::UnknownWorkflowType(_) | MachineError::InputDecode(_)))
+                if job.reuse.is_some() =>
+            {
+                let r = match e {
+                    MachineError::UnknownWorkflowType(t) => Refusal::UnknownWorkflowType(t),
+                    other => Refusal::InvalidInput {
+                        workflow_type: job.spec.workflow_type.clone(),
+                        detail: other.to_string(),
+                    },
+                };
+                self.reply(job.reply, Answer::Refused(r), None);
+            }
+            Err(e) => self.create_parked(job, e),
+        }
+    }
+
+    /// A run whose first activation cannot run here (its code panicked or
+    /// diverged, or a child's type is unknown to this build): its start is
+    /// committed with the run parked, visible and resumable, rather than
+    /// lost or failed.
+    fn create_parked(&mut self, job: StartJob, err: MachineError) {
+        let run = job.spec.run_id;
+        let spec = job.spec.clone();
+        let started = Event {
+            seq: Seq::FIRST,
+            at: self.now,
+            kind: EventKind::WorkflowStarted {
+                instance_id: spec.instance_id,
+                run_id: run,
+                workflow_type: spec.workflow_type,
+                input: spec.input,
+                command_id: spec.command_id,
+                parent: spec.parent,
+                continued_from: spec.continued_from,
+                random_seed: spec.random_seed,
+                previous_run: spec.previous_run,
+            },
+        };
+        let reason = err.to_string();
+        tracing::warn!(run_id = %run, kind = err.kind(), %reason, "run parked at its start");
+        let info = ParkInfo {
+            at: self.now,
+            kind: err.kind().to_string(),
+            reason: reason.clone(),
+        };
+        let slot = self.slot(run);
+        slot.phase = Phase::Parked(reason);
+        slot.parked_next = Some(Seq(2));
+        let batch = CommitBatch {
+            appends: vec![keel_storage::RunAppend {
+                run_id: run,
+                events: vec![started],
+            }],
+            parked: vec![(run, Some(info))],
+        };
+        self.commit_batch(run, batch, Origin::Start(Box::new(job)), true);
+    }
+
+    /// The start's commit failed. The store validates against everything
+    /// written, durable or not; a decision may only rest on what is durable,
+    /// which reads show. So when another run holds the instance, or the run
+    /// exists already, the start is decided again from a fresh read (which
+    /// answers `Existing` once that run's start is durable).
+    pub(super) fn start_failed(&mut self, job: StartJob, e: StoreError) {
+        let run = job.spec.run_id;
+        match e {
+            StoreError::InstanceRunning { .. }
+            | StoreError::InstanceMoved { .. }
+            | StoreError::SeqGap { .. }
+            | StoreError::RunClosed { .. }
+                if job.decisions < START_DECISIONS_MAX =>
+            {
+                self.forget_failed_start(run);
+                let at = self.now.plus_ms(Self::backoff(job.decisions));
+                self.due.push(at, super::Due::Start(Box::new(job)));
+            }
+            StoreError::PayloadTooLarge { .. } | StoreError::HistoryTooLong { .. } => {
+                self.forget_failed_start(run);
+                let answer = Answer::Refused(Refusal::Store(e.to_string()));
+                self.reply(job.reply, answer, None);
+            }
+            other => {
+                self.forget_failed_start(run);
+                let answer = Answer::Retry(format!("start not committed: {other}"));
+                self.reply(job.reply, answer, None);
+            }
+        }
+    }
+
+    pub(super) fn start_again(&mut self, job: StartJob) {
+        self.decide_start(job);
+    }
+
+    fn forget_failed_start(&mut self, run: RunId) {
+        if self.runs.get(&run).is_some_and(|s| s.idle()) {
+            self.runs.remove(&run);
+        }
+    }
+
+    /// The answer to a start committed through [`Origin::Start`].
+    pub(super) fn start_answered(&mut self, job: StartJob, answer: Answer, cause: super::Cause) {
+        self.reply(job.reply, answer, cause);
+    }
+}

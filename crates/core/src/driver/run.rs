@@ -1,0 +1,858 @@
+//! One run inside its shard: activation by replay, the check against
+//! durable ids, the machine, the commit, and what follows its answer
+//! (commit path steps 1 to 6 of ARCHITECTURE.md).
+//!
+//! A run's commits may be pipelined: the store's per-run seq check refuses
+//! a commit whose predecessor failed. Whatever the machine says about an
+//! input while commits are in flight (a duplicate, a closed run) rests on
+//! state that may not be durable yet, so that answer waits for them; so
+//! does `describe`. A failed commit throws the machine away; the next input
+//! replays it from the log.
+
+use std::collections::VecDeque;
+
+use keel_storage::{
+    CommitAck, CommitBatch, Error as StoreError, Event, EventKind, Outcome, ParkInfo, RunId, Seq,
+};
+
+use super::{
+    Action, Answer, BreakMode, Cause, CommitFor, Due, Origin, ReadFor, ReadQuery, ReadResult,
+    Refusal, ReplyTo, RequestId, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS,
+    ASYNC_BIND_TRIES_MAX, RUN_QUEUE_MAX, RUN_RESTARTS_MAX,
+};
+use crate::concurrency::ASYNC_WORKFLOW_TYPE;
+use crate::machine::{MachineError, RunMachine, Verdict};
+
+/// Where a run's machine is.
+pub(super) enum Phase {
+    /// Not in memory: the next operation that needs it replays the log.
+    Idle,
+    /// Its history is being read.
+    Loading,
+    /// In memory, ready for inputs.
+    Ready(Box<RunMachine>),
+    /// Parked: its code diverged from its history or panicked.
+    Parked(String),
+    /// Closed: nothing reaches a machine any more (none is kept; a closed
+    /// history is not replayed to answer that).
+    Closed,
+}
+
+/// A commit of the run, asked for and not answered yet.
+pub(super) struct Inflight {
+    token: Token,
+    origin: Option<Origin>,
+    start: bool,
+    last_seq: Seq,
+    closing: Option<Outcome>,
+    /// Answers that rest on this commit (and those before it) being
+    /// durable: duplicates, closed-run answers.
+    deferred: Vec<(Origin, Answer)>,
+}
+
+/// A run of the shard, as long as it is in memory.
+pub(super) struct RunSlot {
+    pub(super) phase: Phase,
+    /// Operations waiting for the machine (activation in progress).
+    waiting: VecDeque<(RunOp, Origin)>,
+    inflight: Vec<Inflight>,
+    /// Operations waiting for every commit in flight to be answered.
+    drained: Vec<(RunOp, Origin)>,
+    restarts: u32,
+    async_tries: u32,
+    tick: u64,
+    closed: bool,
+    /// A resume waits for the activation it started.
+    resuming: Vec<Origin>,
+    /// For a parked run: the seq its next event takes, when known (a
+    /// termination needs no workflow code and is committed there).
+    pub(super) parked_next: Option<Seq>,
+    /// Park markers being committed, with the answers that wait for them
+    /// (a "parked" answer is given once the reason is durable).
+    markers: Vec<(Token, Vec<(Origin, Answer)>)>,
+}
+
+impl RunSlot {
+    fn new() -> Self {
+        RunSlot {
+            phase: Phase::Idle,
+            waiting: VecDeque::new(),
+            inflight: Vec::new(),
+            drained: Vec::new(),
+            restarts: 0,
+            async_tries: 0,
+            tick: 0,
+            closed: false,
+            resuming: Vec::new(),
+            parked_next: None,
+            markers: Vec::new(),
+        }
+    }
+
+    /// True when nothing of the run needs it in memory.
+    pub(super) fn idle(&self) -> bool {
+        self.inflight.is_empty()
+            && self.markers.is_empty()
+            && self.waiting.is_empty()
+            && self.drained.is_empty()
+            && self.resuming.is_empty()
+            && !matches!(self.phase, Phase::Loading)
+    }
+
+    /// The clients waiting on this run (answered at shutdown).
+    pub(super) fn take_clients(&mut self) -> Vec<RequestId> {
+        let mut out = Vec::new();
+        let mut take = |o: &Origin| {
+            if let Origin::Reply(ReplyTo::Client(id)) = o {
+                out.push(*id);
+            }
+        };
+        for (_, o) in self.waiting.drain(..).chain(self.drained.drain(..)) {
+            take(&o);
+        }
+        for i in &mut self.inflight {
+            if let Some(o) = &i.origin {
+                take(o);
+            }
+            for (o, _) in &i.deferred {
+                take(o);
+            }
+        }
+        for o in self.resuming.drain(..) {
+            take(&o);
+        }
+        out
+    }
+
+    /// True when the run is known to exist: its machine is in memory, it
+    /// is parked, or it has commits in flight (its start, say).
+    pub(super) fn exists(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Ready(_) | Phase::Parked(_) | Phase::Closed
+        ) || !self.inflight.is_empty()
+    }
+
+    pub(super) fn machine(&self) -> Option<&RunMachine> {
+        match &self.phase {
+            Phase::Ready(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
+impl Shard {
+    pub(super) fn slot(&mut self, run: RunId) -> &mut RunSlot {
+        self.tick += 1;
+        let tick = self.tick;
+        let slot = self.runs.entry(run).or_insert_with(RunSlot::new);
+        let old = std::mem::replace(&mut slot.tick, tick);
+        self.lru.remove(&old);
+        self.lru.insert(tick, run);
+        self.runs.get_mut(&run).expect("inserted above")
+    }
+
+    /// An operation on a run of this shard.
+    pub(super) fn run_op(&mut self, run: RunId, op: RunOp, origin: Origin) {
+        if self.shut_down {
+            self.answer(origin, Answer::Refused(Refusal::Shutdown), None);
+            return;
+        }
+        match op {
+            RunOp::Result => return self.result_op(run, origin),
+            RunOp::Resume => return self.resume(run, origin),
+            _ => {}
+        }
+        let slot = self.slot(run);
+        match &slot.phase {
+            Phase::Parked(reason) => {
+                let reason = reason.clone();
+                let next = slot.parked_next.filter(|_| slot.inflight.is_empty());
+                match (op, next) {
+                    (RunOp::Describe, _) => self.describe_when_drained(run, origin),
+                    // Termination runs no workflow code: it works on a
+                    // parked run too.
+                    (RunOp::Input(crate::machine::Input::Terminate { reason }), Some(seq)) => {
+                        let event = Event {
+                            seq,
+                            at: self.now,
+                            kind: EventKind::WorkflowTerminated { reason },
+                        };
+                        let batch = CommitBatch {
+                            appends: vec![keel_storage::RunAppend {
+                                run_id: run,
+                                events: vec![event],
+                            }],
+                            parked: vec![(run, None)],
+                        };
+                        self.commit_batch(run, batch, origin, false);
+                    }
+                    _ => {
+                        let answer = Answer::Refused(Refusal::Parked { run, reason });
+                        self.answer_after_marker(run, origin, answer);
+                    }
+                }
+            }
+            Phase::Loading => self.queue(run, op, origin),
+            Phase::Idle => {
+                self.queue(run, op, origin);
+                self.activate(run);
+            }
+            Phase::Ready(_) => self.ready_op(run, op, origin),
+            Phase::Closed => self.closed_op(run, op, origin),
+        }
+    }
+
+    /// An operation on a run known to be closed.
+    fn closed_op(&mut self, run: RunId, op: RunOp, origin: Origin) {
+        match op {
+            RunOp::Input(_) => {
+                let answer = Answer::Refused(Refusal::RunClosed(run));
+                self.answer_when_durable(run, origin, answer);
+            }
+            RunOp::Describe => self.describe_when_drained(run, origin),
+            RunOp::Activate | RunOp::Result | RunOp::Resume => {}
+        }
+    }
+
+    /// Answers once every commit of `run` in flight is durable.
+    pub(super) fn answer_when_durable(&mut self, run: RunId, origin: Origin, answer: Answer) {
+        let slot = self.slot(run);
+        match slot.inflight.last_mut() {
+            Some(last) => last.deferred.push((origin, answer)),
+            None => self.answer(origin, answer, None),
+        }
+    }
+
+    fn queue(&mut self, run: RunId, op: RunOp, origin: Origin) {
+        let slot = self.slot(run);
+        if slot.waiting.len() >= RUN_QUEUE_MAX {
+            let why = format!("run {run} has {RUN_QUEUE_MAX} requests waiting");
+            self.answer(origin, Answer::Retry(why), None);
+            return;
+        }
+        slot.waiting.push_back((op, origin));
+    }
+
+    /// Reads the history to replay the run, unless a read is in flight or
+    /// its commits are (then it starts once they are answered).
+    fn activate(&mut self, run: RunId) {
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        if !matches!(slot.phase, Phase::Idle) || !slot.inflight.is_empty() {
+            return;
+        }
+        slot.phase = Phase::Loading;
+        self.read(ReadQuery::History(run), ReadFor::Activate(run));
+    }
+
+    pub(super) fn retry_activation(&mut self, run: RunId) {
+        if self.runs.get(&run).is_some_and(|s| !s.waiting.is_empty()) {
+            self.activate(run);
+        }
+    }
+
+    pub(super) fn history_read(&mut self, run: RunId, result: Result<ReadResult, StoreError>) {
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        if !matches!(slot.phase, Phase::Loading) {
+            // Stale: the run was started here meanwhile (an operation for a
+            // child came before the child's start).
+            return;
+        }
+        slot.phase = Phase::Idle;
+        let (history, marker) = match result {
+            Ok(ReadResult::History(h, marker)) => (h, marker),
+            Ok(_) => return,
+            Err(e) => {
+                slot.restarts += 1;
+                if slot.restarts >= RUN_RESTARTS_MAX {
+                    let reason = format!("history unreadable {} times: {e}", slot.restarts);
+                    self.park(run, &MachineError::InvalidHistory(reason), None);
+                } else {
+                    self.fail_waiting(run, Answer::Retry(format!("history unreadable: {e}")));
+                }
+                return;
+            }
+        };
+        let Some(first) = history.first() else {
+            self.fail_waiting(run, Answer::Refused(Refusal::UnknownRun(run.to_string())));
+            self.forget(run);
+            return;
+        };
+        if history.last().is_some_and(|e| e.kind.closes_run()) && marker.is_none() {
+            let slot = self.runs.get_mut(&run).expect("checked above");
+            slot.phase = Phase::Closed;
+            slot.closed = true;
+            self.run_waiting(run);
+            return;
+        }
+        if let EventKind::WorkflowStarted {
+            workflow_type,
+            parent: Some(parent),
+            ..
+        } = &first.kind
+        {
+            let closed = history.last().is_some_and(|e| e.kind.closes_run());
+            if workflow_type == ASYNC_WORKFLOW_TYPE && !closed && !self.workflows.async_bound(run) {
+                // Its closure lives in its parent's code: replay the parent
+                // (wherever its shard is), then try again.
+                slot.async_tries += 1;
+                if slot.async_tries > ASYNC_BIND_TRIES_MAX {
+                    let reason = format!(
+                        "the closure of async child {run} was not bound by its parent {} \
+                         after {ASYNC_BIND_TRIES_MAX} activations",
+                        parent.run_id
+                    );
+                    let next = Seq(history.len() as u64 + 1);
+                    self.park(run, &MachineError::InvalidHistory(reason), Some(next));
+                } else {
+                    let parent = parent.run_id;
+                    self.send(parent, RunOp::Activate, ReplyTo::Nobody, None);
+                    let at = self.now.plus_ms(ASYNC_BIND_RETRY_MS);
+                    self.due.push(at, Due::Activate(run));
+                }
+                return;
+            }
+        }
+        let next = Seq(history.len() as u64 + 1);
+        match RunMachine::replay(&self.workflows, history) {
+            Ok(m) => {
+                let slot = self.runs.get_mut(&run).expect("checked above");
+                slot.restarts = 0;
+                slot.async_tries = 0;
+                slot.phase = Phase::Ready(Box::new(m));
+                let resuming = !slot.resuming.is_empty();
+                if marker.is_some() || resuming {
+                    // It fits the code now: clear the marker and drive the
+                    // work its parking dropped (timers, attempts, messages).
+                    self.set_marker(run, None);
+                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                    let slot = self.runs.get_mut(&run).expect("checked above");
+                    for origin in std::mem::take(&mut slot.resuming) {
+                        let answer = Answer::Resumed(Resumed {
+                            run,
+                            was_parked: true,
+                            fits: true,
+                            reason: None,
+                        });
+                        self.answer(origin, answer, None);
+                    }
+                }
+                self.run_waiting(run);
+            }
+            Err(e) => self.park(run, &e, Some(next)),
+        }
+    }
+
+    fn fail_waiting(&mut self, run: RunId, answer: Answer) {
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        let waiting: Vec<_> = slot.waiting.drain(..).collect();
+        let resuming = std::mem::take(&mut slot.resuming);
+        for (_, origin) in waiting {
+            self.answer(origin, answer.clone(), None);
+        }
+        for origin in resuming {
+            self.answer(origin, answer.clone(), None);
+        }
+    }
+
+    /// Hands the waiting operations to the machine, in arrival order.
+    pub(super) fn run_waiting(&mut self, run: RunId) {
+        loop {
+            let Some(slot) = self.runs.get_mut(&run) else {
+                return;
+            };
+            let closed = match slot.phase {
+                Phase::Ready(_) => false,
+                Phase::Closed => true,
+                _ => return,
+            };
+            let Some((op, origin)) = slot.waiting.pop_front() else {
+                return;
+            };
+            if closed {
+                self.closed_op(run, op, origin);
+            } else {
+                self.ready_op(run, op, origin);
+            }
+        }
+    }
+
+    /// An operation on a run whose machine is in memory.
+    fn ready_op(&mut self, run: RunId, op: RunOp, origin: Origin) {
+        let input = match op {
+            RunOp::Input(input) => input,
+            RunOp::Describe => return self.describe_when_drained(run, origin),
+            RunOp::Activate => return,
+            RunOp::Result | RunOp::Resume => unreachable!("handled before the machine"),
+        };
+        let skip_check = self.breaks(BreakMode::NoAttemptDedupe);
+        let now = self.now;
+        let slot = self.runs.get_mut(&run).expect("ready");
+        let Phase::Ready(machine) = &mut slot.phase else {
+            unreachable!("ready_op on a run without its machine")
+        };
+        let verdict = if skip_check {
+            Verdict::Accept
+        } else {
+            machine.check(&input)
+        };
+        let dropped = match verdict {
+            Verdict::Accept => None,
+            Verdict::Duplicate => Some(Answer::Duplicate),
+            Verdict::Closed => Some(Answer::Refused(Refusal::RunClosed(run))),
+            Verdict::Unknown(detail) => Some(Answer::Refused(Refusal::NothingOpen { run, detail })),
+        };
+        if let Some(answer) = dropped {
+            // What the machine knows may rest on commits still in flight:
+            // answer once they are durable.
+            let known = machine.next_seq().0.saturating_sub(1);
+            match slot.inflight.last_mut() {
+                Some(last) => last.deferred.push((origin, answer)),
+                None => self.answer(origin, answer, Some((run, Seq(known)))),
+            }
+            return;
+        }
+        let committed_next = machine.next_seq();
+        match machine.handle(input, now) {
+            Ok(events) => self.commit_run(run, events, origin, false),
+            Err(e) => {
+                self.park(run, &e, Some(committed_next));
+                let reason = e.to_string();
+                self.answer(
+                    origin,
+                    Answer::Refused(Refusal::Parked { run, reason }),
+                    None,
+                );
+            }
+        }
+    }
+
+    /// Asks for the commit of a run's events (commit path step 4).
+    pub(super) fn commit_run(
+        &mut self,
+        run: RunId,
+        events: Vec<Event>,
+        origin: Origin,
+        start: bool,
+    ) {
+        self.commit_batch(run, CommitBatch::append(run, events), origin, start);
+    }
+
+    pub(super) fn commit_batch(
+        &mut self,
+        run: RunId,
+        batch: CommitBatch,
+        origin: Origin,
+        start: bool,
+    ) {
+        let events = &batch.appends[0].events;
+        let last_seq = events.last().expect("a commit has events").seq;
+        let closing = events.iter().find_map(|e| outcome_of(&e.kind));
+        let token = self.token();
+        self.commits.insert(token, CommitFor::Run(run));
+        let mut origin = Some(origin);
+        if self.breaks(BreakMode::EffectBeforeCommit) {
+            // Broken on purpose: attempts run before their event is durable.
+            for e in events {
+                if let EventKind::ActivityScheduled {
+                    step,
+                    execution_id,
+                    activity_type,
+                    input,
+                    options,
+                    group,
+                } = &e.kind
+                {
+                    let task = keel_storage::TaskEntry {
+                        execution_id: *execution_id,
+                        attempt: keel_storage::AttemptNo::FIRST,
+                        activity_type: activity_type.clone(),
+                        input: input.clone(),
+                        options: options.clone(),
+                        group: group.clone(),
+                        scheduled_at: e.at,
+                        due: e.at,
+                        cancel_requested: false,
+                        heartbeat: None,
+                    };
+                    let _ = step;
+                    self.task_intent(task, Some((run, e.seq)));
+                }
+            }
+        }
+        if self.breaks(BreakMode::LoseUnsyncedAck)
+            && matches!(origin, Some(Origin::Reply(ReplyTo::Client(_))))
+        {
+            // Broken on purpose: the client hears "done" before it is.
+            let answer = if start {
+                Answer::Started(run)
+            } else {
+                Answer::Committed
+            };
+            let o = origin.take().expect("checked above");
+            self.answer(o, answer, Some((run, last_seq)));
+        }
+        let slot = self.slot(run);
+        slot.inflight.push(Inflight {
+            token,
+            origin,
+            start,
+            last_seq,
+            closing,
+            deferred: Vec::new(),
+        });
+        self.actions.push_back(Action::Commit { token, batch });
+    }
+
+    /// A run's commit was answered (commit path steps 5 and 6).
+    pub(super) fn run_committed(
+        &mut self,
+        run: RunId,
+        token: Token,
+        result: Result<CommitAck, StoreError>,
+    ) {
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        let Some(i) = slot.inflight.iter().position(|f| f.token == token) else {
+            return;
+        };
+        let mut entry = slot.inflight.remove(i);
+        // Answers resting on this commit also rest on the ones before it.
+        if i > 0 {
+            let deferred = std::mem::take(&mut entry.deferred);
+            slot.inflight[i - 1].deferred.extend(deferred);
+        }
+        match result {
+            Ok(ack) => {
+                let cause: Cause = Some((run, entry.last_seq));
+                self.removed(ack.removed);
+                self.intents(ack.intents, cause);
+                if let Some(origin) = entry.origin {
+                    let answer = if entry.start {
+                        Answer::Started(run)
+                    } else {
+                        Answer::Committed
+                    };
+                    self.answer(origin, answer, cause);
+                }
+                for (origin, answer) in entry.deferred {
+                    self.answer(origin, answer, cause);
+                }
+                if let Some(outcome) = entry.closing {
+                    self.run_closed(run, outcome, cause);
+                }
+            }
+            Err(e) => {
+                // Thrown away: the next input replays from the log.
+                let slot = self.runs.get_mut(&run).expect("checked above");
+                if matches!(slot.phase, Phase::Ready(_)) {
+                    slot.phase = Phase::Idle;
+                }
+                tracing::debug!(%run, error = %e, "commit failed; the run replays on its next input");
+                let retry = Answer::Retry(format!("commit failed: {e}"));
+                match entry.origin {
+                    Some(Origin::Start(job)) => self.start_failed(*job, e),
+                    Some(origin) => {
+                        let answer = match &e {
+                            StoreError::HistoryTooLong { .. }
+                            | StoreError::PayloadTooLarge { .. } => {
+                                Answer::Refused(Refusal::Store(e.to_string()))
+                            }
+                            _ => retry.clone(),
+                        };
+                        self.answer(origin, answer, None);
+                    }
+                    None => {}
+                }
+                for (origin, _) in entry.deferred {
+                    self.answer(origin, retry.clone(), None);
+                }
+            }
+        }
+        self.after_commit(run);
+    }
+
+    /// Once a run has no commit in flight: describe what waited, activate
+    /// if inputs wait, forget a closed run.
+    fn after_commit(&mut self, run: RunId) {
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        if !slot.inflight.is_empty() || !slot.markers.is_empty() {
+            return;
+        }
+        let drained = std::mem::take(&mut slot.drained);
+        let closed = slot.closed;
+        for (_, origin) in drained {
+            self.describe_now(run, origin);
+        }
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        if matches!(slot.phase, Phase::Idle) && !slot.waiting.is_empty() {
+            self.activate(run);
+        } else if closed && slot.idle() {
+            self.forget(run);
+        }
+    }
+
+    fn forget(&mut self, run: RunId) {
+        if let Some(slot) = self.runs.remove(&run) {
+            self.lru.remove(&slot.tick);
+        }
+    }
+
+    /// A closing commit of `run` was answered: whoever waits for its
+    /// outcome hears it; its closures are forgotten.
+    fn run_closed(&mut self, run: RunId, outcome: Outcome, cause: Cause) {
+        if let Some(slot) = self.runs.get_mut(&run) {
+            slot.closed = true;
+        }
+        self.workflows.unbind_async(run);
+        if let Some(waiters) = self.results.remove(&run) {
+            for reply in waiters.into_values() {
+                self.reply(reply, Answer::Outcome(run, outcome.clone()), cause);
+            }
+        }
+    }
+
+    /// Parks a run: its marker is committed, everything waiting on it hears
+    /// why, and nothing reaches its machine until it is resumed.
+    pub(super) fn park(&mut self, run: RunId, err: &MachineError, next: Option<Seq>) {
+        let reason = err.to_string();
+        tracing::warn!(run_id = %run, kind = err.kind(), %reason, "run parked");
+        let info = ParkInfo {
+            at: self.now,
+            kind: err.kind().to_string(),
+            reason: reason.clone(),
+        };
+        self.set_marker(run, Some(info));
+        let slot = self.slot(run);
+        slot.phase = Phase::Parked(reason.clone());
+        slot.parked_next = next;
+        let waiting: Vec<_> = slot.waiting.drain(..).collect();
+        let resuming = std::mem::take(&mut slot.resuming);
+        for (op, origin) in waiting {
+            if op == RunOp::Describe {
+                self.describe_when_drained(run, origin);
+            } else {
+                let answer = Answer::Refused(Refusal::Parked {
+                    run,
+                    reason: reason.clone(),
+                });
+                self.answer_after_marker(run, origin, answer);
+            }
+        }
+        for origin in resuming {
+            let answer = Answer::Resumed(Resumed {
+                run,
+                was_parked: true,
+                fits: false,
+                reason: Some(reason.clone()),
+            });
+            self.answer_after_marker(run, origin, answer);
+        }
+    }
+
+    /// Commits a run's park marker (set, or cleared).
+    pub(super) fn set_marker(&mut self, run: RunId, info: Option<ParkInfo>) {
+        let token = self.token();
+        self.commits.insert(token, CommitFor::Marker(run));
+        self.slot(run).markers.push((token, Vec::new()));
+        let batch = CommitBatch {
+            appends: Vec::new(),
+            parked: vec![(run, info)],
+        };
+        self.actions.push_back(Action::Commit { token, batch });
+    }
+
+    /// Answers once the run's park marker being committed is durable.
+    fn answer_after_marker(&mut self, run: RunId, origin: Origin, answer: Answer) {
+        match self.runs.get_mut(&run).and_then(|s| s.markers.last_mut()) {
+            Some((_, waiting)) => waiting.push((origin, answer)),
+            None => self.answer(origin, answer, None),
+        }
+    }
+
+    /// A park marker's commit was answered.
+    pub(super) fn marker_committed(
+        &mut self,
+        run: RunId,
+        token: Token,
+        result: Result<CommitAck, StoreError>,
+    ) {
+        if let Err(e) = &result {
+            tracing::warn!(run_id = %run, error = %e, "park marker not written");
+        }
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        let Some(i) = slot.markers.iter().position(|(t, _)| *t == token) else {
+            return;
+        };
+        let (_, waiting) = slot.markers.remove(i);
+        for (origin, answer) in waiting {
+            self.answer(origin, answer, None);
+        }
+        self.after_commit(run);
+    }
+
+    /// Re-checks a run against the current code: a parked run (in memory,
+    /// or marked in the store) is replayed again.
+    pub(super) fn resume(&mut self, run: RunId, origin: Origin) {
+        let slot = self.slot(run);
+        match slot.phase {
+            Phase::Ready(_) | Phase::Closed => {
+                let answer = Answer::Resumed(Resumed {
+                    run,
+                    was_parked: false,
+                    fits: true,
+                    reason: None,
+                });
+                self.answer(origin, answer, None);
+            }
+            Phase::Loading => slot.resuming.push(origin),
+            Phase::Parked(_) | Phase::Idle => {
+                slot.phase = Phase::Idle;
+                slot.resuming.push(origin);
+                slot.async_tries = 0;
+                slot.restarts = 0;
+                self.activate(run);
+            }
+        }
+    }
+
+    /// A resumed run's intent rows, read back: drive them again.
+    pub(super) fn run_intents_read(&mut self, run: RunId, result: Result<ReadResult, StoreError>) {
+        match result {
+            Ok(ReadResult::Intents(rows)) => self.intents(rows, None),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(run_id = %run, error = %e, "intents of a resumed run unreadable; retrying");
+                self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+            }
+        }
+    }
+
+    // ---- results --------------------------------------------------------
+
+    fn result_op(&mut self, run: RunId, origin: Origin) {
+        let Origin::Reply(reply) = origin else {
+            return;
+        };
+        // Registered before the read: a close answered meanwhile reaches it.
+        let token = self.token();
+        self.results.entry(run).or_default().insert(token, reply);
+        self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
+    }
+
+    pub(super) fn result_read(
+        &mut self,
+        run: RunId,
+        waiter: Token,
+        result: Result<ReadResult, StoreError>,
+    ) {
+        let answer = match result {
+            Ok(ReadResult::RunMeta(Some(meta))) if meta.status.is_closed() => Answer::Outcome(
+                run,
+                meta.outcome
+                    .unwrap_or(Outcome::Terminated("unknown".into())),
+            ),
+            Ok(ReadResult::RunMeta(Some(_))) => return, // it waits for the close
+            Ok(ReadResult::RunMeta(None)) => Answer::Refused(Refusal::UnknownRun(run.to_string())),
+            Ok(_) => return,
+            Err(e) => Answer::Retry(format!("run unreadable: {e}")),
+        };
+        let Some(waiters) = self.results.get_mut(&run) else {
+            return;
+        };
+        let Some(reply) = waiters.remove(&waiter) else {
+            return; // answered by the close already
+        };
+        if waiters.is_empty() {
+            self.results.remove(&run);
+        }
+        self.reply(reply, answer, None);
+    }
+
+    // ---- describe -------------------------------------------------------
+
+    fn describe_when_drained(&mut self, run: RunId, origin: Origin) {
+        let slot = self.slot(run);
+        if slot.inflight.is_empty() && slot.markers.is_empty() {
+            self.describe_now(run, origin);
+        } else {
+            slot.drained.push((RunOp::Describe, origin));
+        }
+    }
+
+    fn describe_now(&mut self, run: RunId, origin: Origin) {
+        let Origin::Reply(reply) = origin else {
+            return;
+        };
+        let view = self
+            .runs
+            .get(&run)
+            .and_then(|s| s.machine())
+            .filter(|m| !m.is_closed())
+            .map(|m| super::MachineView {
+                signal_waits: m.signal_waits(),
+                coroutines: m.coroutines(),
+                scopes: m.scopes(),
+            });
+        self.read(
+            ReadQuery::Describe(run),
+            ReadFor::Describe(run, view, reply),
+        );
+    }
+
+    // ---- passivation ----------------------------------------------------
+
+    /// Keeps the shard's runs in memory under its limit: the least recently
+    /// used idle ones are dropped (they replay from the log when needed).
+    pub(super) fn passivate(&mut self) {
+        let limit = self.config.run_cache_max.max(1);
+        if self.runs.len() <= limit {
+            return;
+        }
+        let mut over = self.runs.len() - limit;
+        let candidates: Vec<(u64, RunId)> = self
+            .lru
+            .iter()
+            .take(over * 4 + 16)
+            .map(|(t, r)| (*t, *r))
+            .collect();
+        for (_, run) in candidates {
+            if over == 0 {
+                break;
+            }
+            let idle =
+                self.runs.get(&run).is_some_and(RunSlot::idle) && !self.results.contains_key(&run);
+            if idle {
+                self.forget(run);
+                over -= 1;
+            }
+        }
+    }
+}
+
+/// The outcome a closing event records.
+pub(super) fn outcome_of(kind: &EventKind) -> Option<Outcome> {
+    Some(match kind {
+        EventKind::WorkflowCompleted { result } => Outcome::Completed(result.clone()),
+        EventKind::WorkflowFailed { failure } => Outcome::Failed(failure.clone()),
+        EventKind::WorkflowCancelled { reason } => Outcome::Cancelled(reason.clone()),
+        EventKind::WorkflowTerminated { reason } => Outcome::Terminated(reason.clone()),
+        EventKind::WorkflowContinuedAsNew { new_run_id, .. } => {
+            Outcome::ContinuedAsNew(*new_run_id)
+        }
+        _ => return None,
+    })
+}

@@ -1,0 +1,38 @@
+//! keel-core: everything keel decides, with no actix, no tokio, no clock,
+//! no threads and no IO.
+//!
+//! - the authoring API ([`workflow`], [`activity`], [`context`],
+//!   [`concurrency`], [`scope`]): what workflow and activity code is written
+//!   against;
+//! - the run machine ([`machine`]) and its deterministic [`executor`]: one
+//!   run's workflow code, fed one input at a time, live and on replay;
+//! - the driver ([`driver`]): every decision around the machine (activation,
+//!   duplicates, commits, leases, timers, the outbox, close policies,
+//!   recovery, client requests, passivation), inputs and `now` in, actions
+//!   out.
+//!
+//! Hosts feed the driver and perform its actions: the actix engine
+//! (`keel-actors`) in production, the simulator (`keel-sim`) in tests.
+//! Time arrives with each input; randomness arrives recorded in events or
+//! drawn by the host and handed in.
+
+pub mod activity;
+pub mod concurrency;
+pub mod context;
+mod core;
+pub mod driver;
+pub mod executor;
+pub mod machine;
+pub mod retry;
+pub mod scope;
+pub mod workflow;
+
+pub use crate::core::{format_group, OpenWait, WaitKind};
+pub use activity::{
+    Activity, ActivityContext, ActivityError, ActivityRegistry, CancelSignal, HeartbeatFn,
+};
+pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
+pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
+pub use machine::{Input, MachineError, RunMachine, StartSpec, Verdict};
+pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, ScopeView, Sender};
+pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};

@@ -1,0 +1,830 @@
+//! The pure run machine: inputs in, events out.
+//!
+//! A run's history is a sequence of inputs (start, results, timers fired,
+//! signals, cancel requests), each followed by the commands workflow code
+//! issued while processing it. The machine processes one input at a time
+//! and runs the code until no coroutine can progress, live and on replay
+//! alike, so replay sees exactly what live execution saw. It does no IO,
+//! reads no clock (time comes with each input) and draws no randomness
+//! (the run's seed is recorded in `WorkflowStarted`; retry jitter comes with
+//! the failure input).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use keel_storage::{
+    AttemptNo, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, ParentRef, Payload,
+    RunId, Seq, Step, Timestamp,
+};
+
+use crate::context::{Spawn, WorkflowContext};
+use crate::core::{describe_recorded, Core, Issued, OpenWait, Resolution};
+use crate::executor::{CoroutineId, Executor};
+use crate::workflow::{WorkflowError, WorkflowRegistry};
+
+/// Rounds of re-checking conditions after one input at most (a guard
+/// against coroutines that keep changing each other's state forever).
+pub const CONDITION_ROUNDS_MAX: usize = 10_000;
+
+/// Why a run cannot proceed: it is parked (kept, visible in `describe`,
+/// resumable after a code fix), never failed or rewritten.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MachineError {
+    /// Workflow code issued a different command than history recorded.
+    #[error("non-determinism at step {step}: history recorded {recorded}, workflow code issued {issued}")]
+    NonDeterminism {
+        /// The step.
+        step: Step,
+        /// What history holds.
+        recorded: String,
+        /// What the code issued.
+        issued: String,
+    },
+    /// History from an older version that cannot be placed (a leaf without
+    /// its group path).
+    #[error("incompatible history at step {step}: {detail}")]
+    IncompatibleHistory {
+        /// The step.
+        step: Step,
+        /// Why.
+        detail: String,
+    },
+    /// Workflow code panicked.
+    #[error("workflow code panicked: {message}")]
+    Panic {
+        /// The panic message.
+        message: String,
+    },
+    /// No workflow of this type is registered.
+    #[error("unknown workflow type {0:?}")]
+    UnknownWorkflowType(String),
+    /// The input does not decode into the workflow's input type.
+    #[error("workflow input does not decode: {0}")]
+    InputDecode(String),
+    /// The history is malformed (not a divergence of code).
+    #[error("invalid history: {0}")]
+    InvalidHistory(String),
+}
+
+impl MachineError {
+    /// Short kind, as stored in the park marker.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MachineError::NonDeterminism { .. } => "non_determinism",
+            MachineError::IncompatibleHistory { .. } => "incompatible_history",
+            MachineError::Panic { .. } => "panic",
+            MachineError::UnknownWorkflowType(_) => "unknown_workflow_type",
+            MachineError::InputDecode(_) => "input_decode",
+            MachineError::InvalidHistory(_) => "invalid_history",
+        }
+    }
+
+    /// The step it happened at, where known.
+    pub fn step(&self) -> Option<Step> {
+        match self {
+            MachineError::NonDeterminism { step, .. }
+            | MachineError::IncompatibleHistory { step, .. } => Some(*step),
+            _ => None,
+        }
+    }
+}
+
+/// Everything needed to start a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StartSpec {
+    /// The new run.
+    pub run_id: RunId,
+    /// Its instance.
+    pub instance_id: InstanceId,
+    /// The registered workflow type.
+    pub workflow_type: String,
+    /// Serialized input.
+    pub input: Payload,
+    /// The client's command id.
+    pub command_id: Option<CommandId>,
+    /// The parent, for a child.
+    pub parent: Option<ParentRef>,
+    /// The run continued from.
+    pub continued_from: Option<RunId>,
+    /// Seed for `random` and `uuid`.
+    pub random_seed: u64,
+    /// The instance's run this one follows (see
+    /// `EventKind::WorkflowStarted::previous_run`).
+    pub previous_run: Option<RunId>,
+}
+
+impl StartSpec {
+    /// The seed of a run whose id was itself drawn deterministically (a
+    /// child, a continuation): derived from the id, so every host and every
+    /// redelivery starts it the same way without drawing randomness.
+    pub fn seed_for(run: RunId) -> u64 {
+        let b = run.as_bytes();
+        let (hi, lo) = b.split_at(8);
+        let hi = u64::from_le_bytes(hi.try_into().expect("8 bytes"));
+        let lo = u64::from_le_bytes(lo.try_into().expect("8 bytes"));
+        let mut z = hi ^ lo.rotate_left(29) ^ 0x6b65_656c_5345_4544;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// The start of `new_run_id`, continuing run `from` of `instance_id`
+    /// after continue-as-new (a child's continuation keeps its parent).
+    pub fn continuation(
+        from: RunId,
+        instance_id: InstanceId,
+        workflow_type: String,
+        new_run_id: RunId,
+        input: Payload,
+        parent: Option<ParentRef>,
+    ) -> StartSpec {
+        StartSpec {
+            run_id: new_run_id,
+            instance_id,
+            workflow_type,
+            input,
+            command_id: None,
+            parent,
+            continued_from: Some(from),
+            random_seed: Self::seed_for(new_run_id),
+            previous_run: Some(from),
+        }
+    }
+
+    /// The start of a child scheduled by `parent`.
+    pub fn child(
+        parent: ParentRef,
+        child_instance_id: InstanceId,
+        child_run_id: RunId,
+        workflow_type: String,
+        input: Payload,
+    ) -> StartSpec {
+        StartSpec {
+            run_id: child_run_id,
+            instance_id: child_instance_id,
+            workflow_type,
+            input,
+            command_id: None,
+            parent: Some(parent),
+            continued_from: None,
+            random_seed: Self::seed_for(child_run_id),
+            previous_run: None,
+        }
+    }
+
+    /// The start recorded in a `WorkflowStarted` event.
+    pub fn of_started(kind: &EventKind) -> Option<StartSpec> {
+        match kind.clone() {
+            EventKind::WorkflowStarted {
+                instance_id,
+                run_id,
+                workflow_type,
+                input,
+                command_id,
+                parent,
+                continued_from,
+                random_seed,
+                previous_run,
+            } => Some(StartSpec {
+                run_id,
+                instance_id,
+                workflow_type,
+                input,
+                command_id,
+                parent,
+                continued_from,
+                random_seed,
+                previous_run,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// An input to a live run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// An attempt completed.
+    ActivityCompleted {
+        /// The schedule's step.
+        step: Step,
+        /// The attempt.
+        attempt: AttemptNo,
+        /// Its result.
+        result: Payload,
+    },
+    /// An attempt failed. The driver decided whether a retry follows (from
+    /// the recorded policy and the call's resilience profile); the machine
+    /// records the decision.
+    ActivityFailed {
+        /// The schedule's step.
+        step: Step,
+        /// The attempt.
+        attempt: AttemptNo,
+        /// The failure.
+        failure: Failure,
+        /// When the next attempt is due, or `None`: the execution failed.
+        retry_at: Option<Timestamp>,
+        /// The attempt's last heartbeat details, for the next attempt.
+        heartbeat: Option<Payload>,
+    },
+    /// A requested cancellation took effect.
+    ActivityCancelled {
+        /// The schedule's step.
+        step: Step,
+    },
+    /// A timer fired.
+    TimerFired {
+        /// The timer's step.
+        step: Step,
+    },
+    /// A child started.
+    ChildStarted {
+        /// The scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+    },
+    /// A child completed.
+    ChildCompleted {
+        /// The scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+        /// Its result.
+        result: Payload,
+    },
+    /// A child failed, was cancelled or terminated.
+    ChildFailed {
+        /// The scheduling step.
+        step: Step,
+        /// The child's run.
+        child_run_id: RunId,
+        /// The failure.
+        failure: Failure,
+    },
+    /// A signal.
+    Signal {
+        /// Its name.
+        name: String,
+        /// Its payload.
+        payload: Payload,
+        /// The client's command id, for deduplication.
+        command_id: Option<CommandId>,
+    },
+    /// Cooperative cancellation request.
+    CancelRequested {
+        /// Why.
+        reason: String,
+        /// The client's command id.
+        command_id: Option<CommandId>,
+    },
+    /// Termination: closes the run without running workflow code.
+    Terminate {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Input {
+    /// The input that tells a parent how its child at `step` closed, or
+    /// `None` for a continue-as-new (the child lives on in its next run).
+    pub fn child_closed(
+        step: Step,
+        child_run_id: RunId,
+        outcome: keel_storage::Outcome,
+    ) -> Option<Input> {
+        use keel_storage::Outcome;
+        Some(match outcome {
+            Outcome::Completed(result) => Input::ChildCompleted {
+                step,
+                child_run_id,
+                result,
+            },
+            Outcome::Failed(failure) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure,
+            },
+            Outcome::Cancelled(r) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure: Failure::new(FailureKind::Cancelled, r, false),
+            },
+            Outcome::Terminated(r) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure: Failure::new(FailureKind::Terminated, r, false),
+            },
+            Outcome::ContinuedAsNew(_) => return None,
+        })
+    }
+}
+
+/// What the shell should do with an input before handing it to the machine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// New: process it.
+    Accept,
+    /// Already committed (a redelivery, a duplicate or a late result): drop.
+    Duplicate,
+    /// Refers to nothing open in this run: drop and log.
+    Unknown(String),
+    /// The run is closed.
+    Closed,
+}
+
+/// A run's workflow code, its executor and its state.
+pub struct RunMachine {
+    core: Rc<RefCell<Core>>,
+    spawns: Rc<RefCell<Vec<Spawn>>>,
+    exec: Executor,
+    root: Option<CoroutineId>,
+    outcome: Rc<RefCell<Option<Result<Payload, WorkflowError>>>>,
+    registry: WorkflowRegistry,
+    started: Option<EventKind>,
+    scopes: crate::scope::ScopeRegistry,
+}
+
+impl std::fmt::Debug for RunMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let core = self.core.borrow();
+        f.debug_struct("RunMachine")
+            .field("run_id", &core.run_id)
+            .field("next_seq", &core.next_seq)
+            .field("closed", &core.closed)
+            .finish()
+    }
+}
+
+impl Drop for RunMachine {
+    fn drop(&mut self) {
+        // Coroutines are dropped with the executor; scopes they own must not
+        // issue cancellation commands into a machine that is going away.
+        if let Ok(mut core) = self.core.try_borrow_mut() {
+            core.tearing_down = true;
+        }
+    }
+}
+
+impl RunMachine {
+    fn empty(registry: &WorkflowRegistry, started: &EventKind) -> Result<Self, MachineError> {
+        let EventKind::WorkflowStarted {
+            instance_id,
+            run_id,
+            workflow_type,
+            input,
+            random_seed,
+            ..
+        } = started
+        else {
+            return Err(MachineError::InvalidHistory(
+                "the first event is not WorkflowStarted".into(),
+            ));
+        };
+        let w = registry
+            .get(workflow_type)
+            .ok_or_else(|| MachineError::UnknownWorkflowType(workflow_type.clone()))?;
+        w.check_input(input).map_err(MachineError::InputDecode)?;
+        Ok(RunMachine {
+            core: Rc::new(RefCell::new(Core::new(
+                *run_id,
+                instance_id.clone(),
+                workflow_type.clone(),
+                *random_seed,
+            ))),
+            spawns: Rc::new(RefCell::new(Vec::new())),
+            exec: Executor::new(),
+            root: None,
+            outcome: Rc::new(RefCell::new(None)),
+            registry: registry.clone(),
+            started: Some(started.clone()),
+            scopes: Default::default(),
+        })
+    }
+
+    /// Starts a new run: returns the machine and the first batch of events
+    /// (`WorkflowStarted` plus the commands the code issued at once).
+    pub fn start(
+        registry: &WorkflowRegistry,
+        spec: StartSpec,
+        now: Timestamp,
+    ) -> Result<(Self, Vec<Event>), MachineError> {
+        let kind = EventKind::WorkflowStarted {
+            instance_id: spec.instance_id,
+            run_id: spec.run_id,
+            workflow_type: spec.workflow_type,
+            input: spec.input,
+            command_id: spec.command_id,
+            parent: spec.parent,
+            continued_from: spec.continued_from,
+            random_seed: spec.random_seed,
+            previous_run: spec.previous_run,
+        };
+        let mut m = Self::empty(registry, &kind)?;
+        let event = {
+            let mut core = m.core.borrow_mut();
+            core.now = now;
+            core.push_event(kind)
+        };
+        m.apply_input(&event)?;
+        let events = m.take_pending();
+        Ok((m, events))
+    }
+
+    /// Rebuilds a run from its committed history, without running effects.
+    /// Every command the code issues must match the recorded one.
+    pub fn replay(registry: &WorkflowRegistry, history: Vec<Event>) -> Result<Self, MachineError> {
+        let first = history
+            .first()
+            .ok_or_else(|| MachineError::InvalidHistory("empty history".into()))?;
+        if first.seq != Seq::FIRST {
+            return Err(MachineError::InvalidHistory(format!(
+                "history starts at seq {}",
+                first.seq
+            )));
+        }
+        let mut m = Self::empty(registry, &first.kind)?;
+        m.core.borrow_mut().replay = history.into();
+        loop {
+            let next = m.core.borrow_mut().replay.pop_front();
+            let Some(event) = next else { break };
+            {
+                let mut core = m.core.borrow_mut();
+                if event.seq != core.next_seq {
+                    return Err(MachineError::InvalidHistory(format!(
+                        "expected seq {}, found seq {}",
+                        core.next_seq, event.seq
+                    )));
+                }
+                if event.kind.is_command() {
+                    return Err(MachineError::NonDeterminism {
+                        step: event.kind.step().unwrap_or_default(),
+                        recorded: describe_recorded(&event),
+                        issued: "nothing (workflow code did not issue it)".into(),
+                    });
+                }
+                if core.closed {
+                    return Err(MachineError::InvalidHistory(format!(
+                        "{} at seq {} after the run closed",
+                        event.kind.name(),
+                        event.seq
+                    )));
+                }
+                core.next_seq = event.seq.next();
+                core.now = event.at;
+            }
+            m.apply_input(&event)?;
+        }
+        m.core.borrow_mut().pending.clear();
+        Ok(m)
+    }
+
+    /// Checks an input against the run's durable state (commit path step 2).
+    pub fn check(&self, input: &Input) -> Verdict {
+        let core = self.core.borrow();
+        if core.closed {
+            return Verdict::Closed;
+        }
+        let open_at = |step: &Step| core.open.get(step);
+        match input {
+            Input::ActivityCompleted { step, attempt, .. }
+            | Input::ActivityFailed { step, attempt, .. } => match open_at(step) {
+                Some(w) if w.kind == crate::core::WaitKind::Activity && w.attempt == *attempt => {
+                    Verdict::Accept
+                }
+                Some(w) if w.kind == crate::core::WaitKind::Activity => Verdict::Duplicate,
+                Some(_) => Verdict::Unknown(format!("step {step} is not an activity")),
+                None if step.0 < core.next_step => Verdict::Duplicate,
+                None => Verdict::Unknown(format!("no activity at step {step}")),
+            },
+            Input::ActivityCancelled { step }
+            | Input::TimerFired { step }
+            | Input::ChildStarted { step, .. }
+            | Input::ChildCompleted { step, .. }
+            | Input::ChildFailed { step, .. } => match open_at(step) {
+                Some(w) => {
+                    if matches!(input, Input::ChildStarted { .. }) && w.child_started {
+                        Verdict::Duplicate
+                    } else {
+                        Verdict::Accept
+                    }
+                }
+                None if step.0 < core.next_step => Verdict::Duplicate,
+                None => Verdict::Unknown(format!("nothing open at step {step}")),
+            },
+            Input::Signal { command_id, .. } => match command_id {
+                Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
+                _ => Verdict::Accept,
+            },
+            Input::CancelRequested { command_id, .. } => match command_id {
+                Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
+                _ if core.cancel_requested.is_some() => Verdict::Duplicate,
+                _ => Verdict::Accept,
+            },
+            Input::Terminate { .. } => Verdict::Accept,
+        }
+    }
+
+    /// Processes one live input and returns the events to commit. On error
+    /// the machine must be dropped (and the run parked).
+    pub fn handle(&mut self, input: Input, now: Timestamp) -> Result<Vec<Event>, MachineError> {
+        debug_assert!(
+            !self.core.borrow().replaying(),
+            "handle() after a partial replay"
+        );
+        let kind = {
+            let mut core = self.core.borrow_mut();
+            core.now = now;
+            match input {
+                Input::ActivityCompleted {
+                    step,
+                    attempt,
+                    result,
+                } => EventKind::ActivityCompleted {
+                    step,
+                    attempt_id: keel_storage::event::attempt_of(core.run_id, step, attempt),
+                    result,
+                },
+                Input::ActivityFailed {
+                    step,
+                    attempt,
+                    failure,
+                    retry_at,
+                    heartbeat,
+                } => EventKind::ActivityAttemptFailed {
+                    step,
+                    attempt_id: keel_storage::event::attempt_of(core.run_id, step, attempt),
+                    failure,
+                    retry_at,
+                    heartbeat,
+                },
+                Input::ActivityCancelled { step } => EventKind::ActivityCancelled {
+                    step,
+                    execution_id: keel_storage::event::execution_of(core.run_id, step),
+                },
+                Input::TimerFired { step } => {
+                    let fire_at = core.open.get(&step).and_then(|w| w.fire_at).unwrap_or(now);
+                    EventKind::TimerFired { step, fire_at }
+                }
+                Input::ChildStarted { step, child_run_id } => {
+                    EventKind::ChildStarted { step, child_run_id }
+                }
+                Input::ChildCompleted {
+                    step,
+                    child_run_id,
+                    result,
+                } => EventKind::ChildCompleted {
+                    step,
+                    child_run_id,
+                    result,
+                },
+                Input::ChildFailed {
+                    step,
+                    child_run_id,
+                    failure,
+                } => EventKind::ChildFailed {
+                    step,
+                    child_run_id,
+                    failure,
+                },
+                Input::Signal {
+                    name,
+                    payload,
+                    command_id,
+                } => EventKind::SignalReceived {
+                    name,
+                    payload,
+                    command_id,
+                },
+                Input::CancelRequested { reason, command_id } => {
+                    EventKind::WorkflowCancelRequested { command_id, reason }
+                }
+                Input::Terminate { reason } => EventKind::WorkflowTerminated { reason },
+            }
+        };
+        let event = self.core.borrow_mut().push_event(kind);
+        self.apply_input(&event)?;
+        Ok(self.take_pending())
+    }
+
+    fn take_pending(&mut self) -> Vec<Event> {
+        std::mem::take(&mut self.core.borrow_mut().pending)
+    }
+
+    fn apply_input(&mut self, event: &Event) -> Result<(), MachineError> {
+        {
+            let mut core = self.core.borrow_mut();
+            match &event.kind {
+                EventKind::WorkflowStarted { .. } => {}
+                EventKind::ActivityCompleted { step, result, .. } => {
+                    core.resolve(*step, Resolution::Value(result.clone()))
+                }
+                EventKind::ActivityAttemptFailed {
+                    step,
+                    failure,
+                    retry_at,
+                    ..
+                } => match retry_at {
+                    Some(_) => {
+                        if let Some(w) = core.open.get_mut(step) {
+                            w.attempt = w.attempt.next();
+                        }
+                    }
+                    None => core.resolve(*step, Resolution::Failed(failure.clone())),
+                },
+                EventKind::ActivityCancelled { step, .. } => core.resolve(
+                    *step,
+                    Resolution::Failed(Failure::new(
+                        FailureKind::Cancelled,
+                        "activity cancelled",
+                        false,
+                    )),
+                ),
+                EventKind::TimerFired { step, .. } => {
+                    core.resolve(*step, Resolution::Value(Payload::default()))
+                }
+                EventKind::ChildStarted { step, child_run_id } => {
+                    if let Some(w) = core.open.get_mut(step) {
+                        w.child_run = Some(*child_run_id);
+                        w.child_started = true;
+                    }
+                }
+                EventKind::ChildCompleted { step, result, .. } => {
+                    core.resolve(*step, Resolution::Value(result.clone()))
+                }
+                EventKind::ChildFailed { step, failure, .. } => {
+                    core.resolve(*step, Resolution::Failed(failure.clone()))
+                }
+                EventKind::SignalReceived {
+                    name,
+                    payload,
+                    command_id,
+                } => {
+                    core.signals
+                        .entry(name.clone())
+                        .or_default()
+                        .push_back(payload.clone());
+                    if let Some(c) = command_id {
+                        core.seen_commands.insert(c.clone());
+                    }
+                }
+                EventKind::WorkflowCancelRequested { reason, command_id } => {
+                    core.cancel_requested = Some(reason.clone());
+                    if let Some(c) = command_id {
+                        core.seen_commands.insert(c.clone());
+                    }
+                }
+                EventKind::WorkflowTerminated { .. } => {
+                    core.closed = true;
+                    return Ok(());
+                }
+                other => {
+                    return Err(MachineError::InvalidHistory(format!(
+                        "{} is not an input",
+                        other.name()
+                    )))
+                }
+            }
+            core.wake_general();
+        }
+        if let EventKind::WorkflowStarted {
+            workflow_type,
+            input,
+            ..
+        } = &event.kind
+        {
+            let ctx = WorkflowContext {
+                core: self.core.clone(),
+                spawns: self.spawns.clone(),
+                scope_registry: self.scopes.clone(),
+                closures: self.registry.closures.clone(),
+            };
+            let body = self
+                .registry
+                .get(workflow_type)
+                .ok_or_else(|| MachineError::UnknownWorkflowType(workflow_type.clone()))?
+                .start(ctx, input)
+                .map_err(MachineError::InputDecode)?;
+            let outcome = self.outcome.clone();
+            self.root = Some(self.exec.spawn(async move {
+                let r = body.await;
+                *outcome.borrow_mut() = Some(r);
+            }));
+        }
+        self.run()
+    }
+
+    /// Runs the code until no coroutine can progress. A coroutine that
+    /// changed workflow state (a signal handler updating a counter) may have
+    /// made a condition true: whenever a pass polled more than the general
+    /// waiters it woke, they are woken once more to re-check, until a pass
+    /// changes nothing. Live and replay run the same rounds.
+    fn run(&mut self) -> Result<(), MachineError> {
+        let spawns = self.spawns.clone();
+        let mut woken = 0usize;
+        for _ in 0..CONDITION_ROUNDS_MAX {
+            let polls = self
+                .exec
+                .run_until_stalled(|ex| {
+                    for fut in spawns.borrow_mut().drain(..) {
+                        ex.spawn(fut);
+                    }
+                })
+                .map_err(|p| MachineError::Panic { message: p.message })?;
+            if self.core.borrow().error.is_some() || polls <= woken {
+                break;
+            }
+            let mut core = self.core.borrow_mut();
+            woken = core.general_waiting();
+            if woken == 0 {
+                break;
+            }
+            core.wake_general();
+        }
+        if let Some(err) = self.core.borrow_mut().error.take() {
+            return Err(err);
+        }
+        let finished = self.outcome.borrow_mut().take();
+        if let Some(result) = finished {
+            let mut core = self.core.borrow_mut();
+            let kind = match result {
+                Ok(result) => EventKind::WorkflowCompleted { result },
+                Err(WorkflowError::Failed(failure)) => EventKind::WorkflowFailed { failure },
+                Err(WorkflowError::Cancelled(reason)) => EventKind::WorkflowCancelled { reason },
+                Err(WorkflowError::ContinueAsNew(input)) => {
+                    let (a, b) = (core.next_random(), core.next_random());
+                    EventKind::WorkflowContinuedAsNew {
+                        new_run_id: RunId::from_u64_pair(a, b),
+                        input,
+                    }
+                }
+            };
+            if let Issued::Diverged = core.issue(kind) {
+                return Err(core.error.take().expect("diverged sets the error"));
+            }
+            core.closed = true;
+        }
+        Ok(())
+    }
+
+    /// The run.
+    pub fn run_id(&self) -> RunId {
+        self.core.borrow().run_id
+    }
+
+    /// The run's instance.
+    pub fn instance_id(&self) -> InstanceId {
+        self.core.borrow().instance_id.clone()
+    }
+
+    /// The workflow type.
+    pub fn workflow_type(&self) -> String {
+        self.core.borrow().workflow_type.clone()
+    }
+
+    /// The seq the next event gets.
+    pub fn next_seq(&self) -> Seq {
+        self.core.borrow().next_seq
+    }
+
+    /// True once the run has closed.
+    pub fn is_closed(&self) -> bool {
+        self.core.borrow().closed
+    }
+
+    /// Open durable waits (activities, timers, children), by step.
+    pub fn open_waits(&self) -> Vec<OpenWait> {
+        self.core.borrow().open.values().cloned().collect()
+    }
+
+    /// Signal names coroutines are waiting for, with how many wait.
+    pub fn signal_waits(&self) -> Vec<(String, usize)> {
+        self.core
+            .borrow()
+            .signal_waits
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    }
+
+    /// The cancellation reason, if cancellation was requested.
+    pub fn cancel_requested(&self) -> Option<String> {
+        self.core.borrow().cancel_requested.clone()
+    }
+
+    /// The run's live scopes, in step order (the tree via `parent`).
+    pub fn scopes(&self) -> Vec<crate::scope::ScopeView> {
+        crate::scope::views(&self.scopes)
+    }
+
+    /// Live coroutines.
+    pub fn coroutines(&self) -> usize {
+        self.exec.live()
+    }
+
+    /// The `WorkflowStarted` event kind this run began with.
+    pub fn started(&self) -> Option<&EventKind> {
+        self.started.as_ref()
+    }
+}

@@ -1,0 +1,235 @@
+//! The host's side of the drivers' actions: reads, commits and the group
+//! sync, messages between shards, replies to clients. Each effect is
+//! checked against the durable log before it happens.
+
+use keel_core::driver::{Action, Message, ShardId, ShardInput, Token};
+use keel_storage::{CommitBatch, Error as StoreError};
+use rand::RngExt;
+
+use super::{Ev, Pending, World, SLOW_SYNC_MS_MAX, SYNC_MS_MAX};
+use crate::fault::FaultKind;
+
+impl World<'_> {
+    pub(super) fn perform(&mut self, shard: ShardId, action: Action) {
+        let inc = Some(self.process.inc);
+        match action {
+            Action::Read { token, query } => {
+                // Readers see what is durable (RocksDB in Sync mode shows a
+                // commit once its fsync returned).
+                let result = query.perform(self.store.reader());
+                let at = self.now + self.ms(0, 1);
+                self.input_at(at, inc, shard, ShardInput::Read { token, result });
+            }
+            Action::Commit { token, batch } => self.commit(shard, token, batch),
+            Action::RunAttempt { order, cause } => {
+                self.effect(cause, "dispatch an attempt");
+                self.run_attempt(shard, order);
+            }
+            Action::StopAttempt { key, epoch } => self.stop_attempt(shard, key, epoch),
+            Action::RunFallback {
+                key,
+                attempt,
+                activity_type,
+                input,
+                failure,
+            } => {
+                let result = self
+                    .setup
+                    .mocks
+                    .get(&activity_type)
+                    .and_then(|m| m.fallback.as_ref())
+                    .and_then(|f| f(&input, &failure));
+                let at = self.now + self.ms(0, 5);
+                self.input_at(
+                    at,
+                    inc,
+                    shard,
+                    ShardInput::FallbackDone {
+                        key,
+                        attempt,
+                        result,
+                    },
+                );
+            }
+            Action::Send { to, message, cause } => {
+                self.effect(cause, "send a message");
+                self.send(to, message);
+            }
+            Action::Reply { id, answer, cause } => {
+                self.effect(cause, "answer a client");
+                self.reply(id, answer);
+            }
+        }
+    }
+
+    /// An effect is about to happen: the event it depends on must be
+    /// durable.
+    fn effect(&mut self, cause: keel_core::driver::Cause, what: &str) {
+        if let Some((run, seq)) = cause {
+            self.checker.effect(&self.store, run, seq, what, self.now);
+        }
+    }
+
+    /// Delivers a message between shards, with the network's latency;
+    /// `outbox-redelivery` delivers it twice.
+    fn send(&mut self, to: ShardId, message: Message) {
+        match &message {
+            Message::Start { spec, then, .. } => {
+                self.outbox_messages += 1;
+                let name = self.name(spec.run_id);
+                let then = then.as_ref().map(|_| " (then cancel)").unwrap_or("");
+                self.log(format_args!("send start {name}{then} to {to}"));
+            }
+            Message::ToRun { run, op, .. } => {
+                self.outbox_messages += 1;
+                let name = self.name(*run);
+                self.log(format_args!("send {} to {name} on {to}", op_name(op)));
+            }
+            Message::Answer { token, answer } => {
+                self.log(format_args!(
+                    "send answer {} {} to {to}",
+                    token.0,
+                    answer_name(answer)
+                ));
+            }
+        }
+        let inc = Some(self.process.inc);
+        if self.fault(FaultKind::OutboxRedelivery) {
+            let at = self.now + self.ms(1, 500);
+            self.input_at(at, inc, to, ShardInput::Message(message.clone()));
+        }
+        let at = self.now + self.latency();
+        self.input_at(at, inc, to, ShardInput::Message(message));
+    }
+
+    /// Commit path step 4 on the simulated store: written at once, answered
+    /// after the group's sync.
+    fn commit(&mut self, shard: ShardId, token: Token, batch: CommitBatch) {
+        if self.fault(FaultKind::CommitFailure) {
+            let n = self.rng.random_range(1..=3);
+            self.store.fail_next_commits(n);
+        }
+        let events: Vec<_> = batch
+            .appends
+            .iter()
+            .map(|a| (a.run_id, a.events.clone()))
+            .collect();
+        let inc = Some(self.process.inc);
+        match self.store.commit(batch) {
+            Ok(ack) => {
+                self.commits += 1;
+                for (run, es) in &events {
+                    self.events += es.len() as u64;
+                    self.checker.touch(*run);
+                    if let (Some(first), Some(last)) = (es.first(), es.last()) {
+                        let name = self.name(*run);
+                        self.log(format_args!(
+                            "commit {name} seq {}..{} written",
+                            first.seq, last.seq
+                        ));
+                    }
+                }
+                self.process.group.push(Pending {
+                    shard,
+                    token,
+                    ack,
+                    events,
+                });
+                if !self.process.flush_scheduled {
+                    self.process.flush_scheduled = true;
+                    let sync_ms = if self.rng.random_bool(0.1) {
+                        self.ms(5, SLOW_SYNC_MS_MAX)
+                    } else {
+                        self.ms(0, SYNC_MS_MAX)
+                    };
+                    let at = self.now + sync_ms;
+                    let inc = self.process.inc;
+                    self.at(at, Ev::Flush { inc });
+                }
+                if self.fault(FaultKind::EngineCrash) && self.crashes < super::CRASHES_MAX {
+                    let at = self.now + self.ms(0, SYNC_MS_MAX + 1);
+                    self.at(at, Ev::EngineCrash);
+                }
+            }
+            Err(e) => {
+                if !matches!(e, StoreError::CommitFailed(_)) {
+                    self.log(format_args!("commit refused: {e}"));
+                }
+                let at = self.now + self.ms(0, 1);
+                self.input_at(
+                    at,
+                    inc,
+                    shard,
+                    ShardInput::Committed {
+                        token,
+                        result: Err(e),
+                    },
+                );
+            }
+        }
+    }
+
+    /// The group commit: one sync, then every waiting commit is answered in
+    /// order.
+    pub(super) fn flush(&mut self) {
+        self.process.flush_scheduled = false;
+        if let Err(e) = self.store.sync() {
+            self.log(format_args!("sync failed: {e}"));
+            return;
+        }
+        let group = std::mem::take(&mut self.process.group);
+        if !group.is_empty() {
+            self.log(format_args!("group sync answers {} commits", group.len()));
+        }
+        for p in group {
+            for (run, events) in &p.events {
+                self.checker.durable(*run, events, self.now);
+            }
+            self.feed(
+                p.shard,
+                ShardInput::Committed {
+                    token: p.token,
+                    result: Ok(p.ack),
+                },
+            );
+        }
+    }
+}
+
+fn op_name(op: &keel_core::driver::RunOp) -> &'static str {
+    use keel_core::driver::RunOp;
+    use keel_core::Input;
+    match op {
+        RunOp::Input(i) => match i {
+            Input::ActivityCompleted { .. } => "ActivityCompleted",
+            Input::ActivityFailed { .. } => "ActivityFailed",
+            Input::ActivityCancelled { .. } => "ActivityCancelled",
+            Input::TimerFired { .. } => "TimerFired",
+            Input::ChildStarted { .. } => "ChildStarted",
+            Input::ChildCompleted { .. } => "ChildCompleted",
+            Input::ChildFailed { .. } => "ChildFailed",
+            Input::Signal { .. } => "Signal",
+            Input::CancelRequested { .. } => "CancelRequested",
+            Input::Terminate { .. } => "Terminate",
+        },
+        RunOp::Result => "Result",
+        RunOp::Describe => "Describe",
+        RunOp::Resume => "Resume",
+        RunOp::Activate => "Activate",
+    }
+}
+
+fn answer_name(a: &keel_core::driver::Answer) -> String {
+    use keel_core::driver::Answer;
+    match a {
+        Answer::Committed => "committed".into(),
+        Answer::Duplicate => "duplicate".into(),
+        Answer::Started(_) => "started".into(),
+        Answer::Existing(_) => "existing".into(),
+        Answer::Refused(r) => format!("refused ({r})"),
+        Answer::Retry(why) => format!("retry ({why})"),
+        Answer::Outcome(..) => "outcome".into(),
+        Answer::Described(_) => "described".into(),
+        Answer::Resumed(_) => "resumed".into(),
+    }
+}

@@ -1,0 +1,379 @@
+//! Simulated activity workers: they run the attempts the shards dispatch
+//! (mock bodies with a simulated duration), admit them through their
+//! resilience profile on virtual time, heartbeat, honour stop requests at
+//! their next heartbeat (or not at all), and report. Faults: a copy that
+//! runs past its lease, stops heartbeating or runs past its start-to-close
+//! limit, a worker that crashes, the transport handing a copy to a second
+//! worker, a result reported twice, and a stale holder's result reaching
+//! the run itself, late.
+
+use keel_core::driver::{AttemptKey, AttemptOrder, Message, ReplyTo, RunOp, ShardId, ShardInput};
+use keel_core::Input;
+use keel_storage::{AttemptNo, Failure, FailureKind, LeaseEpoch, Payload};
+use rand::RngExt;
+
+use super::{Copy, CopyId, Ev, World, ATTEMPT_FAULTS_MAX, WORKERS};
+use crate::check::{Violation, ViolationKind};
+use crate::fault::FaultKind;
+
+impl World<'_> {
+    fn may_fault(&self, key: AttemptKey, attempt: AttemptNo) -> bool {
+        self.attempt_faults
+            .get(&(key.run, key.step, attempt))
+            .copied()
+            .unwrap_or(0)
+            < ATTEMPT_FAULTS_MAX
+    }
+
+    fn spend_fault(&mut self, key: AttemptKey, attempt: AttemptNo) {
+        *self
+            .attempt_faults
+            .entry((key.run, key.step, attempt))
+            .or_default() += 1;
+    }
+
+    /// A shard dispatched an attempt.
+    pub(super) fn run_attempt(&mut self, shard: ShardId, order: AttemptOrder) {
+        let key = order.key;
+        // Epochs only grow: a delivery reusing one cannot fence the copy
+        // it replaces.
+        if let Some(seen) = self.epochs.get(&key) {
+            if order.epoch <= *seen {
+                let detail = format!(
+                    "{} step {} attempt {} delivered under epoch {} after epoch {} was handed out",
+                    self.name(key.run),
+                    key.step,
+                    order.attempt,
+                    order.epoch.0,
+                    seen.0
+                );
+                self.checker.violations.push(Violation {
+                    kind: ViolationKind::EpochReused,
+                    at_ms: self.now,
+                    detail,
+                });
+            }
+        }
+        let seen = self.epochs.entry(key).or_insert(order.epoch);
+        *seen = (*seen).max(order.epoch);
+        let inc = self.process.inc;
+        let mock = self.setup.mocks.get(&order.activity_type).cloned();
+        let injected = self.fault(FaultKind::ActivityFailure) && !order.final_attempt;
+        let result = if injected {
+            Err(Failure::new(
+                FailureKind::Application,
+                "injected transient failure",
+                true,
+            ))
+        } else {
+            match &mock {
+                Some(m) => (m.body)(&order.input, order.attempt),
+                None => Err(Failure::new(
+                    FailureKind::Application,
+                    format!("unknown activity type {:?}", order.activity_type),
+                    false,
+                )),
+            }
+        };
+        // Admission through the call's resilience profile, in this process;
+        // the outcome is settled into it at once (the mock's result is
+        // known now).
+        if let Some(p) = order
+            .profile
+            .as_ref()
+            .and_then(|name| self.config.profiles.get(name).cloned())
+        {
+            let id = keel_storage::ExecutionId {
+                run_id: key.run,
+                step: key.step,
+            }
+            .to_string();
+            let refused = match keel_resilience::Safety::idempotent(&id) {
+                Err(e) => Some(e.to_string()),
+                Ok(safety) => match p.new_context(
+                    std::time::Duration::from_millis(order.deadline_ms),
+                    safety,
+                    &id,
+                ) {
+                    Err(e) => Some(e.to_string()),
+                    Ok(ctx) => match p.admit(&ctx, order.is_retry) {
+                        Err(r) => Some(r.reason().to_string()),
+                        Ok(mut admission) => {
+                            admission.mark_dispatched();
+                            let verdict = match &result {
+                                Ok(_) => keel_resilience::Verdict::Success,
+                                Err(f) => p.classifier().classify(f).verdict,
+                            };
+                            admission.settle(verdict);
+                            None
+                        }
+                    },
+                },
+            };
+            if let Some(policy) = refused {
+                self.log(format_args!(
+                    "{} step {} refused by {policy}",
+                    self.name(key.run),
+                    key.step
+                ));
+                let at = self.now + self.ms(0, 1);
+                self.input_at(
+                    at,
+                    Some(inc),
+                    shard,
+                    ShardInput::AttemptRefused {
+                        key,
+                        epoch: order.epoch,
+                        policy,
+                    },
+                );
+                return;
+            }
+        }
+        let (lo, hi) = mock.as_ref().map_or((1, 40), |m| m.duration_ms);
+        let mut duration = self.ms(lo, hi);
+        let lease = order.lease_until.0.saturating_sub(self.now).max(1);
+        let may_fault = self.may_fault(key, order.attempt);
+        // A fault that ends the attempt as a timeout must leave a retry to
+        // follow, so that the outcome stays the fault-free one.
+        let may_time_out = !order.final_attempt;
+        let mut silent = false;
+        if self.fault(FaultKind::LeaseExpiry)
+            && may_fault
+            && (may_time_out || order.start_to_close_ms.is_none())
+        {
+            // Past its lease, and silent so no heartbeat saves it.
+            duration = lease + self.ms(1, lease);
+            silent = true;
+            self.spend_fault(key, order.attempt);
+        }
+        if order.heartbeat_ms.is_some() && self.fault(FaultKind::SilentWorker) && may_fault {
+            silent = true;
+            self.spend_fault(key, order.attempt);
+        }
+        if let Some(limit) = order.start_to_close_ms {
+            if self.fault(FaultKind::SlowAttempt) && may_fault && may_time_out {
+                duration = limit + self.ms(1, 200);
+                self.spend_fault(key, order.attempt);
+            }
+        }
+        let worker = self.rng.random_range(0..WORKERS);
+        let copy = CopyId {
+            inc,
+            shard,
+            key,
+            attempt: order.attempt,
+            epoch: order.epoch,
+        };
+        self.log(format_args!(
+            "dispatch {} step {} attempt {} epoch {} to worker {worker}",
+            self.name(key.run),
+            key.step,
+            order.attempt,
+            order.epoch.0
+        ));
+        let life = self.workers[worker];
+        let twin = self.fault(FaultKind::Redelivery);
+        if twin {
+            // The transport hands the same attempt to a second worker.
+            let other = (worker + 1 + self.rng.random_range(0..WORKERS - 1)) % WORKERS;
+            let d = self.ms(lo, hi * 2);
+            let life = self.workers[other];
+            self.at(
+                self.now + d,
+                Ev::WorkerDone {
+                    worker: other,
+                    life,
+                    copy,
+                },
+            );
+        }
+        if self.fault(FaultKind::WorkerCrash) {
+            let at = self.now + self.ms(0, duration);
+            self.at(at, Ev::WorkerCrash { worker });
+        }
+        self.process.copies.insert(
+            copy,
+            Copy {
+                result,
+                stop: false,
+                silent,
+                heartbeat_ms: order.heartbeat_ms,
+                twin,
+                worker,
+            },
+        );
+        self.at(self.now + duration, Ev::WorkerDone { worker, life, copy });
+        if let Some(hb) = order.heartbeat_ms {
+            let at = self.now + (hb / 2).max(1);
+            self.at(at, Ev::WorkerBeat { worker, life, copy });
+        }
+    }
+
+    /// The shard asked a copy to stop.
+    pub(super) fn stop_attempt(&mut self, shard: ShardId, key: AttemptKey, epoch: LeaseEpoch) {
+        let inc = self.process.inc;
+        let found = self
+            .process
+            .copies
+            .iter()
+            .find(|(c, _)| c.inc == inc && c.shard == shard && c.key == key && c.epoch == epoch)
+            .map(|(c, _)| *c);
+        let Some(copy) = found else {
+            return;
+        };
+        let cooperative = self.rng.random_bool(0.5);
+        let c = self.process.copies.get_mut(&copy).expect("found");
+        c.stop = true;
+        if c.heartbeat_ms.is_none() && cooperative {
+            // It notices at once and gives up.
+            c.result = Err(Failure::new(FailureKind::Cancelled, "stopped", false));
+            let worker = c.worker;
+            let life = self.workers[worker];
+            let at = self.now + self.ms(0, 2);
+            self.at(at, Ev::WorkerDone { worker, life, copy });
+        }
+    }
+
+    pub(super) fn worker_beat(&mut self, worker: usize, life: u32, copy: CopyId) {
+        if self.workers[worker] != life {
+            return; // died with its worker
+        }
+        let Some(c) = self.process.copies.get_mut(&copy) else {
+            return; // finished
+        };
+        if c.stop {
+            // It sees the stop at its heartbeat.
+            c.result = Err(Failure::new(FailureKind::Cancelled, "stopped", false));
+            self.at(self.now, Ev::WorkerDone { worker, life, copy });
+            return;
+        }
+        let Some(hb) = c.heartbeat_ms else {
+            return;
+        };
+        if c.silent || copy.inc != self.process.inc || !self.process.up {
+            return;
+        }
+        let details = Payload::encode(&self.now).ok();
+        let at = self.now + self.ms(0, 1);
+        self.input_at(
+            at,
+            Some(copy.inc),
+            copy.shard,
+            ShardInput::Heartbeat {
+                key: copy.key,
+                epoch: copy.epoch,
+                details,
+            },
+        );
+        let at = self.now + (hb / 2).max(1);
+        self.at(at, Ev::WorkerBeat { worker, life, copy });
+    }
+
+    pub(super) fn worker_crash(&mut self, worker: usize) {
+        let victims: Vec<CopyId> = self
+            .process
+            .copies
+            .iter()
+            .filter(|(_, c)| c.worker == worker)
+            .map(|(id, _)| *id)
+            .collect();
+        if victims.iter().any(|v| !self.may_fault(v.key, v.attempt)) {
+            self.log(format_args!(
+                "worker {worker} crash suppressed (attempt fault budget)"
+            ));
+            return;
+        }
+        for v in &victims {
+            self.spend_fault(v.key, v.attempt);
+            self.process.copies.remove(v);
+        }
+        self.workers[worker] += 1;
+        self.log(format_args!(
+            "worker {worker} crashed with {} copies",
+            victims.len()
+        ));
+    }
+
+    pub(super) fn worker_done(&mut self, worker: usize, life: u32, copy: CopyId) {
+        if self.workers[worker] != life {
+            return; // the worker died with the copy
+        }
+        let result = match self.process.copies.get(&copy) {
+            Some(c) if c.worker == worker => {
+                let r = c.result.clone();
+                self.process.copies.remove(&copy);
+                r
+            }
+            // The transport's second copy (the first may have reported).
+            Some(c) if c.twin => c.result.clone(),
+            _ => return,
+        };
+        self.log(format_args!(
+            "worker {worker} finishes {} step {} attempt {} epoch {}: {}",
+            self.name(copy.key.run),
+            copy.key.step,
+            copy.attempt,
+            copy.epoch.0,
+            if result.is_ok() { "ok" } else { "failed" }
+        ));
+        if copy.inc != self.process.inc || !self.process.up {
+            // The engine that leased it is gone.
+            self.maybe_late(copy, result);
+            return;
+        }
+        let input = ShardInput::AttemptFinished {
+            key: copy.key,
+            attempt: copy.attempt,
+            epoch: copy.epoch,
+            result: result.clone(),
+        };
+        let at = self.now + self.ms(0, 1);
+        self.input_at(at, Some(copy.inc), copy.shard, input);
+        if self.fault(FaultKind::DuplicateResult) {
+            let at = self.now + self.ms(0, 50);
+            self.input_at(
+                at,
+                Some(copy.inc),
+                copy.shard,
+                ShardInput::AttemptFinished {
+                    key: copy.key,
+                    attempt: copy.attempt,
+                    epoch: copy.epoch,
+                    result: result.clone(),
+                },
+            );
+        }
+        self.maybe_late(copy, result);
+    }
+
+    /// With `late-result`, a holder's success reaches the run itself, late
+    /// (as from a worker in another process that lost its lease): the run
+    /// must take it once at most.
+    fn maybe_late(&mut self, copy: CopyId, result: Result<Payload, Failure>) {
+        let Ok(result) = result else {
+            return;
+        };
+        if !self.fault(FaultKind::LateResult) {
+            return;
+        }
+        let run = copy.key.run;
+        let shard = keel_core::driver::shard_of(run, self.config.shards);
+        let input = Input::ActivityCompleted {
+            step: copy.key.step,
+            attempt: copy.attempt,
+            result,
+        };
+        let at = self.now + self.ms(50, 1_500);
+        self.input_at(
+            at,
+            None,
+            shard,
+            ShardInput::Message(Message::ToRun {
+                run,
+                op: RunOp::Input(input),
+                reply: ReplyTo::Nobody,
+            }),
+        );
+    }
+}
