@@ -39,8 +39,15 @@ pub struct Explanation {
     /// (always present; `N = 1` means no retry), `retry_budget`,
     /// `rate_limit`, `circuit`, `bulkhead`, `fallback`. This is the listing
     /// order of the seed; the order in which checks run per attempt is the
-    /// admission order documented in [`crate::admission`].
+    /// admission order documented in [`crate::admission`], which
+    /// [`Explanation::check_order`] states.
     pub enabled_policies: Vec<String>,
+    /// The checks an attempt goes through, in the order they run (the
+    /// first refusal wins): `partition`, `retry_safety` (retries only),
+    /// `deadline`, then the enabled ones of `circuit`, `retry_budget`
+    /// (retries only), `rate_limit`, `bulkhead`, and last `attempt_timeout`
+    /// around the dispatched call.
+    pub check_order: Vec<String>,
     /// What this runtime can do, one note per capability.
     pub capability_notes: Vec<CapabilityNote>,
 }

@@ -547,11 +547,28 @@ impl<E> CompiledPipeline<E> {
                 .filter(|(_, enabled)| *enabled)
                 .map(|(name, _)| name.to_owned()),
         );
+        let mut check_order: Vec<String> = ["partition", "retry_safety", "deadline"]
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        check_order.extend(
+            [
+                ("circuit", self.gates.circuit.is_some()),
+                ("retry_budget", self.gates.budget.is_some()),
+                ("rate_limit", self.gates.rate_limit.is_some()),
+                ("bulkhead", self.gates.bulkhead.is_some()),
+                ("attempt_timeout", true),
+            ]
+            .into_iter()
+            .filter(|(_, enabled)| *enabled)
+            .map(|(name, _)| name.to_owned()),
+        );
         Explanation {
             profile_id: self.profile_id.clone(),
             profile_version: self.profile_version.clone(),
             partition: (*self.gates.partition).clone(),
             enabled_policies,
+            check_order,
             capability_notes: capability_notes(self.requirement, self.bulkhead_queue),
         }
     }

@@ -182,6 +182,18 @@ fn explain_lists_the_seed_policies_and_this_runtimes_capabilities() {
         explanation.enabled_policies,
         ["attempt", "retry(maxAttempts=1)", "rate_limit", "circuit"]
     );
+    // The listing order is the seed's; the checks run circuit first.
+    assert_eq!(
+        explanation.check_order,
+        [
+            "partition",
+            "retry_safety",
+            "deadline",
+            "circuit",
+            "rate_limit",
+            "attempt_timeout"
+        ]
+    );
     let notes: Vec<String> = explanation
         .capability_notes
         .iter()
@@ -222,6 +234,19 @@ fn explain_of_every_policy_in_preemptive_mode() {
             "circuit",
             "bulkhead",
             "fallback"
+        ]
+    );
+    assert_eq!(
+        explanation.check_order,
+        [
+            "partition",
+            "retry_safety",
+            "deadline",
+            "circuit",
+            "retry_budget",
+            "rate_limit",
+            "bulkhead",
+            "attempt_timeout"
         ]
     );
     assert_eq!(
