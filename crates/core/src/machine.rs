@@ -476,7 +476,18 @@ impl RunMachine {
             }
             m.apply_input(&event)?;
         }
-        m.core.borrow_mut().pending.clear();
+        // A committed history holds every command its code issued after
+        // its last input. Code that issues one more diverged from it: park
+        // (committing it would overwrite nothing, but its seq would collide
+        // with the next input's and the run would never move again).
+        let extra = m.core.borrow_mut().pending.first().cloned();
+        if let Some(extra) = extra {
+            return Err(MachineError::NonDeterminism {
+                step: extra.kind.step().unwrap_or_default(),
+                recorded: "the end of the history (nothing more was recorded)".into(),
+                issued: crate::core::describe_command(&extra.kind),
+            });
+        }
         Ok(m)
     }
 

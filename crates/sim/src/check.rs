@@ -58,6 +58,12 @@ pub enum ViolationKind {
     /// Work was left behind once every run closed: an intent row (a pending
     /// attempt, a timer, an outbox message) nothing will ever consume.
     IntentLeftOver,
+    /// A client was answered something the durable state does not say (an
+    /// outcome or a description ahead of the synced store), or an answer
+    /// that does not fit its request.
+    WrongAnswer,
+    /// A client request went unanswered through every retry.
+    RequestUnanswered,
 }
 
 impl ViolationKind {
@@ -79,6 +85,8 @@ impl ViolationKind {
             ViolationKind::NoQuiescence => "no-quiescence",
             ViolationKind::EpochReused => "epoch-reused",
             ViolationKind::IntentLeftOver => "intent-left-over",
+            ViolationKind::WrongAnswer => "wrong-answer",
+            ViolationKind::RequestUnanswered => "request-unanswered",
         }
     }
 }

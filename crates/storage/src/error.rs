@@ -25,7 +25,10 @@ pub enum Error {
         detail: String,
     },
     /// The store was written by another schema version.
-    #[error("data directory has schema version {found}, this build reads version {expected}")]
+    #[error(
+        "data directory has schema version {found}, this build reads version {expected}{}",
+        schema_hint(*.found, *.expected)
+    )]
     SchemaVersion {
         /// The version in the directory.
         found: u32,
@@ -159,3 +162,12 @@ impl From<rocksdb::Error> for Error {
 
 /// Result alias for the storage layer.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What to do about a directory of another schema version.
+fn schema_hint(found: u32, expected: u32) -> &'static str {
+    if found < expected {
+        " (an older one: the first read-write open, an engine's, migrates it)"
+    } else {
+        " (a newer one: use the keel build that wrote it)"
+    }
+}

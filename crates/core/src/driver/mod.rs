@@ -81,6 +81,14 @@ pub const DELIVERY_BACKOFF_MS_MAX: u64 = 5_000;
 /// Requests waiting for one run (its activation, or its commits in flight)
 /// before more are refused with a retryable answer: the run's mailbox.
 pub const RUN_QUEUE_MAX: usize = 1024;
+/// Clients waiting for one run's outcome before more are refused with a
+/// retryable answer (a warning is logged at 80%).
+pub const RESULT_WAITERS_PER_RUN_MAX: usize = 4096;
+/// A client waiting for a run that continued as new is told so only once
+/// the next run exists (its hand-off is in flight): checked this often...
+pub const CONTINUATION_CHECK_MS: u64 = 10;
+/// ...this many times, before the client is answered with a retry.
+pub const CONTINUATION_CHECKS_MAX: u32 = 200;
 /// Times a start is decided again after another start took the instance.
 pub const START_DECISIONS_MAX: u32 = 8;
 /// How long an async child waits for its parent to bind its closure before
@@ -676,6 +684,7 @@ enum ReadFor {
     Instance(Box<requests::StartJob>),
     Resolve { op: RunOp, reply: ReplyTo },
     Result(RunId, Token),
+    Continuation(Token),
     Describe(RunId, Option<MachineView>, ReplyTo),
     Recover,
     RunIntents(RunId),
@@ -717,6 +726,9 @@ pub struct Shard {
     commits: BTreeMap<Token, CommitFor>,
     /// Who waits for a run's outcome, by the token of their registration.
     results: BTreeMap<RunId, BTreeMap<Token, ReplyTo>>,
+    /// Clients told of a continue-as-new only once the next run exists:
+    /// (closed run, next run, the client, checks so far), by token.
+    continuing: BTreeMap<Token, (RunId, RunId, ReplyTo, u32)>,
     /// Timers armed: their fire time.
     timers: BTreeMap<(RunId, Step), Timestamp>,
     attempts: Attempts,
@@ -761,6 +773,7 @@ impl Shard {
             reads: BTreeMap::new(),
             commits: BTreeMap::new(),
             results: BTreeMap::new(),
+            continuing: BTreeMap::new(),
             timers: BTreeMap::new(),
             attempts: Attempts::default(),
             outbox: Outbox::default(),
@@ -842,6 +855,7 @@ impl Shard {
                 Due::Report(key, attempt) => self.report_again(key, attempt),
                 Due::Outbox(key) => self.deliver_outbox(&key),
                 Due::Activate(run) => self.retry_activation(run),
+                Due::Continuation(token) => self.continuation_check(token),
                 Due::Start(job) => self.start_again(*job),
             }
         }
@@ -866,6 +880,11 @@ impl Shard {
                 ReplyTo::Client(id) => Some(id),
                 _ => None,
             }));
+        }
+        for (_, _, reply, _) in std::mem::take(&mut self.continuing).into_values() {
+            if let ReplyTo::Client(id) = reply {
+                clients.push(id);
+            }
         }
         for read in std::mem::take(&mut self.reads).into_values() {
             match read {
@@ -968,6 +987,7 @@ impl Shard {
             ReadFor::Instance(job) => self.instance_read(*job, result),
             ReadFor::Resolve { op, reply } => self.resolved(op, reply, result),
             ReadFor::Result(run, waiter) => self.result_read(run, waiter, result),
+            ReadFor::Continuation(token) => self.continuation_read(token, result),
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
             ReadFor::Recover => self.recovered(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),

@@ -18,7 +18,8 @@ use keel_storage::{
 use super::{
     Action, Answer, BreakMode, Cause, CommitFor, Due, Origin, ReadFor, ReadQuery, ReadResult,
     Refusal, ReplyTo, RequestId, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS,
-    ASYNC_BIND_TRIES_MAX, RUN_QUEUE_MAX, RUN_RESTARTS_MAX,
+    ASYNC_BIND_TRIES_MAX, CONTINUATION_CHECKS_MAX, CONTINUATION_CHECK_MS,
+    RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX, RUN_RESTARTS_MAX,
 };
 use crate::concurrency::ASYNC_WORKFLOW_TYPE;
 use crate::machine::{MachineError, RunMachine, Verdict};
@@ -240,7 +241,10 @@ impl Shard {
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
         };
-        if !matches!(slot.phase, Phase::Idle) || !slot.inflight.is_empty() {
+        if !matches!(slot.phase, Phase::Idle)
+            || !slot.inflight.is_empty()
+            || !slot.markers.is_empty()
+        {
             return;
         }
         slot.phase = Phase::Loading;
@@ -286,6 +290,15 @@ impl Shard {
             let slot = self.runs.get_mut(&run).expect("checked above");
             slot.phase = Phase::Closed;
             slot.closed = true;
+            for origin in std::mem::take(&mut slot.resuming) {
+                let answer = Answer::Resumed(Resumed {
+                    run,
+                    was_parked: false,
+                    fits: true,
+                    reason: None,
+                });
+                self.answer(origin, answer, None);
+            }
             self.run_waiting(run);
             return;
         }
@@ -324,22 +337,22 @@ impl Shard {
                 slot.restarts = 0;
                 slot.async_tries = 0;
                 slot.phase = Phase::Ready(Box::new(m));
-                let resuming = !slot.resuming.is_empty();
-                if marker.is_some() || resuming {
+                let was_parked = marker.is_some();
+                if was_parked {
                     // It fits the code now: clear the marker and drive the
                     // work its parking dropped (timers, attempts, messages).
                     self.set_marker(run, None);
                     self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
-                    let slot = self.runs.get_mut(&run).expect("checked above");
-                    for origin in std::mem::take(&mut slot.resuming) {
-                        let answer = Answer::Resumed(Resumed {
-                            run,
-                            was_parked: true,
-                            fits: true,
-                            reason: None,
-                        });
-                        self.answer(origin, answer, None);
-                    }
+                }
+                let slot = self.runs.get_mut(&run).expect("checked above");
+                for origin in std::mem::take(&mut slot.resuming) {
+                    let answer = Answer::Resumed(Resumed {
+                        run,
+                        was_parked,
+                        fits: true,
+                        reason: None,
+                    });
+                    self.answer_after_marker(run, origin, answer);
                 }
                 self.run_waiting(run);
             }
@@ -596,7 +609,9 @@ impl Shard {
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
         };
-        if matches!(slot.phase, Phase::Idle) && !slot.waiting.is_empty() {
+        if matches!(slot.phase, Phase::Idle)
+            && (!slot.waiting.is_empty() || !slot.resuming.is_empty())
+        {
             self.activate(run);
         } else if closed && slot.idle() {
             self.forget(run);
@@ -618,9 +633,53 @@ impl Shard {
         self.workflows.unbind_async(run);
         if let Some(waiters) = self.results.remove(&run) {
             for reply in waiters.into_values() {
-                self.reply(reply, Answer::Outcome(run, outcome.clone()), cause);
+                self.answer_outcome(run, outcome.clone(), reply, cause);
             }
         }
+    }
+
+    /// Tells a client `run`'s outcome. A continue-as-new is told only once
+    /// the next run exists, so that a client following it finds it: the
+    /// hand-off that starts it is delivered after the closing commit.
+    fn answer_outcome(&mut self, run: RunId, outcome: Outcome, reply: ReplyTo, cause: Cause) {
+        let Outcome::ContinuedAsNew(next) = outcome else {
+            return self.reply(reply, Answer::Outcome(run, outcome), cause);
+        };
+        let token = self.token();
+        self.continuing.insert(token, (run, next, reply, 0));
+        self.continuation_check(token);
+    }
+
+    pub(super) fn continuation_check(&mut self, token: Token) {
+        let Some(&(_, next, _, _)) = self.continuing.get(&token) else {
+            return;
+        };
+        self.read(ReadQuery::RunMeta(next), ReadFor::Continuation(token));
+    }
+
+    pub(super) fn continuation_read(
+        &mut self,
+        token: Token,
+        result: Result<ReadResult, StoreError>,
+    ) {
+        let Some((run, next, reply, checks)) = self.continuing.remove(&token) else {
+            return;
+        };
+        let answer = match result {
+            Ok(ReadResult::RunMeta(Some(_))) => Answer::Outcome(run, Outcome::ContinuedAsNew(next)),
+            Ok(ReadResult::RunMeta(None)) if checks < CONTINUATION_CHECKS_MAX => {
+                self.continuing
+                    .insert(token, (run, next, reply, checks + 1));
+                let at = self.now.plus_ms(CONTINUATION_CHECK_MS);
+                self.due.push(at, Due::Continuation(token));
+                return;
+            }
+            Ok(_) => Answer::Retry(format!(
+                "run {run} continued as run {next}, which has not started yet"
+            )),
+            Err(e) => Answer::Retry(format!("run {next} unreadable: {e}")),
+        };
+        self.reply(reply, answer, None);
     }
 
     /// Parks a run: its marker is committed, everything waiting on it hears
@@ -749,7 +808,17 @@ impl Shard {
         };
         // Registered before the read: a close answered meanwhile reaches it.
         let token = self.token();
-        self.results.entry(run).or_default().insert(token, reply);
+        let waiters = self.results.entry(run).or_default();
+        if waiters.len() >= RESULT_WAITERS_PER_RUN_MAX {
+            let why = format!("{RESULT_WAITERS_PER_RUN_MAX} clients wait for run {run}'s result");
+            self.reply(reply, Answer::Retry(why), None);
+            return;
+        }
+        if waiters.len() == RESULT_WAITERS_PER_RUN_MAX * 4 / 5 {
+            tracing::warn!(run_id = %run, waiters = waiters.len(),
+                limit = RESULT_WAITERS_PER_RUN_MAX, "many clients wait for this run's result");
+        }
+        waiters.insert(token, reply);
         self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
     }
 
@@ -779,7 +848,10 @@ impl Shard {
         if waiters.is_empty() {
             self.results.remove(&run);
         }
-        self.reply(reply, answer, None);
+        match answer {
+            Answer::Outcome(run, outcome) => self.answer_outcome(run, outcome, reply, None),
+            answer => self.reply(reply, answer, None),
+        }
     }
 
     // ---- describe -------------------------------------------------------

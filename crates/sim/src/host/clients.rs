@@ -1,12 +1,22 @@
 //! The simulated clients: each starts its instance, then sends its planned
-//! signals and cancels, retrying with the same command id until answered.
-//! Requests go to the shard their target routes to, as a real client's do.
+//! signals and cancels, retrying with the same command id until answered,
+//! waits for the outcome (following continue-as-new) and describes its
+//! instance once. Requests go to the shard their target routes to, as a
+//! real client's do.
+//!
+//! The clients are also probes: what a client is told must already be
+//! durable, so every outcome and description answered is checked against
+//! the synced store, and a request no answer ever reaches is a violation.
 
 use keel_core::driver::{Answer, Refusal, Request, RequestId, ReusePolicy, ShardInput};
-use keel_storage::{CommandId, InstanceId, Payload, RunId};
+use keel_storage::{CommandId, InstanceId, Outcome, Payload, RunId};
 use rand::RngExt;
 
-use super::{Ev, OpRef, World, CLIENT_TIMEOUT_MS_MAX, CLIENT_TRIES_MAX};
+use super::{
+    Ev, OpRef, World, CLIENT_TIMEOUT_MS_MAX, CLIENT_TRIES_MAX, DESCRIBE_AFTER_MS_MAX,
+    RESULT_WAIT_MS,
+};
+use crate::check::{Violation, ViolationKind};
 use crate::fault::FaultKind;
 use crate::workload::ClientOpKind;
 
@@ -14,8 +24,10 @@ impl World<'_> {
     pub(super) fn client_done(&self, plan: usize, op: OpRef) -> bool {
         let c = &self.clients[plan];
         match op {
-            None => c.started,
-            Some(i) => c.done[i],
+            OpRef::Start => c.started,
+            OpRef::Planned(i) => c.done[i],
+            OpRef::Result => c.result.is_some(),
+            OpRef::Describe => c.described,
         }
     }
 
@@ -25,6 +37,11 @@ impl World<'_> {
         }
         if try_no >= CLIENT_TRIES_MAX {
             self.log(format_args!("client {plan} {op:?} gives up"));
+            let detail = format!(
+                "client of {} sent {op:?} {try_no} times without an answer it could use",
+                self.setup.workload.plans()[plan].instance
+            );
+            self.violation(ViolationKind::RequestUnanswered, detail);
             return;
         }
         self.clients[plan].tries.insert(op, try_no);
@@ -40,7 +57,10 @@ impl World<'_> {
             shard,
             ShardInput::Request { id, request },
         );
-        let timeout = self.ms(50, CLIENT_TIMEOUT_MS_MAX);
+        let timeout = match op {
+            OpRef::Result => RESULT_WAIT_MS,
+            _ => self.ms(50, CLIENT_TIMEOUT_MS_MAX),
+        };
         self.at(self.now + timeout, Ev::ClientTimeout { plan, op, try_no });
     }
 
@@ -48,7 +68,7 @@ impl World<'_> {
         let p = &self.setup.workload.plans()[plan];
         let instance = p.instance.clone();
         match op {
-            None => {
+            OpRef::Start => {
                 let h = self.plan_hash(plan);
                 let run = RunId::from_u64_pair(h, u64::from(try_no) + 1);
                 self.names.insert(run, format!("{instance}#{try_no}"));
@@ -64,7 +84,11 @@ impl World<'_> {
                     random_seed: h.rotate_left(17),
                 }
             }
-            Some(i) => match &p.ops[i].kind {
+            OpRef::Result => Request::Result {
+                target: self.clients[plan].result_target.clone(),
+            },
+            OpRef::Describe => Request::Describe { target: instance },
+            OpRef::Planned(i) => match &p.ops[i].kind {
                 ClientOpKind::Signal {
                     name,
                     payload,
@@ -105,38 +129,137 @@ impl World<'_> {
         if self.client_done(plan, op) {
             return;
         }
-        let (ok, retry) = match &answer {
-            Answer::Committed
-            | Answer::Started(_)
-            | Answer::Existing(_)
-            | Answer::Duplicate
-            | Answer::Outcome(..)
-            | Answer::Refused(Refusal::AlreadyClosed { .. })
-            | Answer::Refused(Refusal::RunClosed(_)) => (true, false),
-            Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => (false, true),
-            _ => (false, false),
-        };
         self.log(format_args!(
             "client {plan} {op:?} try {try_no} answered {answer:?}"
         ));
-        if ok {
-            match op {
-                None => {
+        let done = match op {
+            OpRef::Result => self.result_answered(plan, try_no, &answer),
+            OpRef::Describe => self.describe_answered(plan, &answer),
+            OpRef::Start | OpRef::Planned(_) => match &answer {
+                Answer::Committed
+                | Answer::Started(_)
+                | Answer::Existing(_)
+                | Answer::Duplicate
+                | Answer::Refused(Refusal::AlreadyClosed { .. })
+                | Answer::Refused(Refusal::RunClosed(_)) => Some(true),
+                Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => Some(false),
+                _ => None,
+            },
+        };
+        match done {
+            Some(true) => match op {
+                OpRef::Start => {
                     self.clients[plan].started = true;
                     self.schedule_ops(plan);
                 }
-                Some(i) => self.clients[plan].done[i] = true,
+                OpRef::Planned(i) => self.clients[plan].done[i] = true,
+                OpRef::Result | OpRef::Describe => {}
+            },
+            Some(false) if self.clients[plan].tries.get(&op) == Some(&try_no) => {
+                self.at(
+                    self.now + 20,
+                    Ev::ClientSend {
+                        plan,
+                        op,
+                        try_no: try_no + 1,
+                    },
+                );
             }
-        } else if retry && self.clients[plan].tries.get(&op) == Some(&try_no) {
+            _ => {}
+        }
+    }
+
+    /// An answer to the client's `result` request. An outcome must be the
+    /// run's durable one; a continue-as-new is followed to the next run.
+    /// `Some(true)`: done; `Some(false)`: ask again; `None`: ignored.
+    fn result_answered(&mut self, plan: usize, try_no: u32, answer: &Answer) -> Option<bool> {
+        let (run, outcome) = match answer {
+            Answer::Outcome(run, outcome) => (*run, outcome.clone()),
+            Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => return Some(false),
+            other => {
+                let detail = format!(
+                    "result of {}: unexpected answer {other:?}",
+                    self.clients[plan].result_target
+                );
+                self.violation(ViolationKind::WrongAnswer, detail);
+                return None;
+            }
+        };
+        let durable = self
+            .store
+            .reader()
+            .run_meta(run)
+            .ok()
+            .flatten()
+            .and_then(|m| m.outcome);
+        if durable.as_ref() != Some(&outcome) {
+            let detail = format!(
+                "result of run {}: answered {outcome:?}, durable {durable:?}",
+                self.name(run)
+            );
+            self.violation(ViolationKind::WrongAnswer, detail);
+            return None;
+        }
+        if let Outcome::ContinuedAsNew(next) = outcome {
+            self.clients[plan].result_target = next.to_string();
             self.at(
-                self.now + 20,
+                self.now,
                 Ev::ClientSend {
                     plan,
-                    op,
+                    op: OpRef::Result,
                     try_no: try_no + 1,
                 },
             );
+            return None;
         }
+        self.clients[plan].result = Some(outcome);
+        Some(true)
+    }
+
+    /// An answer to the client's describe: what it reports must be durable
+    /// (no event the store has not synced, no status it has not reached).
+    fn describe_answered(&mut self, plan: usize, answer: &Answer) -> Option<bool> {
+        let d = match answer {
+            Answer::Described(d) => d,
+            Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => return Some(false),
+            other => {
+                let detail = format!(
+                    "describe of {}: unexpected answer {other:?}",
+                    self.setup.workload.plans()[plan].instance
+                );
+                self.violation(ViolationKind::WrongAnswer, detail);
+                return None;
+            }
+        };
+        let reader = self.store.reader();
+        let durable_len = reader
+            .history(d.run_id)
+            .map(|h| h.len() as u64)
+            .unwrap_or(0);
+        let durable_status = reader.run_meta(d.run_id).ok().flatten().map(|m| m.status);
+        let status_durable = !d.status.is_closed() || durable_status == Some(d.status);
+        if d.history_len > durable_len || !status_durable {
+            let detail = format!(
+                "describe of run {}: answered {} events and status {:?}; durable {} events, {:?}",
+                self.name(d.run_id),
+                d.history_len,
+                d.status,
+                durable_len,
+                durable_status
+            );
+            self.violation(ViolationKind::WrongAnswer, detail);
+            return None;
+        }
+        self.clients[plan].described = true;
+        Some(true)
+    }
+
+    fn violation(&mut self, kind: ViolationKind, detail: String) {
+        self.checker.violations.push(Violation {
+            kind,
+            at_ms: self.now,
+            detail,
+        });
     }
 
     fn schedule_ops(&mut self, plan: usize) {
@@ -150,11 +273,28 @@ impl World<'_> {
                 at,
                 Ev::ClientSend {
                     plan,
-                    op: Some(i),
+                    op: OpRef::Planned(i),
                     try_no: 0,
                 },
             );
         }
+        self.at(
+            self.now,
+            Ev::ClientSend {
+                plan,
+                op: OpRef::Result,
+                try_no: 0,
+            },
+        );
+        let describe_at = self.now + self.ms(0, DESCRIBE_AFTER_MS_MAX);
+        self.at(
+            describe_at,
+            Ev::ClientSend {
+                plan,
+                op: OpRef::Describe,
+                try_no: 0,
+            },
+        );
         // A signal or cancel the workflow ignores, at an arbitrary point.
         if self.fault(FaultKind::StrayCommand) {
             let p = &self.setup.workload.plans()[plan];

@@ -86,8 +86,25 @@ const ATTEMPT_FAULTS_MAX: u32 = keel_core::driver::LEASE_REDELIVERIES_MAX - 1;
 /// default is a minute; a second keeps simulated expiries cheap).
 const LEASE_MS: u64 = 1_000;
 
-/// Which client request: the start, or planned op `i`.
-type OpRef = Option<usize>;
+/// A client's `result` request waits this long for the run to close
+/// before it asks again (the wait is lost when the engine crashes).
+const RESULT_WAIT_MS: u64 = 5_000;
+/// A client describes its instance once, at most this long after its start
+/// was answered.
+const DESCRIBE_AFTER_MS_MAX: u64 = 3_000;
+
+/// Which client request.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum OpRef {
+    /// The start.
+    Start,
+    /// Planned signal or cancel `i`.
+    Planned(usize),
+    /// Waiting for the outcome (following continue-as-new).
+    Result,
+    /// One describe, at a random point of the run.
+    Describe,
+}
 
 /// Everything that happens at a point of virtual time.
 #[derive(Debug)]
@@ -194,6 +211,12 @@ struct Process {
 struct Client {
     started: bool,
     done: Vec<bool>,
+    /// The outcome the client was answered (after following every
+    /// continue-as-new).
+    result: Option<Outcome>,
+    /// The run or instance its `result` request asks about now.
+    result_target: String,
+    described: bool,
     tries: BTreeMap<OpRef, u32>,
 }
 
@@ -280,6 +303,7 @@ impl<'a> World<'a> {
             .iter()
             .map(|p| Client {
                 done: vec![false; p.ops.len()],
+                result_target: p.instance.clone(),
                 ..Client::default()
             })
             .collect();
@@ -439,7 +463,7 @@ impl<'a> World<'a> {
                 at,
                 Ev::ClientSend {
                     plan: i,
-                    op: None,
+                    op: OpRef::Start,
                     try_no: 0,
                 },
             );
@@ -495,10 +519,9 @@ impl<'a> World<'a> {
     fn quiescent(&self) -> bool {
         self.process.up
             && self.process.group.is_empty()
-            && self
-                .clients
-                .iter()
-                .all(|c| c.started && c.done.iter().all(|d| *d))
+            && self.clients.iter().all(|c| {
+                c.started && c.done.iter().all(|d| *d) && c.result.is_some() && c.described
+            })
             && self
                 .store
                 .store()
