@@ -385,6 +385,48 @@ fn runs_of_one_instance_started_in_the_same_millisecond_verify_clean() {
     });
 }
 
+#[test]
+fn a_new_start_after_a_close_in_the_same_millisecond_verifies_clean() {
+    // Two runs of one instance with no continue-as-new between them: the
+    // first closes and a client starts the second in the same millisecond.
+    // The second's id sorts first, so an order by clock and id folds it
+    // first (and reports the instance as "differs"). The second start
+    // records the run it follows; verify folds along that link.
+    for_each_store(|store| {
+        let first = RunId::from_u64_pair(9, 9);
+        let second = RunId::from_u64_pair(1, 1);
+        commit(
+            store,
+            first,
+            vec![
+                ev(1, 700, started(first, "again", "wf")),
+                ev(2, 700, workflow_completed()),
+            ],
+        )
+        .unwrap();
+        let mut start = started(second, "again", "wf");
+        if let EventKind::WorkflowStarted { previous_run, .. } = &mut start {
+            *previous_run = Some(first);
+        }
+        commit(store, second, vec![ev(1, 700, start)]).unwrap();
+        commit(store, second, vec![ev(2, 700, workflow_completed())]).unwrap();
+        assert_clean(&store.verify().unwrap(), 2, 4);
+        // A start decided against a run that is no longer the instance's
+        // is refused, naming both.
+        let third = RunId::from_u64_pair(5, 5);
+        let mut stale = started(third, "again", "wf");
+        if let EventKind::WorkflowStarted { previous_run, .. } = &mut stale {
+            *previous_run = Some(first);
+        }
+        let err = commit(store, third, vec![ev(1, 701, stale)]).unwrap_err();
+        assert!(
+            matches!(err, keel_storage::Error::InstanceMoved { expected, found: Some(f), .. }
+                if expected == first && f == second),
+            "{err}"
+        );
+    });
+}
+
 /// Flips a byte in the last event of `run` (a MemStore).
 fn corrupt_last_event(store: &MemStore, run: RunId) -> u64 {
     let last = store.run_meta(run).unwrap().unwrap().next_seq.0 - 1;
