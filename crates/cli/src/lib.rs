@@ -24,6 +24,7 @@ pub mod output;
 #[doc(hidden)]
 pub mod replay_bench;
 pub mod replay_cmd;
+pub mod resume_cmd;
 mod table;
 mod verify;
 
@@ -77,6 +78,10 @@ pub enum Command {
     /// Replay histories (bundles, runs by id, or every open run) against
     /// the workflow code of this build; exit 1 on any divergence.
     Replay(replay_cmd::ReplayArgs),
+    /// Re-check a parked run against this build's code and unpark it if its
+    /// history replays (offline: no engine may hold --data); exit 1 if it
+    /// still does not fit.
+    Resume(resume_cmd::ResumeArgs),
 }
 
 /// Runs one command and returns its exit code. Errors are printed to
@@ -90,6 +95,7 @@ pub fn run(command: Command, registry: &WorkflowRegistry) -> ExitCode {
         Command::Export(args) => inspect::export(args),
         Command::Checkpoint(args) => inspect::checkpoint(args),
         Command::Replay(args) => replay_cmd::run(args, registry),
+        Command::Resume(args) => resume_cmd::run(args, registry),
     };
     finish(result)
 }
@@ -174,7 +180,7 @@ struct ToolCli {
 
 /// The `keel` inspection and replay tool over your own workflows: parses
 /// the command line (`list`, `show`, `describe`, `verify`, `export`,
-/// `checkpoint`, `replay`) and runs it with `registry` as the code that
+/// `checkpoint`, `replay`, `resume`) and runs it with `registry` as the code that
 /// `replay` checks. Call it from your binary's `main`.
 pub fn main_with(registry: WorkflowRegistry) -> ExitCode {
     let cli = ToolCli::parse();

@@ -31,7 +31,7 @@ pub(crate) struct SimArgs {
     /// with a fixed probability (`engine-crash=0.02`). Kinds: lease-expiry,
     /// redelivery, duplicate-result, late-result, reorder, worker-crash,
     /// outbox-redelivery, timer-skew, commit-failure, engine-crash,
-    /// activity-failure, stray-command.
+    /// activity-failure, stray-command, silent-worker, slow-attempt.
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
     /// Workflows per seed (the default mix).

@@ -1,0 +1,107 @@
+//! `keel resume ID`: re-checks a parked run against the workflow code of
+//! this build, offline, on a data directory no engine holds. If the run's
+//! history replays, its park marker is cleared, and the engine that opens
+//! the directory next drives the run again (its timers, attempts and
+//! messages are recovered from their intent rows). If not, it stays parked
+//! and the divergence is printed. Beside a live engine, call
+//! `client.resume(id)` in the application instead: the engine holds the
+//! directory and resumes the run itself.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use keel::replay::{ReplayOutcome, Replayer};
+use keel::WorkflowRegistry;
+use keel_storage::{CommitBatch, Durability, Error as StoreError, RocksStore, Store};
+
+use crate::bad_input;
+use crate::table::to_stdout;
+
+/// Arguments of `keel resume`.
+#[derive(clap::Args, Debug)]
+pub struct ResumeArgs {
+    /// The run's id or its instance's id.
+    pub id: String,
+    /// The data directory (opened read-write: no engine may hold it).
+    #[arg(long, default_value = "keel-data")]
+    pub data: PathBuf,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct ResumeOut {
+    run_id: String,
+    instance_id: String,
+    was_parked: bool,
+    fits: bool,
+    reason: Option<String>,
+}
+
+pub(crate) fn run(args: ResumeArgs, registry: &WorkflowRegistry) -> anyhow::Result<ExitCode> {
+    let store = match RocksStore::open(&args.data, Durability::Sync) {
+        Ok(s) => s,
+        Err(StoreError::Locked { path }) => {
+            return Err(bad_input(format!(
+                "{} is held by a running engine: resume the run there (client.resume({:?}))",
+                path.display(),
+                args.id
+            )))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let run = store
+        .resolve(&args.id)?
+        .ok_or_else(|| bad_input(format!("unknown instance or run {:?}", args.id)))?;
+    let marker = store.parked(run)?;
+    let report = Replayer::new(registry.clone()).replay_id(&store, &run.to_string())?;
+    let (fits, reason) = match &report.outcome {
+        ReplayOutcome::Ok => (true, None),
+        other => (false, Some(format!("{}: {other:?}", other.kind()))),
+    };
+    if fits && marker.is_some() {
+        store
+            .commit(CommitBatch {
+                appends: Vec::new(),
+                parked: vec![(run, None)],
+            })
+            .wait()?;
+    }
+    let out = ResumeOut {
+        run_id: run.to_string(),
+        instance_id: report.instance_id.clone(),
+        was_parked: marker.is_some(),
+        fits,
+        reason,
+    };
+    to_stdout(|w| {
+        if args.json {
+            return writeln!(w, "{}", serde_json::to_string(&out)?);
+        }
+        match (out.was_parked, out.fits) {
+            (true, true) => writeln!(
+                w,
+                "run {} ({}) fits this build: unparked; the next engine start drives it",
+                out.run_id, out.instance_id
+            ),
+            (false, true) => writeln!(
+                w,
+                "run {} ({}) is not parked, and its history replays",
+                out.run_id, out.instance_id
+            ),
+            (_, false) => writeln!(
+                w,
+                "run {} ({}) still does not fit this build; it stays parked: {}",
+                out.run_id,
+                out.instance_id,
+                out.reason.as_deref().unwrap_or("")
+            ),
+        }
+    })?;
+    Ok(if fits {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
