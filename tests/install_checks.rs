@@ -1,0 +1,86 @@
+//! Goal: the quick start's install step decides "libclang present" the way
+//! RocksDB's build decides it, so a fresh machine gets libclang-dev
+//! installed and a machine that has it is left alone.
+//!
+//! Method: build fake filesystem roots in a temporary directory, holding
+//! the files a Debian machine would have in each situation, and run the
+//! real `keel_libclang_found` function from `scripts/libclang.sh` against
+//! each root. The case that broke the last quick start is the first one: a
+//! machine with only `libclang-cpp.so.N` (installed with other LLVM
+//! packages) and no `libclang.so.N` must count as missing.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+fn touch(root: &Path, rel: &str) {
+    let path = root.join(rel);
+    fs::create_dir_all(path.parent().expect("a file has a parent")).expect("mkdir");
+    fs::write(&path, b"").expect("write");
+}
+
+/// Runs the detection on `root`; true when it reports libclang usable.
+fn found(root: &Path) -> bool {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/libclang.sh");
+    let status = Command::new("bash")
+        .arg("-c")
+        .arg(r#"source "$1"; keel_libclang_found "$2""#)
+        .arg("bash")
+        .arg(&script)
+        .arg(root)
+        // The real machine's override must not leak into the fake roots.
+        .env_remove("LIBCLANG_PATH")
+        .status()
+        .expect("bash runs");
+    status.success()
+}
+
+const HEADER: &str = "usr/lib/llvm-14/lib/clang/14.0.6/include/stddef.h";
+
+#[test]
+fn only_libclang_cpp_counts_as_missing() {
+    let root = tempfile::tempdir().unwrap();
+    touch(root.path(), "usr/lib/x86_64-linux-gnu/libclang-cpp.so.14");
+    touch(root.path(), "usr/lib/llvm-14/lib/libclang-cpp.so.14");
+    touch(root.path(), HEADER);
+    assert!(!found(root.path()), "libclang-cpp is not libclang");
+}
+
+#[test]
+fn an_empty_machine_counts_as_missing() {
+    let root = tempfile::tempdir().unwrap();
+    assert!(!found(root.path()));
+}
+
+#[test]
+fn the_library_without_clang_headers_counts_as_missing() {
+    // libclang1 alone (no libclang-dev): bindgen would fail on stddef.h.
+    let root = tempfile::tempdir().unwrap();
+    touch(root.path(), "usr/lib/llvm-14/lib/libclang.so.1");
+    assert!(!found(root.path()));
+}
+
+#[test]
+fn libclang_dev_as_debian_installs_it_is_found() {
+    let root = tempfile::tempdir().unwrap();
+    touch(root.path(), "usr/lib/llvm-14/lib/libclang-14.so.1");
+    touch(root.path(), "usr/lib/llvm-14/lib/libclang.so.1");
+    touch(root.path(), "usr/lib/llvm-14/lib/libclang-cpp.so.14");
+    touch(root.path(), HEADER);
+    assert!(found(root.path()));
+}
+
+#[test]
+fn every_name_clang_sys_accepts_is_found() {
+    for name in [
+        "usr/lib/x86_64-linux-gnu/libclang.so",
+        "usr/lib/x86_64-linux-gnu/libclang-15.so",
+        "usr/local/lib/libclang.so.13",
+        "usr/lib/libclang-16.so.16",
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        touch(root.path(), name);
+        touch(root.path(), HEADER);
+        assert!(found(root.path()), "{name} should count as libclang");
+    }
+}
