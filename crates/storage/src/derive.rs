@@ -146,12 +146,25 @@ pub struct Checks {
     /// Refuse a second terminal event for a durable id (and a result for an
     /// attempt that is no longer pending).
     pub duplicate_terminals: bool,
+    /// Refuse a run's start whose decision is out of date: it names the
+    /// run it was decided against (`previous_run`, `None` for an instance
+    /// that had none) and the instance has another run now.
+    pub stale_starts: bool,
 }
 
 impl Checks {
     /// Every check on: the production setting.
     pub const ALL: Checks = Checks {
         duplicate_terminals: true,
+        stale_starts: true,
+    };
+
+    /// Re-deriving state from committed events (`verify`, migration):
+    /// schema-1 histories did not record what a start was decided
+    /// against, so that check is left to the commit that wrote them.
+    pub const REDERIVE: Checks = Checks {
+        duplicate_terminals: true,
+        stale_starts: false,
     };
 }
 
@@ -569,18 +582,17 @@ fn derive_event(
                 });
             }
         }
-        // A start decided against the instance's run at the time (the
-        // reuse policy, continue-as-new) is refused if another run took the
-        // instance meanwhile.
-        if let Some(previous) = previous_run {
-            let found = current.as_ref().map(|c| c.current_run);
-            if found != Some(*previous) {
-                return Err(Error::InstanceMoved {
-                    instance: instance_id.clone(),
-                    expected: *previous,
-                    found,
-                });
-            }
+        // A start is decided against the instance's run at the time (none,
+        // or a closed one the reuse policy lets go, or the run continuing
+        // as new); it is refused if another run took the instance
+        // meanwhile, even one that has closed since.
+        let found = current.as_ref().map(|c| c.current_run);
+        if checks.stale_starts && found != *previous_run {
+            return Err(Error::InstanceMoved {
+                instance: instance_id.clone(),
+                expected: *previous_run,
+                found,
+            });
         }
         if continued_from.is_some() {
             out.delete(Cf::Outbox, keys::outbox_continue_key(run));

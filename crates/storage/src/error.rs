@@ -90,12 +90,13 @@ pub enum Error {
     },
     /// A start decided against an instance's run when another run has
     /// taken the instance since; nothing was written.
-    #[error("instance {instance} moved on: the start follows run {expected}, the instance's run is {found:?}")]
+    #[error("instance {instance} moved on: the start was decided against run {expected:?}, the instance's run is {found:?}")]
     InstanceMoved {
         /// The instance.
         instance: InstanceId,
-        /// The run the start was decided against.
-        expected: RunId,
+        /// The run the start was decided against (`None`: the instance had
+        /// no run then).
+        expected: Option<RunId>,
         /// The instance's run now.
         found: Option<RunId>,
     },

@@ -3,15 +3,17 @@
 //! Two passes over the events: the first checks every record (envelope,
 //! checksum, seq in key equals seq in record, contiguity from 1) run by run;
 //! the second folds each sound run's events, oldest run first, through the
-//! same [`apply_append`] the commit path uses, into fresh column families,
-//! then compares those with the stored derived families key by key.
+//! same `apply_append_checked` the commit path uses (without the check of
+//! a start's decision, which only the commit that made it can judge), into
+//! fresh column families, then compares those with the stored derived
+//! families key by key.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
 use crate::codec::{self, RecordKind};
-use crate::derive::apply_append;
+use crate::derive::{apply_append_checked, Checks};
 use crate::error::{Error, Result};
 use crate::event::{Event, EventKind};
 use crate::ids::{RunId, Seq, Timestamp};
@@ -300,7 +302,7 @@ fn rebuild_inner(view: &dyn KvRead) -> Result<(Rebuilt, BTreeSet<RunId>, Report)
         for (event, bytes) in events {
             let seq = event.seq;
             let mut overlay = Overlay::new(&rebuilt);
-            match apply_append(&mut overlay, *run, &[event], &[bytes]) {
+            match apply_append_checked(&mut overlay, *run, &[event], &[bytes], Checks::REDERIVE) {
                 Ok(_) => {
                     let writes = overlay.into_writes();
                     for ((cf, k), v) in writes {

@@ -131,7 +131,11 @@ fn second_start_of_an_open_instance_is_refused() {
         commit(
             store,
             b_run,
-            vec![ev(1, 9_000, started(b_run, "order-1", "checkout"))],
+            vec![ev(
+                1,
+                9_000,
+                started_after(b_run, "order-1", "checkout", a.run),
+            )],
         )
         .unwrap();
         let inst = store

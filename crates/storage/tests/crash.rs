@@ -168,7 +168,7 @@ fn crash_between_runs_of_one_instance_keeps_instance_consistent() {
     store.sync().unwrap();
     a.commit(&store, vec![workflow_completed()]).unwrap();
     let mut b = RunBuilder::new(run_id(2), 500);
-    b.commit(&store, vec![started(b.run, "inst", "wf")])
+    b.commit(&store, vec![started_after(b.run, "inst", "wf", a.run)])
         .unwrap();
     store.crash(CrashMode::KeepUnsynced(1));
     let inst = store

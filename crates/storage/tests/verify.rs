@@ -373,7 +373,7 @@ fn runs_of_one_instance_started_in_the_same_millisecond_verify_clean() {
             ],
         )
         .unwrap();
-        let mut start_new = started(new, "loop", "wf");
+        let mut start_new = started_after(new, "loop", "wf", old);
         if let EventKind::WorkflowStarted { continued_from, .. } = &mut start_new {
             *continued_from = Some(old);
         }
@@ -421,7 +421,22 @@ fn a_new_start_after_a_close_in_the_same_millisecond_verifies_clean() {
         let err = commit(store, third, vec![ev(1, 701, stale)]).unwrap_err();
         assert!(
             matches!(err, keel_storage::Error::InstanceMoved { expected, found: Some(f), .. }
-                if expected == first && f == second),
+                if expected == Some(first) && f == second),
+            "{err}"
+        );
+        // So is one decided when the instance had no run, now that it has
+        // one, although that run has closed since (a client's retried
+        // start that read the instance before the first start was durable).
+        let fourth = RunId::from_u64_pair(6, 6);
+        let err = commit(
+            store,
+            fourth,
+            vec![ev(1, 702, started(fourth, "again", "wf"))],
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, keel_storage::Error::InstanceMoved { expected: None, found: Some(f), .. }
+                if f == second),
             "{err}"
         );
     });
@@ -466,7 +481,10 @@ fn broken_run_does_not_make_its_instance_or_outbox_look_wrong() {
     let mut new = RunBuilder::new(run_id(2), 200);
     new.commit(
         &store,
-        vec![started(new.run, "inst", "wf"), signal("s", b"x")],
+        vec![
+            started_after(new.run, "inst", "wf", old.run),
+            signal("s", b"x"),
+        ],
     )
     .unwrap();
     let seq = corrupt_last_event(&store, new.run);

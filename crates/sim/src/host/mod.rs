@@ -184,6 +184,10 @@ struct Copy {
     twin: bool,
     /// The worker it runs on.
     worker: usize,
+    /// A final attempt whose lease is its start-to-close limit: losing the
+    /// worker would fail it as a timeout with no retry left, changing the
+    /// outcome, so worker crashes spare it.
+    fragile: bool,
 }
 
 /// A commit written to the store and waiting for the group sync.

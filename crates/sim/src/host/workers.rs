@@ -201,6 +201,7 @@ impl World<'_> {
                 heartbeat_ms: order.heartbeat_ms,
                 twin,
                 worker,
+                fragile: !may_time_out && order.start_to_close_ms.is_some(),
             },
         );
         self.at(self.now + duration, Ev::WorkerDone { worker, life, copy });
@@ -278,9 +279,12 @@ impl World<'_> {
             .filter(|(_, c)| c.worker == worker)
             .map(|(id, _)| *id)
             .collect();
-        if victims.iter().any(|v| !self.may_fault(v.key, v.attempt)) {
+        let spared = |w: &Self, v: &CopyId| {
+            !w.may_fault(v.key, v.attempt) || w.process.copies.get(v).is_some_and(|c| c.fragile)
+        };
+        if victims.iter().any(|v| spared(self, v)) {
             self.log(format_args!(
-                "worker {worker} crash suppressed (attempt fault budget)"
+                "worker {worker} crash suppressed (attempt fault budget, or a final attempt a lost lease would fail)"
             ));
             return;
         }

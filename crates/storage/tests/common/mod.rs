@@ -41,6 +41,22 @@ pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
     }
 }
 
+/// A `WorkflowStarted` for `run` of `instance`, decided against the
+/// instance's earlier run `previous` (a new run after a close, or a
+/// continuation).
+pub fn started_after(
+    run: RunId,
+    instance: &str,
+    workflow_type: &str,
+    previous: RunId,
+) -> EventKind {
+    let mut kind = started(run, instance, workflow_type);
+    if let EventKind::WorkflowStarted { previous_run, .. } = &mut kind {
+        *previous_run = Some(previous);
+    }
+    kind
+}
+
 /// `ActivityScheduled` at `step` of `run`.
 pub fn scheduled(run: RunId, step: u32) -> EventKind {
     EventKind::ActivityScheduled {
