@@ -15,7 +15,7 @@ use keel::{
 };
 
 fn bundles() -> Vec<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/histories");
+    let dir = manifest_dir().join("tests/data/histories");
     let mut out: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
         .map(|e| e.expect("directory entry").path())
@@ -107,4 +107,14 @@ fn a_changed_workflow_diverges_on_every_golden_history() {
             other => panic!("{}: expected a divergence, got {other}", path.display()),
         }
     }
+}
+
+/// The package directory at run time. `cargo test` sets it for every test
+/// binary; the compile-time `env!` would name whichever clone compiled the
+/// binary, and clones sharing one target directory reuse each other's
+/// binaries when their sources match.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }

@@ -21,7 +21,7 @@ fn touch(root: &Path, rel: &str) {
 
 /// Runs the detection on `root`; true when it reports libclang usable.
 fn found(root: &Path) -> bool {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/libclang.sh");
+    let script = manifest_dir().join("scripts/libclang.sh");
     let status = Command::new("bash")
         .arg("-c")
         .arg(r#"source "$1"; keel_libclang_found "$2""#)
@@ -83,4 +83,14 @@ fn every_name_clang_sys_accepts_is_found() {
         touch(root.path(), HEADER);
         assert!(found(root.path()), "{name} should count as libclang");
     }
+}
+
+/// The package directory at run time. `cargo test` sets it for every test
+/// binary; the compile-time `env!` would name whichever clone compiled the
+/// binary, and clones sharing one target directory reuse each other's
+/// binaries when their sources match.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }

@@ -286,7 +286,7 @@ fn samples() -> Vec<Event> {
 }
 
 fn golden_dir_of(version: u16) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    manifest_dir()
         .join("../../tests/data/golden/events")
         .join(format!("v{version}"))
 }
@@ -450,4 +450,14 @@ fn write_golden() {
         std::fs::write(dir.join(format!("{}.bin", sample.kind.name())), bytes)
             .expect("write golden");
     }
+}
+
+/// The package directory at run time. `cargo test` sets it for every test
+/// binary; the compile-time `env!` would name whichever clone compiled the
+/// binary, and clones sharing one target directory reuse each other's
+/// binaries when their sources match.
+fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
