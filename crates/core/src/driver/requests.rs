@@ -179,6 +179,14 @@ impl Shard {
                 return self.answer_when_durable(run, origin, Answer::Existing(run));
             }
         }
+        // The first decision is optimistic: most starts are of a new
+        // instance (or continue the run they name), and the store refuses
+        // a start whose `previous_run` is not the instance's run (written,
+        // durable or not). Only a refused start reads the instance and is
+        // decided on what is durable.
+        if job.decisions == 1 {
+            return self.create(job);
+        }
         let instance = job.spec.instance_id.clone();
         self.read(
             ReadQuery::Instance(instance),
@@ -372,6 +380,10 @@ impl Shard {
                 if job.decisions < START_DECISIONS_MAX =>
             {
                 self.forget_failed_start(run);
+                if job.decisions == 1 {
+                    // The optimistic decision was wrong: decide on a read.
+                    return self.decide_start(job);
+                }
                 let at = self.now.plus_ms(Self::backoff(job.decisions));
                 self.due.push(at, super::Due::Start(Box::new(job)));
             }

@@ -819,7 +819,16 @@ impl Shard {
                 limit = RESULT_WAITERS_PER_RUN_MAX, "many clients wait for this run's result");
         }
         waiters.insert(token, reply);
-        self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
+        // A run in memory whose start is durable and that has not closed:
+        // its close answers the waiter, no read needed.
+        let open_here = self.runs.get(&run).is_some_and(|slot| {
+            matches!(slot.phase, Phase::Ready(_))
+                && !slot.closed
+                && !slot.inflight.iter().any(|i| i.start)
+        });
+        if !open_here {
+            self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
+        }
     }
 
     pub(super) fn result_read(
