@@ -25,6 +25,7 @@ use keel_storage::{Durability, Failure, LeaseEpoch, MemStore, RocksStore, Store,
 use parking_lot::Mutex;
 
 use crate::client::{Client, ClientCore, EngineError};
+use crate::readers::{ReadQueue, Readers};
 use crate::shard::{Counts, Feed, ShardActor, Stop};
 
 /// How long a shutdown waits for activity code to reach an await point.
@@ -198,6 +199,8 @@ pub(crate) struct Host {
     pub(crate) activities: ActivityRegistry,
     pub(crate) profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
     pub(crate) activity_rt: tokio::runtime::Handle,
+    /// Where the shards' store reads go (see [`crate::readers`]).
+    pub(crate) reads: ReadQueue,
     pub(crate) shards: OnceLock<Vec<Addr<ShardActor>>>,
     pub(crate) client: Arc<ClientCore>,
     pub(crate) copies: Mutex<HashMap<(AttemptKey, LeaseEpoch), CancelSignal>>,
@@ -229,6 +232,7 @@ pub struct Engine {
     system: Option<actix::System>,
     thread: Option<std::thread::JoinHandle<()>>,
     activity_rt: Option<tokio::runtime::Runtime>,
+    readers: Option<Readers>,
     workflows: WorkflowRegistry,
 }
 
@@ -266,6 +270,8 @@ impl Engine {
             .enable_all()
             .build()
             .map_err(keel_storage::Error::from)?;
+        let (reads, readers) =
+            Readers::start(activity_rt.handle().clone()).map_err(keel_storage::Error::from)?;
         let clock = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
@@ -278,6 +284,7 @@ impl Engine {
             activities,
             profiles,
             activity_rt: activity_rt.handle().clone(),
+            reads,
             shards: OnceLock::new(),
             client: client.clone(),
             copies: Mutex::new(HashMap::new()),
@@ -332,6 +339,7 @@ impl Engine {
             system: Some(system),
             thread: Some(thread),
             activity_rt: Some(activity_rt),
+            readers: Some(readers),
             workflows,
         })
     }
@@ -411,6 +419,7 @@ impl Engine {
             thread: self.thread.take(),
             activity_rt: self.activity_rt.take(),
             host: self.host.take(),
+            readers: self.readers.take(),
         }
     }
 }
@@ -421,6 +430,7 @@ struct Parts {
     thread: Option<std::thread::JoinHandle<()>>,
     activity_rt: Option<tokio::runtime::Runtime>,
     host: Option<Arc<Host>>,
+    readers: Option<Readers>,
 }
 
 impl Parts {
@@ -442,6 +452,12 @@ impl Parts {
             } else {
                 rt.shutdown_timeout(std::time::Duration::from_millis(ACTIVITY_SHUTDOWN_MS));
             }
+        }
+        // The shards are stopped, so nothing queues reads any more: the
+        // queued ones finish (their answers go nowhere) and no reader holds
+        // the store after this.
+        if let Some(readers) = self.readers.take() {
+            readers.join();
         }
         if let Some(host) = self.host.take() {
             let _ = host.store.sync();

@@ -12,9 +12,11 @@
 mod attempts;
 mod client;
 mod engine;
+mod readers;
 mod shard;
 
 pub use client::{Client, EngineError, StartOutcome, CLIENT_RETRIES_MAX};
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
+pub use readers::{READER_THREADS, READ_QUEUE_MAX};
 pub use shard::SHARD_MAILBOX_MAX;

@@ -83,10 +83,10 @@ impl ShardActor {
             Action::Read { token, query } => {
                 let store = self.host.store.clone();
                 let me = ctx.address();
-                self.host.activity_rt.spawn_blocking(move || {
+                self.host.reads.submit(Box::new(move || {
                     let result = query.perform(&*store);
                     me.do_send(Feed(ShardInput::Read { token, result }));
-                });
+                }));
             }
             Action::Commit { token, batch } => {
                 let answer = self.host.store.commit(batch);
