@@ -308,8 +308,17 @@ impl Client {
         reuse: ReusePolicy,
     ) -> Result<StartOutcome, EngineError> {
         check_size(&input)?;
+        // The run lives on the shard that resolves the instance's name, so
+        // this start and later requests naming the instance meet there.
+        let shards = self.core.shards.get().map_or(1, |s| s.len() as u16);
+        let home = keel_core::driver::shard_of_target(instance, shards);
         let request = Request::Start {
-            run_id: RunId::from_u64_pair(self.core.random(), self.core.random()),
+            run_id: keel_core::driver::run_id_on_shard(
+                self.core.random(),
+                self.core.random(),
+                home,
+                shards,
+            ),
             workflow_type: workflow_type.to_string(),
             instance: InstanceId::new(instance),
             input,
