@@ -186,8 +186,45 @@ pub fn apply_batch_checked(
     prepared: &PreparedBatch,
     checks: Checks,
 ) -> Result<(Writes, CommitAck)> {
+    let (writes, raw) = apply_batch_raw(base, prepared, checks)?;
+    Ok((writes, raw.decode()?))
+}
+
+/// A commit's answer before its intent rows are decoded: the single writer
+/// only copies the rows, and whoever answers the committer decodes them
+/// ([`RawAck::decode`]) off the writer's thread.
+#[derive(Debug)]
+pub struct RawAck {
+    appends: Vec<AppendAck>,
+    rows: Vec<(Cf, Vec<u8>, Option<Vec<u8>>)>,
+}
+
+impl RawAck {
+    /// The commit's answer, its intent rows decoded.
+    pub fn decode(self) -> Result<CommitAck> {
+        let mut ack = CommitAck {
+            appends: self.appends,
+            intents: Vec::with_capacity(self.rows.len()),
+            removed: Vec::new(),
+        };
+        for (cf, key, value) in &self.rows {
+            intent_of(*cf, key, value.as_deref(), &mut ack)?;
+        }
+        Ok(ack)
+    }
+}
+
+/// [`apply_batch_checked`] without decoding the intent rows.
+pub fn apply_batch_raw(
+    base: &dyn KvRead,
+    prepared: &PreparedBatch,
+    checks: Checks,
+) -> Result<(Writes, RawAck)> {
     let mut overlay = Overlay::new(base);
-    let mut ack = CommitAck::default();
+    let mut ack = RawAck {
+        appends: Vec::with_capacity(prepared.batch.appends.len()),
+        rows: Vec::new(),
+    };
     for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
         ack.appends.push(apply_append_checked(
             &mut overlay,
@@ -208,42 +245,49 @@ pub fn apply_batch_checked(
         }
     }
     let writes = overlay.into_writes();
-    intents_of(&writes, &mut ack)?;
+    // In key order, as the writes are (the column families' order).
+    for (cf, cf_rows) in [Cf::Timers, Cf::Outbox, Cf::Tasks].map(|cf| {
+        let rows = writes
+            .range((cf, Vec::new())..)
+            .take_while(move |((c, _), _)| *c == cf);
+        (cf, rows)
+    }) {
+        ack.rows
+            .extend(cf_rows.map(|((_, k), v)| (cf, k.clone(), v.clone())));
+    }
     Ok((writes, ack))
 }
 
-/// The intent rows among a commit's writes.
-fn intents_of(writes: &Writes, ack: &mut CommitAck) -> Result<()> {
-    let corrupt = |cf: Cf, key: &[u8], source| Error::Corrupt {
+/// One intent row of a commit's writes, decoded into `ack`.
+fn intent_of(cf: Cf, key: &[u8], value: Option<&[u8]>, ack: &mut CommitAck) -> Result<()> {
+    let corrupt = |source| Error::Corrupt {
         cf: cf.name(),
         run: keys::run_prefix(key),
         seq: None,
         source,
     };
-    for ((cf, key), value) in writes {
-        match (cf, value) {
-            (Cf::Tasks, Some(v)) => ack.intents.push(Intent::Task(
-                codec::decode(RecordKind::Task, v).map_err(|e| corrupt(*cf, key, e))?,
-            )),
-            (Cf::Timers, Some(v)) => ack.intents.push(Intent::Timer(
-                codec::decode(RecordKind::Timer, v).map_err(|e| corrupt(*cf, key, e))?,
-            )),
-            (Cf::Outbox, Some(v)) => ack.intents.push(Intent::Outbox(
-                codec::decode(RecordKind::Outbox, v).map_err(|e| corrupt(*cf, key, e))?,
-            )),
-            (Cf::Tasks, None) => {
-                if let Some((run, step)) = keys::parse_run_step_key(key) {
-                    ack.removed.push(IntentKey::Task(run, step));
-                }
+    match (cf, value) {
+        (Cf::Tasks, Some(v)) => ack.intents.push(Intent::Task(
+            codec::decode(RecordKind::Task, v).map_err(corrupt)?,
+        )),
+        (Cf::Timers, Some(v)) => ack.intents.push(Intent::Timer(
+            codec::decode(RecordKind::Timer, v).map_err(corrupt)?,
+        )),
+        (Cf::Outbox, Some(v)) => ack.intents.push(Intent::Outbox(
+            codec::decode(RecordKind::Outbox, v).map_err(corrupt)?,
+        )),
+        (Cf::Tasks, None) => {
+            if let Some((run, step)) = keys::parse_run_step_key(key) {
+                ack.removed.push(IntentKey::Task(run, step));
             }
-            (Cf::Timers, None) => {
-                if let Some((run, step)) = key.get(8..).and_then(keys::parse_run_step_key) {
-                    ack.removed.push(IntentKey::Timer(run, step));
-                }
-            }
-            (Cf::Outbox, None) => ack.removed.push(IntentKey::Outbox(key.clone())),
-            _ => {}
         }
+        (Cf::Timers, None) => {
+            if let Some((run, step)) = key.get(8..).and_then(keys::parse_run_step_key) {
+                ack.removed.push(IntentKey::Timer(run, step));
+            }
+        }
+        (Cf::Outbox, None) => ack.removed.push(IntentKey::Outbox(key.to_vec())),
+        _ => {}
     }
     Ok(())
 }
