@@ -134,6 +134,9 @@ impl RocksStore {
     }
 
     fn open_mode(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
+        if mode == OpenMode::ReadWrite {
+            creation::prepare(path)?;
+        }
         let exists = path.exists();
         if !exists && mode != OpenMode::ReadWrite {
             return Err(Error::NotFound {
@@ -160,7 +163,8 @@ impl RocksStore {
         names.push("default".into());
         let existing = if path.join("CURRENT").exists() {
             let found = DB::list_cf(&opts, path)?;
-            if !found.iter().any(|n| n == Cf::Meta.name()) {
+            let unfinished = mode == OpenMode::ReadWrite && creation::unfinished(path, &found)?;
+            if !unfinished && !found.iter().any(|n| n == Cf::Meta.name()) {
                 return Err(Error::NotKeel {
                     path: path.to_path_buf(),
                     detail: "a RocksDB directory without keel's column families".into(),
@@ -180,8 +184,13 @@ impl RocksStore {
             OpenMode::ReadWrite => DB::open_cf_descriptors(&opts, path, cf_descriptors(&names)),
             OpenMode::ReadOnly => DB::open_cf_for_read_only(&opts, path, &names, false),
             OpenMode::Secondary => {
+                creation::remove_dead_secondaries();
                 let dir = tempfile::Builder::new()
-                    .prefix("keel-secondary")
+                    .prefix(&format!(
+                        "{}{}-",
+                        creation::SECONDARY_PREFIX,
+                        std::process::id()
+                    ))
                     .tempdir()?;
                 let db = DB::open_cf_as_secondary(&opts, path, dir.path(), &names);
                 secondary_dir = Some(dir);
@@ -834,5 +843,219 @@ mod tests {
             ),
         ])));
         assert!(!cache.known_empty(Cf::Children, run.as_bytes()));
+    }
+}
+
+/// Creating a data directory atomically. A new directory is built beside
+/// its final path under a name that says it is unfinished
+/// (`.NAME.keel-creating.PID`), complete with every column family and the
+/// store metadata, synced, and only then renamed into place: a process
+/// killed while creating leaves either nothing at the path or a complete
+/// directory, and the next read-write open removes the leftover. A
+/// directory left half-made by an older build (RocksDB files without all
+/// of keel's column families and without any data) is completed by the
+/// next read-write open instead of being refused.
+mod creation {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    /// Marks a directory that is still being created.
+    const CREATING_MARK: &str = ".keel-creating.";
+
+    /// Makes sure a read-write open of `path` finds either nothing usable
+    /// to create in place or a complete directory.
+    pub(super) fn prepare(path: &Path) -> Result<()> {
+        let (parent, name) = match (path.parent(), path.file_name()) {
+            (Some(p), Some(n)) => (
+                if p.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    p
+                },
+                n.to_string_lossy().into_owned(),
+            ),
+            _ => return Ok(()),
+        };
+        if !parent.is_dir() {
+            std::fs::create_dir_all(parent)?;
+        }
+        remove_leftovers(parent, &name)?;
+        if path.is_dir() && !path.join("CURRENT").exists() && rocksdb_debris_only(path)? {
+            // An older build killed before RocksDB wrote CURRENT: nothing
+            // could have been committed yet.
+            tracing::warn!(path = %path.display(),
+                "recreating a data directory whose creation was interrupted (it holds no data)");
+            for entry in std::fs::read_dir(path)? {
+                std::fs::remove_file(entry?.path())?;
+            }
+        }
+        let empty_dir = path.is_dir() && std::fs::read_dir(path)?.next().is_none();
+        if path.exists() && !empty_dir {
+            return Ok(());
+        }
+        let building = parent.join(format!(".{name}{CREATING_MARK}{}", std::process::id()));
+        if building.exists() {
+            std::fs::remove_dir_all(&building)?;
+        }
+        if let Err(e) = create_private_dir(&building) {
+            if e.kind() == std::io::ErrorKind::PermissionDenied && empty_dir {
+                // The parent is not ours to write in (an empty directory
+                // made for keel under a root-owned one): create in place,
+                // not atomically, as RocksDB would.
+                tracing::warn!(path = %path.display(),
+                    "cannot create beside the data directory; creating it in place");
+                return Ok(());
+            }
+            return Err(e.into());
+        }
+        {
+            let opts = db_options(OpenMode::ReadWrite);
+            let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
+            names.push("default".into());
+            let db = DB::open_cf_descriptors(&opts, &building, cf_descriptors(&names))
+                .map_err(|e| map_open_error(&building, e))?;
+            check_or_init_meta(&db, &building, OpenMode::ReadWrite)?;
+            db.flush_wal(true)?;
+        }
+        sync_dir(&building)?;
+        // Replaces an empty directory at `path` too (rename(2)).
+        if let Err(e) = std::fs::rename(&building, path) {
+            std::fs::remove_dir_all(&building)?;
+            // Another process created it first: open theirs.
+            let created = path.join("CURRENT").exists();
+            if !created {
+                return Err(e.into());
+            }
+        }
+        sync_dir(parent)?;
+        Ok(())
+    }
+
+    /// Removes directories an earlier creation of `NAME` left behind, unless
+    /// the process that was creating them still runs.
+    fn remove_leftovers(parent: &Path, name: &str) -> Result<()> {
+        let prefix = format!(".{name}{CREATING_MARK}");
+        for entry in std::fs::read_dir(parent)? {
+            let entry = entry?;
+            let file = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = file.strip_prefix(&prefix) else {
+                continue;
+            };
+            let ours = pid == std::process::id().to_string();
+            if ours || !process_alive(pid) {
+                tracing::info!(leftover = %entry.path().display(),
+                    "removing an unfinished data directory left by a killed creation");
+                std::fs::remove_dir_all(entry.path())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The name a secondary's own directory (in the temp dir) starts with,
+    /// followed by the process id: `keel-secondary-PID-RANDOM`.
+    pub(super) const SECONDARY_PREFIX: &str = "keel-secondary-";
+
+    /// Removes the directories of secondaries whose process is gone (an
+    /// inspection command killed before it could remove its own).
+    pub(super) fn remove_dead_secondaries() {
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name
+                .strip_prefix(SECONDARY_PREFIX)
+                .and_then(|rest| rest.split('-').next())
+            else {
+                continue;
+            };
+            if !process_alive(pid) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+
+    /// Whether `dir` holds only files RocksDB writes while it creates a
+    /// database (and at least one), no CURRENT among them.
+    fn rocksdb_debris_only(dir: &Path) -> Result<bool> {
+        let mut any = false;
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            if !entry.file_type()?.is_file() {
+                return Ok(false);
+            }
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let debris = name == "LOCK"
+                || name == "IDENTITY"
+                || name.starts_with("LOG")
+                || name.starts_with("MANIFEST-")
+                || name.starts_with("OPTIONS-")
+                || name.ends_with(".log")
+                || name.ends_with(".dbtmp");
+            if !debris {
+                return Ok(false);
+            }
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// Whether the process `pid` runs; `true` when that cannot be told (a
+    /// leftover is then kept, never removed from under a live creation).
+    fn process_alive(pid: &str) -> bool {
+        if pid.parse::<u32>().is_err() {
+            return true;
+        }
+        let proc_root = Path::new("/proc");
+        !proc_root.join("self").exists() || proc_root.join(pid).exists()
+    }
+
+    /// Whether a RocksDB directory lacking keel's metadata family is one a
+    /// killed creation of an older build left behind: every family it has
+    /// is one of keel's (or RocksDB's default), and none holds a key.
+    pub(super) fn unfinished(path: &Path, families: &[String]) -> Result<bool> {
+        if families.iter().any(|n| n == Cf::Meta.name()) {
+            return Ok(false);
+        }
+        let keel = |n: &String| n == "default" || Cf::ALL.iter().any(|c| c.name() == n);
+        if !families.iter().all(keel) {
+            return Ok(false);
+        }
+        let opts = Options::default();
+        let db = DB::open_cf_for_read_only(&opts, path, families, false)
+            .map_err(|e| map_open_error(path, e))?;
+        for n in families {
+            let Some(cf) = db.cf_handle(n) else {
+                return Ok(false);
+            };
+            if db
+                .iterator_cf(&cf, rocksdb::IteratorMode::Start)
+                .next()
+                .is_some()
+            {
+                return Ok(false);
+            }
+        }
+        tracing::warn!(path = %path.display(),
+            "completing a data directory whose creation was interrupted (it holds no data)");
+        Ok(true)
+    }
+
+    /// Creates `dir` readable by its owner only: it will hold every
+    /// workflow's inputs and results.
+    fn create_private_dir(dir: &PathBuf) -> std::io::Result<()> {
+        let mut builder = std::fs::DirBuilder::new();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            builder.mode(0o700);
+        }
+        builder.create(dir)
+    }
+
+    fn sync_dir(dir: &Path) -> Result<()> {
+        std::fs::File::open(dir)?.sync_all()?;
+        Ok(())
     }
 }

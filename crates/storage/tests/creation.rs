@@ -1,0 +1,109 @@
+// Goal: creating a data directory is atomic. A new directory is complete
+// and private when it appears; what a killed creation left behind is
+// removed by the next read-write open; a directory an older build left
+// half-made (RocksDB files, some of keel's families, no data) is completed
+// instead of refused, while one holding data stays refused.
+// Method: real stores in tempdirs; the leftovers are made by hand the way a
+// killed process leaves them (the kill itself is tested end to end in
+// crates/cli/tests/crash.rs), and so are the directories of secondaries
+// whose process was killed.
+
+mod common;
+
+use common::*;
+use keel_storage::{Durability, Error, RocksStore, Store};
+
+fn leftovers(parent: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(parent)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".keel-creating."))
+        .collect()
+}
+
+#[test]
+fn a_new_directory_appears_complete_and_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("nested").join("data");
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    let mut run = RunBuilder::new(run_id(1), 1_000);
+    run.commit(&store, vec![started(run.run, "i-1", "wf")])
+        .unwrap();
+    store.close().unwrap();
+    assert!(leftovers(data.parent().unwrap()).is_empty());
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&data).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "only its owner may read workflow data");
+    }
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    assert_eq!(store.history(run.run).unwrap().len(), 1);
+}
+
+#[test]
+fn what_a_killed_creation_left_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    // A process id that cannot be running (above the kernel's limit).
+    let leftover = dir.path().join(".data.keel-creating.4294967294");
+    std::fs::create_dir(&leftover).unwrap();
+    std::fs::write(leftover.join("CURRENT"), b"MANIFEST-000001\n").unwrap();
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    assert!(
+        leftovers(dir.path()).is_empty(),
+        "{:?}",
+        leftovers(dir.path())
+    );
+    drop(store);
+    RocksStore::open(&data, Durability::Sync).unwrap();
+}
+
+#[test]
+fn a_half_made_directory_without_data_is_completed() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    {
+        // What an older build's killed creation left: RocksDB's files and
+        // some of keel's families, no store metadata, no keys.
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        rocksdb::DB::open_cf(&opts, &data, ["events", "runs"]).unwrap();
+    }
+    let err = RocksStore::open_read_only(&data).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    let mut run = RunBuilder::new(run_id(1), 1_000);
+    run.commit(&store, vec![started(run.run, "i-1", "wf")])
+        .unwrap();
+    assert!(store.verify().unwrap().ok);
+    drop(store);
+    RocksStore::open_read_only(&data).unwrap();
+
+    // With data in it, it is not keel's to complete.
+    let other = dir.path().join("other");
+    {
+        let mut opts = rocksdb::Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        let db = rocksdb::DB::open_cf(&opts, &other, ["events"]).unwrap();
+        db.put(b"someone's", b"data").unwrap();
+    }
+    let err = RocksStore::open(&other, Durability::Sync).unwrap_err();
+    assert!(matches!(err, Error::NotKeel { .. }), "{err}");
+}
+
+#[test]
+fn a_killed_secondary_s_directory_is_removed_by_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let _writer = RocksStore::open(&data, Durability::Sync).unwrap();
+    // What an inspection command killed while it followed the writer left
+    // in the temp dir (its process id cannot be running).
+    let dead = std::env::temp_dir().join("keel-secondary-4294967294-left");
+    std::fs::create_dir_all(dead.join("inside")).unwrap();
+    let secondary = RocksStore::open_secondary(&data).unwrap();
+    assert!(!dead.exists(), "the dead secondary's directory is removed");
+    drop(secondary);
+}
