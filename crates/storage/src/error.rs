@@ -41,6 +41,17 @@ pub enum Error {
         /// The path given.
         path: PathBuf,
     },
+    /// The directory's files are damaged where a crash cannot have damaged
+    /// them (a write-ahead log record before its end, a table file, the
+    /// MANIFEST): opening it would lose acknowledged commits silently, so
+    /// it is refused.
+    #[error("{path} is damaged and was not opened, so that no acknowledged commit is dropped silently: {detail}. Keep a copy of the directory; restore it from a checkpoint or backup, or ask RocksDB's tools to repair it knowing what repair drops")]
+    Damaged {
+        /// The path given.
+        path: PathBuf,
+        /// RocksDB's description (names the file).
+        detail: String,
+    },
     /// A write was attempted on a store opened read-only or as a secondary.
     #[error("the store is open read-only")]
     ReadOnly,

@@ -22,8 +22,8 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender};
 use futures::channel::oneshot;
 use rocksdb::{
-    checkpoint::Checkpoint, ColumnFamilyDescriptor, DBCompressionType, Options, ReadOptions,
-    WriteBatch, WriteOptions, DB,
+    checkpoint::Checkpoint, ColumnFamilyDescriptor, DBCompressionType, DBRecoveryMode, Options,
+    ReadOptions, WriteBatch, WriteOptions, DB,
 };
 use tracing::{debug, info_span};
 
@@ -89,6 +89,13 @@ fn db_options(mode: OpenMode) -> Options {
     // Records carry their own CRC32C, and an uncompressed block keeps a
     // damaged record local to itself, so `verify` can name its run and seq.
     opts.set_compression_type(DBCompressionType::None);
+    // Recovery from the write-ahead log accepts only what a crash leaves:
+    // an incomplete record at the very end. RocksDB's default
+    // (point-in-time) stops at the first bad record anywhere and keeps the
+    // prefix, which after damage in the middle of the log drops commits
+    // that were acknowledged, silently; this mode fails the open instead
+    // (`Error::Damaged`).
+    opts.set_wal_recovery_mode(DBRecoveryMode::TolerateCorruptedTailRecords);
     opts
 }
 
@@ -111,6 +118,11 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
     if text.contains("While lock file") || text.contains("lock hold by current process") {
         Error::Locked {
             path: path.to_path_buf(),
+        }
+    } else if text.starts_with("Corruption:") {
+        Error::Damaged {
+            path: path.to_path_buf(),
+            detail: text,
         }
     } else {
         Error::Rocks(text)
