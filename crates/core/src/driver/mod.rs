@@ -356,6 +356,29 @@ pub struct Resumed {
     pub reason: Option<String>,
 }
 
+impl Resumed {
+    /// The run replays against the current code (and, if it was parked, is
+    /// no longer).
+    pub fn fitting(run: RunId, was_parked: bool) -> Self {
+        Resumed {
+            run,
+            was_parked,
+            fits: true,
+            reason: None,
+        }
+    }
+
+    /// The run still does not fit the current code and stays parked.
+    pub fn still_parked(run: RunId, reason: String) -> Self {
+        Resumed {
+            run,
+            was_parked: true,
+            fits: false,
+            reason: Some(reason),
+        }
+    }
+}
+
 /// Where an answer goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReplyTo {

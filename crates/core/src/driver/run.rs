@@ -291,13 +291,7 @@ impl Shard {
             slot.phase = Phase::Closed;
             slot.closed = true;
             for origin in std::mem::take(&mut slot.resuming) {
-                let answer = Answer::Resumed(Resumed {
-                    run,
-                    was_parked: false,
-                    fits: true,
-                    reason: None,
-                });
-                self.answer(origin, answer, None);
+                self.answer(origin, Answer::Resumed(Resumed::fitting(run, false)), None);
             }
             self.run_waiting(run);
             return;
@@ -346,12 +340,7 @@ impl Shard {
                 }
                 let slot = self.runs.get_mut(&run).expect("checked above");
                 for origin in std::mem::take(&mut slot.resuming) {
-                    let answer = Answer::Resumed(Resumed {
-                        run,
-                        was_parked,
-                        fits: true,
-                        reason: None,
-                    });
+                    let answer = Answer::Resumed(Resumed::fitting(run, was_parked));
                     self.answer_after_marker(run, origin, answer);
                 }
                 self.run_waiting(run);
@@ -710,12 +699,7 @@ impl Shard {
             }
         }
         for origin in resuming {
-            let answer = Answer::Resumed(Resumed {
-                run,
-                was_parked: true,
-                fits: false,
-                reason: Some(reason.clone()),
-            });
+            let answer = Answer::Resumed(Resumed::still_parked(run, reason.clone()));
             self.answer_after_marker(run, origin, answer);
         }
     }
@@ -769,13 +753,7 @@ impl Shard {
         let slot = self.slot(run);
         match slot.phase {
             Phase::Ready(_) | Phase::Closed => {
-                let answer = Answer::Resumed(Resumed {
-                    run,
-                    was_parked: false,
-                    fits: true,
-                    reason: None,
-                });
-                self.answer(origin, answer, None);
+                self.answer(origin, Answer::Resumed(Resumed::fitting(run, false)), None);
             }
             Phase::Loading => slot.resuming.push(origin),
             Phase::Parked(_) | Phase::Idle => {
