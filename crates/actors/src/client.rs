@@ -105,6 +105,11 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("the engine is shut down")]
     Shutdown,
+    /// The store does not accept writes (a full or failing disk; see
+    /// [`crate::Engine::health`]): the request needs a commit, or waited
+    /// for progress that cannot happen. Nothing was written.
+    #[error("the store does not accept writes: {0}")]
+    StoreUnavailable(String),
 }
 
 /// What `start` did.
@@ -134,6 +139,8 @@ pub(crate) struct ClientCore {
     next: AtomicU64,
     rng: Mutex<u64>,
     shutting_down: AtomicBool,
+    /// Why the engine stopped, when its store failed for good.
+    failed: OnceLock<String>,
 }
 
 impl ClientCore {
@@ -144,6 +151,7 @@ impl ClientCore {
             next: AtomicU64::new(0),
             rng: Mutex::new(seed),
             shutting_down: AtomicBool::new(false),
+            failed: OnceLock::new(),
         }
     }
 
@@ -160,6 +168,25 @@ impl ClientCore {
         let waiting: Vec<_> = self.pending.lock().drain().collect();
         for (_, tx) in waiting {
             let _ = tx.send(Answer::Refused(Refusal::Shutdown));
+        }
+    }
+
+    /// The store failed for good: every waiting call and every later one
+    /// ends with [`EngineError::StoreUnavailable`] naming the cause.
+    pub(crate) fn fail(&self, why: String) {
+        let _ = self.failed.set(why.clone());
+        self.shutting_down.store(true, Ordering::Release);
+        let waiting: Vec<_> = self.pending.lock().drain().collect();
+        for (_, tx) in waiting {
+            let _ = tx.send(Answer::Refused(Refusal::Unavailable(why.clone())));
+        }
+    }
+
+    /// The error a call gets once the engine stopped.
+    fn stopped(&self) -> EngineError {
+        match self.failed.get() {
+            Some(why) => EngineError::StoreUnavailable(why.clone()),
+            None => EngineError::Shutdown,
         }
     }
 
@@ -194,7 +221,7 @@ impl ClientCore {
                     });
                     let _ = rx.await;
                 }
-                Answer::Refused(Refusal::Shutdown) => return Err(EngineError::Shutdown),
+                Answer::Refused(Refusal::Shutdown) => return Err(self.stopped()),
                 other => return Ok(other),
             }
         }
@@ -202,7 +229,7 @@ impl ClientCore {
 
     async fn call_once(&self, request: Request) -> Result<Answer, EngineError> {
         if self.shutting_down.load(Ordering::Acquire) {
-            return Err(EngineError::Shutdown);
+            return Err(self.stopped());
         }
         let shards = self.shards.get().ok_or(EngineError::Shutdown)?;
         let id = RequestId(self.next.fetch_add(1, Ordering::Relaxed) + 1);
@@ -222,7 +249,7 @@ impl ClientCore {
         if self.shutting_down.load(Ordering::Acquire) {
             self.pending.lock().remove(&id);
         }
-        rx.await.map_err(|_| EngineError::Shutdown)
+        rx.await.map_err(|_| self.stopped())
     }
 }
 
@@ -281,6 +308,7 @@ fn refused(r: Refusal) -> EngineError {
         }
         Refusal::Store(detail) => EngineError::Refused(detail),
         Refusal::Shutdown => EngineError::Shutdown,
+        Refusal::Unavailable(why) => EngineError::StoreUnavailable(why),
     }
 }
 

@@ -21,7 +21,9 @@ use keel_core::driver::{
 };
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
-use keel_storage::{Durability, Failure, LeaseEpoch, MemStore, RocksStore, Store, Timestamp};
+use keel_storage::{
+    Durability, Failure, LeaseEpoch, MemStore, RocksStore, Store, StoreHealth, Timestamp,
+};
 use parking_lot::Mutex;
 
 use crate::client::{Client, ClientCore, EngineError};
@@ -358,6 +360,18 @@ impl Engine {
             .as_ref()
             .map(|h| h.store.clone())
             .expect("the store is open while the engine runs")
+    }
+
+    /// Whether the engine's store accepts writes. After
+    /// [`StoreHealth::Failed`] the engine has stopped serving (every call
+    /// ends with [`EngineError::StoreUnavailable`]): shut it down and exit
+    /// non-zero. While [`StoreHealth::Stopped`], calls that need a commit
+    /// fail fast and the engine goes on by itself once the cause is gone.
+    pub fn health(&self) -> StoreHealth {
+        self.host
+            .as_ref()
+            .map(|h| h.store.health())
+            .unwrap_or_default()
     }
 
     /// Runs and attempts the shards hold in memory now.

@@ -19,4 +19,4 @@ pub use client::{Client, EngineError, StartOutcome, CLIENT_RETRIES_MAX};
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
 pub use readers::{READER_THREADS, READ_QUEUE_MAX};
-pub use shard::SHARD_MAILBOX_MAX;
+pub use shard::{SHARD_MAILBOX_MAX, STORE_HEALTH_POLL_MS};

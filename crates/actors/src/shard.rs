@@ -18,6 +18,10 @@ use crate::engine::{now, Host};
 /// waits (client requests; internal hand-offs are never refused).
 pub const SHARD_MAILBOX_MAX: usize = 4096;
 
+/// How often a shard compares its driver's view of the store's health with
+/// the store's and reports a change.
+pub const STORE_HEALTH_POLL_MS: u64 = 100;
+
 /// An input for the shard's driver.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -127,6 +131,16 @@ impl Actor for ShardActor {
         // Recovery: the driver reads back every intent row it owns.
         self.driver.recover(now());
         self.drain(ctx);
+        ctx.run_interval(Duration::from_millis(STORE_HEALTH_POLL_MS), |act, ctx| {
+            let health = act.host.store.health();
+            if &health != act.driver.store_health() {
+                let failed = health.is_failed().then(|| health.to_string());
+                act.feed(ShardInput::StoreHealth(health), ctx);
+                if let Some(why) = failed {
+                    act.host.client.fail(why);
+                }
+            }
+        });
     }
 }
 

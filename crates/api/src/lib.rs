@@ -63,7 +63,7 @@ pub use keel_core::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender}
 pub use keel_storage::{
     AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind,
     GroupEntry, InstanceId, Jitter, OperationKind, Outcome, ParentClosePolicy, Payload, RunId,
-    RunStatus, SelectKey, Seq, Step, Timestamp,
+    RunStatus, SelectKey, Seq, Step, StoreHealth, Timestamp, WriteFault,
 };
 
 /// The storage layer, for inspection tools (`keel` CLI) and custom stores.

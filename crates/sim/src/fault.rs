@@ -60,11 +60,15 @@ pub enum FaultKind {
     /// An attempt runs past its start-to-close limit and fails as a timeout
     /// (per dispatch).
     SlowAttempt,
+    /// The store stops accepting writes for a while, as on a full disk:
+    /// every commit fails with a typed error and the host reports the
+    /// store unhealthy, then space is freed and it resumes (per commit).
+    StoreStop,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 14] = [
+    pub const ALL: [FaultKind; 15] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -79,6 +83,7 @@ impl FaultKind {
         FaultKind::StrayCommand,
         FaultKind::SilentWorker,
         FaultKind::SlowAttempt,
+        FaultKind::StoreStop,
     ];
 
     /// The name used on the command line and in reports.
@@ -98,6 +103,7 @@ impl FaultKind {
             FaultKind::StrayCommand => "stray-command",
             FaultKind::SilentWorker => "silent-worker",
             FaultKind::SlowAttempt => "slow-attempt",
+            FaultKind::StoreStop => "store-stop",
         }
     }
 
@@ -118,6 +124,7 @@ impl FaultKind {
             FaultKind::StrayCommand => 0.5,
             FaultKind::SilentWorker => 0.3,
             FaultKind::SlowAttempt => 0.3,
+            FaultKind::StoreStop => 0.003,
         }
     }
 

@@ -155,6 +155,15 @@ pub enum Error {
     /// The commit could not be made durable; nothing acknowledged was lost.
     #[error("commit failed: {0}")]
     CommitFailed(String),
+    /// The store stopped accepting writes (see [`crate::health`]): this
+    /// commit wrote nothing, and none will until the cause is gone.
+    #[error("the store stopped accepting writes ({fault}): {detail}; {}", fault.remedy())]
+    Unwritable {
+        /// What stopped them.
+        fault: crate::health::WriteFault,
+        /// The storage engine's message.
+        detail: String,
+    },
     /// The store has shut down.
     #[error("the store is closed")]
     Closed,

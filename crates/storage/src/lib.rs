@@ -14,6 +14,7 @@ pub mod codec;
 pub mod derive;
 pub mod error;
 pub mod event;
+pub mod health;
 pub mod history;
 pub mod ids;
 pub mod keys;
@@ -31,6 +32,7 @@ pub use event::{
     GroupEntry, GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload,
     RetrySettings, SelectKey,
 };
+pub use health::{StoreHealth, WriteFault};
 pub use ids::{
     AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, LeaseEpoch, RunId, Seq, Step,
     Timestamp,

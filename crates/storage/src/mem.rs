@@ -6,6 +6,7 @@ use parking_lot::Mutex;
 
 use crate::derive::{apply_batch_checked, Checks, CommitBatch, PreparedBatch};
 use crate::error::{Error, Result};
+use crate::health::{StoreHealth, WriteFault};
 use crate::keys::Cf;
 use crate::kv::{mutations_of, KvRead, Maps, Mutation};
 use crate::store::{CommitHandle, Durability, Store};
@@ -27,6 +28,7 @@ struct Inner {
     durable: Maps,
     unsynced: Vec<Vec<Mutation>>,
     fail_next: u32,
+    health: StoreHealth,
     checks: Checks,
 }
 
@@ -52,6 +54,24 @@ impl MemStore {
     /// writing nothing (fault injection).
     pub fn fail_next_commits(&self, n: u32) {
         self.inner.lock().fail_next = n;
+    }
+
+    /// Stops writes as a full disk or a failing one would: every commit
+    /// fails with [`Error::Unwritable`] and [`Store::health`] reports it,
+    /// until [`MemStore::resume_writes`] (fault injection). `for_good`
+    /// makes it a stop the store does not wait out.
+    pub fn stop_writes(&self, fault: WriteFault, detail: &str, for_good: bool) {
+        let detail = detail.to_string();
+        self.inner.lock().health = if for_good {
+            StoreHealth::Failed { fault, detail }
+        } else {
+            StoreHealth::Stopped { fault, detail }
+        };
+    }
+
+    /// Writes are accepted again (the injected cause went away).
+    pub fn resume_writes(&self) {
+        self.inner.lock().health = StoreHealth::Healthy;
     }
 
     /// Simulates a process crash and restart: live state falls back to what
@@ -140,6 +160,9 @@ impl Store for MemStore {
             inner.fail_next -= 1;
             return CommitHandle::ready(Err(Error::CommitFailed("injected commit failure".into())));
         }
+        if let Some(e) = inner.health.error() {
+            return CommitHandle::ready(Err(e));
+        }
         let result = apply_batch_checked(&inner.live, &prepared, inner.checks)
             .map(|(w, ack)| (mutations_of(w), ack));
         CommitHandle::ready(result.map(|(mutations, ack)| {
@@ -163,6 +186,10 @@ impl Store for MemStore {
 
     fn durability(&self) -> Durability {
         self.durability
+    }
+
+    fn health(&self) -> StoreHealth {
+        self.inner.lock().health.clone()
     }
 }
 

@@ -30,6 +30,10 @@ use tracing::{debug, info_span};
 use crate::codec::{self, RecordKind};
 use crate::derive::{apply_batch_raw, Checks, CommitAck, CommitBatch, PreparedBatch, RawAck};
 use crate::error::{Error, Result};
+use crate::health::{
+    HealthCell, StoreHealth, WriteFault, STORE_IO_RECOVERY_MS_MAX, STORE_PROBE_INTERVAL_MS,
+    STORE_STOPPED_LOG_INTERVAL_MS,
+};
 use crate::keys::{prefix_end, Cf, STORE_META_KEY};
 use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
 use crate::state::StoreMeta;
@@ -60,6 +64,7 @@ pub struct RocksStore {
     durability: Durability,
     tx: Option<Sender<Request>>,
     writer: Option<JoinHandle<()>>,
+    health: Arc<HealthCell>,
     _secondary_dir: Option<tempfile::TempDir>,
 }
 
@@ -212,12 +217,14 @@ impl RocksStore {
         .map_err(|e| map_open_error(path, e))?;
         let db = Arc::new(db);
         check_or_init_meta(&db, path, mode)?;
+        let health = Arc::new(HealthCell::default());
         let (tx, writer) = if mode == OpenMode::ReadWrite {
             let (tx, rx) = crossbeam_channel::bounded(COMMIT_QUEUE_MAX);
             let db2 = db.clone();
+            let watch = WriteWatch::new(health.clone(), path.to_path_buf());
             let handle = std::thread::Builder::new()
                 .name("keel-writer".into())
-                .spawn(move || writer_loop(db2, rx, durability))?;
+                .spawn(move || writer_loop(db2, rx, durability, watch))?;
             (Some(tx), Some(handle))
         } else {
             (None, None)
@@ -229,6 +236,7 @@ impl RocksStore {
             durability,
             tx,
             writer,
+            health,
             _secondary_dir: secondary_dir,
         })
     }
@@ -470,6 +478,10 @@ impl Store for RocksStore {
         self.durability
     }
 
+    fn health(&self) -> StoreHealth {
+        self.health.get()
+    }
+
     fn memory_bytes(&self) -> Option<u64> {
         let mut total = 0;
         for cf in Cf::ALL {
@@ -669,7 +681,7 @@ impl KvRead for WriterView<'_> {
 /// inline only when the answer thread has nothing left to send), and the
 /// answer thread is joined before the writer exits, so closing the store
 /// still answers every queued commit.
-fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
+fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability, mut watch: WriteWatch) {
     let (answer_tx, answer_rx) = crossbeam_channel::unbounded::<Answers>();
     // Groups handed to the answer thread and not yet fully answered.
     let handed = Arc::new(AtomicUsize::new(0));
@@ -689,7 +701,22 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
     wo.set_sync(durability == Durability::Sync);
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
     let mut runs = RunCache::default();
-    while let Ok(first) = rx.recv() {
+    loop {
+        let first = if watch.stopped() {
+            match rx.recv_timeout(std::time::Duration::from_millis(STORE_PROBE_INTERVAL_MS)) {
+                Ok(r) => r,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    watch.probe(&db, &wo);
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(r) => r,
+                Err(_) => break,
+            }
+        };
         let mut bytes = first.prepared.bytes();
         group.push(first);
         while group.len() < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
@@ -720,6 +747,9 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
         }
         let written = if overlay.is_empty() {
             Ok(())
+        } else if let Some(e) = watch.failed() {
+            // Given up for good: nothing is written any more.
+            Err(e)
         } else {
             let writes = overlay.into_writes();
             let pending = RunCache::pending(&writes);
@@ -728,6 +758,7 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
                 Ok(()) => runs.written(pending),
                 Err(_) => runs.forget(),
             }
+            watch.wrote(&written);
             written
         };
         debug!(
@@ -741,6 +772,10 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
             .zip(results)
             .map(|(req, result)| {
                 let result = match (&written, result) {
+                    (Err(Error::Unwritable { fault, detail }), Ok(_)) => Err(Error::Unwritable {
+                        fault: *fault,
+                        detail: detail.clone(),
+                    }),
                     (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
                     (_, r) => r,
                 };
@@ -765,6 +800,95 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability) {
     }
 }
 
+/// What the writer knows about whether its writes work: it publishes the
+/// state to the store's [`HealthCell`], logs each change at error (stopped)
+/// or warn (resumed) level, and decides when a stop is final.
+struct WriteWatch {
+    health: Arc<HealthCell>,
+    path: PathBuf,
+    /// Since when writes fail, and when that was last logged.
+    stop: Option<(std::time::Instant, std::time::Instant)>,
+}
+
+impl WriteWatch {
+    fn new(health: Arc<HealthCell>, path: PathBuf) -> Self {
+        WriteWatch {
+            health,
+            path,
+            stop: None,
+        }
+    }
+
+    /// Whether writes are failing (and not yet given up on).
+    fn stopped(&self) -> bool {
+        self.stop.is_some() && !self.health.get().is_failed()
+    }
+
+    /// The error every commit gets once the store gave up.
+    fn failed(&self) -> Option<Error> {
+        let health = self.health.get();
+        if health.is_failed() {
+            health.error()
+        } else {
+            None
+        }
+    }
+
+    /// Learns from a write's result.
+    fn wrote(&mut self, result: &Result<()>) {
+        match result {
+            Ok(()) => {
+                if let Some((since, _)) = self.stop.take() {
+                    self.health.set(StoreHealth::Healthy);
+                    tracing::warn!(path = %self.path.display(), stopped_ms = since.elapsed().as_millis() as u64,
+                        "the store accepts writes again");
+                }
+            }
+            Err(Error::Unwritable { fault, detail }) => {
+                let now = std::time::Instant::now();
+                let first = self.stop.is_none();
+                let (since, logged) = *self.stop.get_or_insert((now, now));
+                let waited_ms = now.duration_since(since).as_millis() as u64;
+                let give_up = !fault.waits()
+                    || (*fault != WriteFault::NoSpace && waited_ms > STORE_IO_RECOVERY_MS_MAX);
+                let (fault, detail) = (*fault, detail.clone());
+                if give_up {
+                    self.health.set(StoreHealth::Failed {
+                        fault,
+                        detail: detail.clone(),
+                    });
+                    tracing::error!(path = %self.path.display(), %fault, %detail, waited_ms,
+                        "the store stopped accepting writes for good; the engine shuts down: {}", fault.remedy());
+                } else if first {
+                    self.health.set(StoreHealth::Stopped {
+                        fault,
+                        detail: detail.clone(),
+                    });
+                    tracing::error!(path = %self.path.display(), %fault, %detail,
+                        "the store stopped accepting writes; commits fail until the cause is gone: {}", fault.remedy());
+                } else if now.duration_since(logged).as_millis() as u64
+                    >= STORE_STOPPED_LOG_INTERVAL_MS
+                {
+                    self.stop = Some((since, now));
+                    tracing::error!(path = %self.path.display(), %fault, %detail, waited_ms,
+                        "the store still does not accept writes: {}", fault.remedy());
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Tries whether a write goes through now (deleting a key that never
+    /// exists, synced like a commit: it needs the log to take a record).
+    fn probe(&mut self, db: &DB, wo: &WriteOptions) {
+        let written = write_batch(db, vec![Mutation::Delete(Cf::Meta, PROBE_KEY.to_vec())], wo);
+        self.wrote(&written);
+    }
+}
+
+/// The key a stopped writer's probe deletes (never written).
+const PROBE_KEY: &[u8] = b"keel-write-probe";
+
 fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
     let mut batch = WriteBatch::default();
     for m in mutations {
@@ -779,8 +903,13 @@ fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<(
             }
         }
     }
-    db.write_opt(batch, wo)?;
-    Ok(())
+    db.write_opt(batch, wo).map_err(|e| {
+        let detail = e.into_string();
+        Error::Unwritable {
+            fault: WriteFault::of_message(&detail),
+            detail,
+        }
+    })
 }
 
 #[cfg(test)]

@@ -112,6 +112,11 @@ pub trait Store: Send + Sync + 'static {
     /// The durability mode commits are acknowledged under.
     fn durability(&self) -> Durability;
 
+    /// Whether the store accepts writes now (see [`crate::health`]).
+    fn health(&self) -> crate::health::StoreHealth {
+        crate::health::StoreHealth::Healthy
+    }
+
     /// Bytes the store holds in memory for buffering and caching (memtables,
     /// table readers, block cache), where the backend can tell.
     fn memory_bytes(&self) -> Option<u64> {

@@ -99,6 +99,9 @@ pub struct RunDescription {
     pub parked: Option<ParkInfo>,
     /// Memo fields (latest value of each, as JSON text), e.g. progress.
     pub memo: Vec<(String, String)>,
+    /// Whether the engine's store accepts writes, as this run's shard last
+    /// learned it: a run waiting on a stopped store makes no progress.
+    pub store_health: keel_storage::StoreHealth,
 }
 
 impl Shard {
@@ -165,6 +168,7 @@ impl Shard {
             cancel_requested: meta.cancel_requested,
             parked: facts.parked,
             memo: memo.into_iter().collect(),
+            store_health: self.store_health.clone(),
         };
         self.reply(reply, Answer::Described(Box::new(description)), None);
     }

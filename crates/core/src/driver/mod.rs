@@ -314,6 +314,12 @@ pub enum Refusal {
     /// The engine is shutting down.
     #[error("the engine is shut down")]
     Shutdown,
+    /// The store does not accept writes (a full or failing disk): the
+    /// request needs a commit, or waits for progress that cannot happen.
+    /// Nothing was written; trying again once the store is healthy may
+    /// succeed.
+    #[error("the store does not accept writes: {0}")]
+    Unavailable(String),
 }
 
 /// The answer to a request or a message: one vocabulary for everything a
@@ -491,6 +497,11 @@ pub enum ShardInput {
         /// The policy that refused it.
         policy: String,
     },
+    /// The store's health changed (the host reports what it observes; see
+    /// `keel_storage::health`). The driver learns it only from here, never
+    /// from a failed commit: an answer that arrives late must not flip a
+    /// healthy view back.
+    StoreHealth(keel_storage::StoreHealth),
     /// The fallback asked for with [`Action::RunFallback`], done.
     FallbackDone {
         /// The execution.
@@ -775,6 +786,8 @@ pub struct Shard {
     attempts: Attempts,
     outbox: Outbox,
     shut_down: bool,
+    /// Whether the store accepts writes, as last learned.
+    store_health: keel_storage::StoreHealth,
 }
 
 impl std::fmt::Debug for Shard {
@@ -819,6 +832,7 @@ impl Shard {
             attempts: Attempts::default(),
             outbox: Outbox::default(),
             shut_down: false,
+            store_health: keel_storage::StoreHealth::Healthy,
         }
     }
 
@@ -875,8 +889,63 @@ impl Shard {
                 attempt,
                 result,
             } => self.fallback_done(key, attempt, result),
+            ShardInput::StoreHealth(health) => self.store_health_changed(health),
         }
         self.passivate();
+    }
+
+    /// Whether the store accepts writes, as this shard last learned it
+    /// (a host compares it with what it observes and reports a change).
+    pub fn store_health(&self) -> &keel_storage::StoreHealth {
+        &self.store_health
+    }
+
+    /// The store stopped or resumed accepting writes. While it is stopped,
+    /// requests that need a commit and clients waiting for an outcome are
+    /// answered [`Refusal::Unavailable`] at once instead of waiting for
+    /// progress that cannot happen; the durable work itself (timers,
+    /// attempts, the outbox) keeps retrying and goes on when the store
+    /// resumes. A store that gave up for good shuts the shard down.
+    fn store_health_changed(&mut self, health: keel_storage::StoreHealth) {
+        if health == self.store_health {
+            return;
+        }
+        let was_healthy = self.store_health.is_healthy();
+        self.store_health = health;
+        if self.store_health.is_healthy() {
+            tracing::info!(shard = %self.id, "the store accepts writes again");
+            return;
+        }
+        let refusal = Refusal::Unavailable(self.store_health.to_string());
+        if self.store_health.is_failed() {
+            tracing::error!(shard = %self.id, health = %self.store_health, "the store failed for good; the shard stops");
+            self.stop_answering(refusal);
+            return;
+        }
+        if was_healthy {
+            tracing::info!(shard = %self.id, health = %self.store_health,
+                "the store stopped accepting writes; waiting clients are answered");
+            // A parent's wait for its child's outcome stays: it is durable
+            // work, answered when it can be.
+            let mut clients = Vec::new();
+            for waiters in self.results.values_mut() {
+                waiters.retain(|_, reply| match reply {
+                    ReplyTo::Client(id) => {
+                        clients.push(*id);
+                        false
+                    }
+                    _ => true,
+                });
+            }
+            self.results.retain(|_, waiters| !waiters.is_empty());
+            for id in clients {
+                self.actions.push_back(Action::Reply {
+                    id,
+                    answer: Answer::Refused(refusal.clone()),
+                    cause: None,
+                });
+            }
+        }
     }
 
     /// When the shard next needs [`Shard::handle_timeout`], if ever.
@@ -911,6 +980,11 @@ impl Shard {
     /// Stops: every client still waiting is answered that the engine shuts
     /// down; nothing more is started.
     pub fn shutdown(&mut self) {
+        self.stop_answering(Refusal::Shutdown);
+    }
+
+    /// Stops, answering every waiting client with `refusal`.
+    fn stop_answering(&mut self, refusal: Refusal) {
         self.shut_down = true;
         let mut clients = Vec::new();
         for slot in self.runs.values_mut() {
@@ -943,7 +1017,7 @@ impl Shard {
         for id in clients {
             self.actions.push_back(Action::Reply {
                 id,
-                answer: Answer::Refused(Refusal::Shutdown),
+                answer: Answer::Refused(refusal.clone()),
                 cause: None,
             });
         }

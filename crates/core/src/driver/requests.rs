@@ -49,6 +49,11 @@ impl StartJob {
 impl Shard {
     pub(super) fn request(&mut self, id: RequestId, request: Request) {
         let reply = ReplyTo::Client(id);
+        let writes = !matches!(request, Request::Result { .. } | Request::Describe { .. });
+        if !self.store_health.is_healthy() && (writes || self.shut_down) {
+            let refusal = Refusal::Unavailable(self.store_health.to_string());
+            return self.reply(reply, Answer::Refused(refusal), None);
+        }
         if self.shut_down {
             return self.reply(reply, Answer::Refused(Refusal::Shutdown), None);
         }

@@ -799,11 +799,14 @@ impl Shard {
         waiters.insert(token, reply);
         // A run in memory whose start is durable and that has not closed:
         // its close answers the waiter, no read needed.
-        let open_here = self.runs.get(&run).is_some_and(|slot| {
-            matches!(slot.phase, Phase::Ready(_))
-                && !slot.closed
-                && !slot.inflight.iter().any(|i| i.start)
-        });
+        // (While the store is stopped the read decides: an open run's
+        // waiter is answered at once.)
+        let open_here = self.store_health.is_healthy()
+            && self.runs.get(&run).is_some_and(|slot| {
+                matches!(slot.phase, Phase::Ready(_))
+                    && !slot.closed
+                    && !slot.inflight.iter().any(|i| i.start)
+            });
         if !open_here {
             self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
         }
@@ -821,6 +824,10 @@ impl Shard {
                 meta.outcome
                     .unwrap_or(Outcome::Terminated("unknown".into())),
             ),
+            Ok(ReadResult::RunMeta(Some(_))) if !self.store_health.is_healthy() => {
+                // No progress until the store resumes: do not hang.
+                Answer::Refused(Refusal::Unavailable(self.store_health.to_string()))
+            }
             Ok(ReadResult::RunMeta(Some(_))) => return, // it waits for the close
             Ok(ReadResult::RunMeta(None)) => Answer::Refused(Refusal::UnknownRun(run.to_string())),
             Ok(_) => return,

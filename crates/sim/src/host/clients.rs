@@ -9,6 +9,10 @@
 //! the synced store, and a request no answer ever reaches is a violation.
 
 use keel_core::driver::{Answer, Refusal, Request, RequestId, ReusePolicy, ShardInput};
+
+/// How long a simulated client waits before asking again after the engine
+/// answered that its store does not accept writes.
+const UNAVAILABLE_PAUSE_MS: u64 = 250;
 use keel_storage::{CommandId, InstanceId, Outcome, Payload, RunId};
 use rand::RngExt;
 
@@ -132,6 +136,11 @@ impl World<'_> {
         self.log(format_args!(
             "client {plan} {op:?} try {try_no} answered {answer:?}"
         ));
+        if matches!(answer, Answer::Refused(Refusal::Unavailable(_))) && self.store_stops == 0 {
+            let detail =
+                format!("client {plan} {op:?}: answered unavailable, but the store never stopped");
+            self.violation(ViolationKind::WrongAnswer, detail);
+        }
         let done = match op {
             OpRef::Result => self.result_answered(plan, try_no, &answer),
             OpRef::Describe => self.describe_answered(plan, &answer),
@@ -142,7 +151,9 @@ impl World<'_> {
                 | Answer::Duplicate
                 | Answer::Refused(Refusal::AlreadyClosed { .. })
                 | Answer::Refused(Refusal::RunClosed(_)) => Some(true),
-                Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => Some(false),
+                Answer::Retry(_)
+                | Answer::Refused(Refusal::Shutdown)
+                | Answer::Refused(Refusal::Unavailable(_)) => Some(false),
                 _ => None,
             },
         };
@@ -156,8 +167,15 @@ impl World<'_> {
                 OpRef::Result | OpRef::Describe => {}
             },
             Some(false) if self.clients[plan].tries.get(&op) == Some(&try_no) => {
+                // A stopped store is not a blip: back off as a real
+                // client would rather than ask again at once.
+                let pause = if matches!(answer, Answer::Refused(Refusal::Unavailable(_))) {
+                    UNAVAILABLE_PAUSE_MS
+                } else {
+                    20
+                };
                 self.at(
-                    self.now + 20,
+                    self.now + pause,
                     Ev::ClientSend {
                         plan,
                         op,
@@ -175,7 +193,9 @@ impl World<'_> {
     fn result_answered(&mut self, plan: usize, try_no: u32, answer: &Answer) -> Option<bool> {
         let (run, outcome) = match answer {
             Answer::Outcome(run, outcome) => (*run, outcome.clone()),
-            Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => return Some(false),
+            Answer::Retry(_)
+            | Answer::Refused(Refusal::Shutdown)
+            | Answer::Refused(Refusal::Unavailable(_)) => return Some(false),
             other => {
                 let detail = format!(
                     "result of {}: unexpected answer {other:?}",
@@ -221,7 +241,9 @@ impl World<'_> {
     fn describe_answered(&mut self, plan: usize, answer: &Answer) -> Option<bool> {
         let d = match answer {
             Answer::Described(d) => d,
-            Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => return Some(false),
+            Answer::Retry(_)
+            | Answer::Refused(Refusal::Shutdown)
+            | Answer::Refused(Refusal::Unavailable(_)) => return Some(false),
             other => {
                 let detail = format!(
                     "describe of {}: unexpected answer {other:?}",

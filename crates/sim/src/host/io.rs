@@ -6,7 +6,7 @@ use keel_core::driver::{Action, Message, ShardId, ShardInput, Token};
 use keel_storage::{CommitBatch, Error as StoreError};
 use rand::RngExt;
 
-use super::{Ev, Pending, World, SLOW_SYNC_MS_MAX, SYNC_MS_MAX};
+use super::{Ev, Pending, World, SLOW_SYNC_MS_MAX, STORE_STOP_MS_MAX, SYNC_MS_MAX};
 use crate::fault::FaultKind;
 
 impl World<'_> {
@@ -109,13 +109,27 @@ impl World<'_> {
             let n = self.rng.random_range(1..=3);
             self.store.fail_next_commits(n);
         }
+        if self.store_stopped_until.is_none() && self.fault(FaultKind::StoreStop) {
+            let until = self.now + self.ms(20, STORE_STOP_MS_MAX);
+            self.store_stopped_until = Some(until);
+            self.store_stops += 1;
+            self.log(format_args!(
+                "store stops accepting writes until {until} ms"
+            ));
+            self.at(until, Ev::StoreResume);
+            self.report_store_health();
+        }
         let events: Vec<_> = batch
             .appends
             .iter()
             .map(|a| (a.run_id, a.events.clone()))
             .collect();
         let inc = Some(self.process.inc);
-        match self.store.commit(batch) {
+        let result = match self.store_health().error() {
+            Some(e) => Err(e),
+            None => self.store.commit(batch),
+        };
+        match result {
             Ok(ack) => {
                 self.commits += 1;
                 for (run, es) in &events {
@@ -152,7 +166,10 @@ impl World<'_> {
                 }
             }
             Err(e) => {
-                if !matches!(e, StoreError::CommitFailed(_)) {
+                if !matches!(
+                    e,
+                    StoreError::CommitFailed(_) | StoreError::Unwritable { .. }
+                ) {
                     self.log(format_args!("commit refused: {e}"));
                 }
                 let at = self.now + self.ms(0, 1);

@@ -65,6 +65,10 @@ const SYNC_MS_MAX: u64 = 2;
 /// ...and now and then (a slow disk) up to this long, which widens the
 /// window in which the machines are ahead of what is durable.
 const SLOW_SYNC_MS_MAX: u64 = 100;
+
+/// Longest simulated stop of the store's writes (a full disk until an
+/// operator frees space).
+const STORE_STOP_MS_MAX: u64 = 2_000;
 /// Sends of one client request before the client gives up.
 const CLIENT_TRIES_MAX: u32 = 200;
 /// Engine crashes per seed at most (each restart replays everything).
@@ -159,6 +163,8 @@ enum Ev {
     },
     EngineCrash,
     EngineRestart,
+    /// Space is freed: the stopped store accepts writes again.
+    StoreResume,
 }
 
 /// One copy of an attempt on a simulated worker.
@@ -293,6 +299,10 @@ pub(crate) struct World<'a> {
     outbox_messages: u64,
     /// The highest lease epoch seen per execution (epochs only grow).
     epochs: BTreeMap<AttemptKey, LeaseEpoch>,
+    /// Until when the store refuses writes (a simulated full disk).
+    store_stopped_until: Option<u64>,
+    /// How many times the store stopped.
+    store_stops: u32,
 }
 
 impl<'a> World<'a> {
@@ -374,6 +384,8 @@ impl<'a> World<'a> {
             crashes: 0,
             outbox_messages: 0,
             epochs: BTreeMap::new(),
+            store_stopped_until: None,
+            store_stops: 0,
         };
         w.boot();
         w
@@ -580,6 +592,38 @@ impl<'a> World<'a> {
             Ev::WorkerCrash { worker } => self.worker_crash(worker),
             Ev::EngineCrash => self.engine_crash(),
             Ev::EngineRestart => self.engine_restart(),
+            Ev::StoreResume => {
+                self.store_stopped_until = None;
+                self.log(format_args!("store accepts writes again"));
+                self.report_store_health();
+            }
+        }
+    }
+
+    /// The store's health as the host observes it.
+    fn store_health(&self) -> keel_storage::StoreHealth {
+        match self.store_stopped_until {
+            Some(_) => keel_storage::StoreHealth::Stopped {
+                fault: keel_storage::WriteFault::NoSpace,
+                detail: "simulated full disk".into(),
+            },
+            None => keel_storage::StoreHealth::Healthy,
+        }
+    }
+
+    /// Reports the store's health to every shard whose view differs, as the
+    /// actix host's poll does.
+    pub(super) fn report_store_health(&mut self) {
+        if !self.process.up {
+            return;
+        }
+        let health = self.store_health();
+        let shards = self.process.shards.len();
+        for i in 0..shards {
+            if *self.process.shards[i].store_health() != health {
+                let shard = self.process.shards[i].id();
+                self.feed(shard, ShardInput::StoreHealth(health.clone()));
+            }
         }
     }
 

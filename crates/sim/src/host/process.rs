@@ -32,6 +32,7 @@ impl World<'_> {
             s.recover(now);
         }
         self.log(format_args!("engine process {inc} starts with {n} shards"));
+        self.report_store_health();
     }
 
     pub(super) fn engine_crash(&mut self) {

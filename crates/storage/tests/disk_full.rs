@@ -1,0 +1,157 @@
+//! Goal: a full disk stops the store's writes loudly and recoverably: the
+//! failing commit and every later one get a typed `Unwritable { NoSpace }`
+//! error at once (no hang), `health()` says so, nothing acknowledged is
+//! lost, and once space is freed the store accepts commits again by
+//! itself. Method: a real small file system (a tmpfs mounted by the test;
+//! it needs root, and is skipped with a printed reason otherwise) is
+//! filled with a ballast file and then with commits until one fails; the
+//! ballast is removed (RocksDB resumes once a memtable's worth, 64 MiB, is
+//! free, checking every 5 s), the store is polled until healthy, and the
+//! directory is reopened and compared with every acknowledged commit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use keel_storage::{Durability, Error, RocksStore, Store, StoreHealth, WriteFault};
+
+/// Size of the file system the test fills.
+const TMPFS_MIB: u64 = 160;
+
+/// Longest wait for the store to notice the freed space.
+const RESUME_WAIT_S_MAX: u64 = 30;
+
+struct Mount(PathBuf);
+
+impl Mount {
+    fn new() -> Result<Mount, String> {
+        if !is_root() {
+            return Err("not running as root, cannot mount a tmpfs".into());
+        }
+        let dir = std::env::temp_dir().join(format!("keel-disk-full-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={TMPFS_MIB}m"), "tmpfs"])
+            .arg(&dir)
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            let _ = std::fs::remove_dir(&dir);
+            return Err(format!(
+                "mount -t tmpfs failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(Mount(dir))
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// Writes `path` until the file system is full.
+fn fill(path: &Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    let chunk = vec![0xa5u8; 256 << 10];
+    while f.write_all(&chunk).is_ok() {}
+    let _ = f.sync_all();
+}
+
+#[test]
+fn a_full_disk_stops_commits_with_a_typed_error_and_they_resume_when_space_is_freed() {
+    let mount = match Mount::new() {
+        Ok(m) => m,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let dir = mount.0.join("data");
+    let store = RocksStore::open(&dir, Durability::Sync).unwrap();
+    let mut run = RunBuilder::new(run_id(1), 100);
+    run.commit(&store, vec![started(run.run, "order-1", "wf")])
+        .unwrap();
+    let ballast = mount.0.join("ballast");
+    fill(&ballast);
+
+    // Commit until the disk refuses; count what was acknowledged.
+    let payload = vec![7u8; 32 << 10];
+    let mut acked = 0u64;
+    let failure = loop {
+        match run.commit(&store, vec![signal("s", &payload)]) {
+            Ok(_) => acked += 1,
+            Err(e) => break e,
+        }
+        assert!(acked < 4 * TMPFS_MIB * 32, "the disk never filled");
+    };
+    assert!(
+        matches!(
+            failure,
+            Error::Unwritable {
+                fault: WriteFault::NoSpace,
+                ..
+            }
+        ),
+        "expected a typed no-space error, got: {failure}"
+    );
+    assert!(failure.to_string().contains("free space"), "{failure}");
+    assert!(
+        matches!(
+            store.health(),
+            StoreHealth::Stopped {
+                fault: WriteFault::NoSpace,
+                ..
+            }
+        ),
+        "{}",
+        store.health()
+    );
+    // Later commits fail at once with the same cause, not a hang.
+    let again = run.commit(&store, vec![signal("s", b"x")]).unwrap_err();
+    assert!(matches!(again, Error::Unwritable { .. }), "{again}");
+
+    // Free the space: the store notices by itself.
+    std::fs::remove_file(&ballast).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(RESUME_WAIT_S_MAX);
+    while !store.health().is_healthy() {
+        if Instant::now() >= deadline {
+            let log = std::fs::read_to_string(dir.join("LOG")).unwrap_or_default();
+            for line in log.lines().filter(|l| {
+                let l = l.to_ascii_lowercase();
+                l.contains("error") || l.contains("recover") || l.contains("space")
+            }) {
+                eprintln!("LOG: {line}");
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the store did not resume within {RESUME_WAIT_S_MAX} s: {}",
+            store.health()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    run.commit(&store, vec![signal("after", b"y")])
+        .expect("a commit after space was freed");
+    store.close().unwrap();
+
+    // Everything acknowledged is there, in order, and nothing else.
+    let store = RocksStore::open(&dir, Durability::Sync).unwrap();
+    let history = store.history(run.run).unwrap();
+    assert_eq!(history.len() as u64, 1 + acked + 1);
+    assert!(store.verify().unwrap().ok);
+}
