@@ -21,6 +21,7 @@ pub mod demo_app;
 pub mod inspect;
 #[doc(hidden)]
 pub mod output;
+pub mod recover_cmd;
 #[doc(hidden)]
 pub mod replay_bench;
 pub mod replay_cmd;
@@ -82,6 +83,11 @@ pub enum Command {
     /// history replays (offline: no engine may hold --data); exit 1 if it
     /// still does not fit.
     Resume(resume_cmd::ResumeArgs),
+    /// Open a data directory whose log lost acknowledged commits or is
+    /// damaged, keeping the consistent prefix, and report exactly what was
+    /// lost (only with --accept-loss; no engine may hold --data). Exit 0
+    /// recovered, 1 the prefix fails verify, 2 cannot open.
+    Recover(recover_cmd::RecoverArgs),
 }
 
 /// Runs one command and returns its exit code. Errors are printed to
@@ -96,6 +102,7 @@ pub fn run(command: Command, registry: &WorkflowRegistry) -> ExitCode {
         Command::Checkpoint(args) => inspect::checkpoint(args),
         Command::Replay(args) => replay_cmd::run(args, registry),
         Command::Resume(args) => resume_cmd::run(args, registry),
+        Command::Recover(args) => recover_cmd::run(args),
     };
     finish(result)
 }

@@ -52,6 +52,17 @@ pub enum Error {
         /// RocksDB's description (names the file).
         detail: String,
     },
+    /// The log recovered to an earlier point than commits were acknowledged
+    /// (see [`crate::acked`]): acknowledged commits are gone.
+    #[error("{path} lost acknowledged commits: its log ends at sequence {found}, but commits up to sequence {acknowledged} were acknowledged (the log's tail was cut, or the directory was restored from an older copy). Keep a copy of the directory; `keel recover --data {} --accept-loss` opens it anyway and reports what it can of the loss", path.display())]
+    LostCommits {
+        /// The path given.
+        path: PathBuf,
+        /// The last sequence acknowledged, as recorded.
+        acknowledged: u64,
+        /// The last sequence the log holds.
+        found: u64,
+    },
     /// A write was attempted on a store opened read-only or as a secondary.
     #[error("the store is open read-only")]
     ReadOnly,

@@ -10,6 +10,7 @@
 //! No actix and no workflow code here: the engine depends on this crate,
 //! never the other way.
 
+pub mod acked;
 pub mod codec;
 pub mod derive;
 pub mod error;
@@ -24,6 +25,7 @@ pub mod rocks;
 pub mod state;
 pub mod store;
 pub mod verify;
+pub mod wal;
 
 pub use derive::{AppendAck, CommitAck, CommitBatch, Intent, IntentKey, RunAppend};
 pub use error::{Error, Result};
@@ -38,7 +40,7 @@ pub use ids::{
     Timestamp,
 };
 pub use mem::{CrashMode, MemStore, SyncedView};
-pub use rocks::{OpenMode, RocksStore};
+pub use rocks::{LossReport, OpenMode, RocksStore};
 pub use state::{
     ChildEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, StoreMeta, TaskEntry,
     TimerEntry,

@@ -15,7 +15,7 @@
 //! searching the memtable for them on every commit.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -27,6 +27,7 @@ use rocksdb::{
 };
 use tracing::{debug, info_span};
 
+use crate::acked;
 use crate::codec::{self, RecordKind};
 use crate::derive::{apply_batch_raw, Checks, CommitAck, CommitBatch, PreparedBatch, RawAck};
 use crate::error::{Error, Result};
@@ -34,6 +35,7 @@ use crate::health::{
     HealthCell, StoreHealth, WriteFault, STORE_IO_RECOVERY_MS_MAX, STORE_PROBE_INTERVAL_MS,
     STORE_STOPPED_LOG_INTERVAL_MS,
 };
+use crate::ids::{RunId, Seq};
 use crate::keys::{prefix_end, Cf, STORE_META_KEY};
 use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
 use crate::state::StoreMeta;
@@ -65,6 +67,8 @@ pub struct RocksStore {
     tx: Option<Sender<Request>>,
     writer: Option<JoinHandle<()>>,
     health: Arc<HealthCell>,
+    /// Keeps the acknowledged-commit record (read-write opens).
+    acked: Option<acked::AckedKeeper>,
     _secondary_dir: Option<tempfile::TempDir>,
 }
 
@@ -80,6 +84,36 @@ impl std::fmt::Debug for RocksStore {
 
 /// Memory all memtables together may use before RocksDB flushes them.
 pub const MEMTABLES_BYTES_MAX: usize = 64 << 20;
+
+/// What an open that accepts a loss found (see [`RocksStore::open_accepting_loss`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LossReport {
+    /// The last sequence acknowledged, as recorded (none if no record).
+    pub acknowledged: Option<u64>,
+    /// The last sequence the log recovered to.
+    pub found: u64,
+    /// The first damage found in the write-ahead logs, described.
+    pub damage: Option<String>,
+    /// History events that were in the log past the recovered point and
+    /// are gone: (run, seq), in log order.
+    pub lost_events: Vec<(RunId, Seq)>,
+    /// Commits (write batches) past the recovered point still readable in
+    /// the log.
+    pub lost_commits: usize,
+    /// Sequences acknowledged but neither recovered nor readable in the
+    /// log any more (a log cut short): their content cannot be named.
+    pub unreadable_sequences: u64,
+}
+
+impl LossReport {
+    /// Whether anything was lost.
+    pub fn lost_anything(&self) -> bool {
+        !self.lost_events.is_empty()
+            || self.lost_commits > 0
+            || self.unreadable_sequences > 0
+            || self.acknowledged.is_some_and(|a| a > self.found)
+    }
+}
 
 fn db_options(mode: OpenMode) -> Options {
     let mut opts = Options::default();
@@ -125,9 +159,15 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
             path: path.to_path_buf(),
         }
     } else if text.starts_with("Corruption:") {
+        // RocksDB names neither file nor offset for a damaged log: find
+        // them.
+        let detail = match crate::wal::describe_damage(path) {
+            Some(found) => format!("{found} (RocksDB: {text})"),
+            None => text,
+        };
         Error::Damaged {
             path: path.to_path_buf(),
-            detail: text,
+            detail,
         }
     } else {
         Error::Rocks(text)
@@ -138,6 +178,74 @@ impl RocksStore {
     /// Opens `path` read-write and exclusively, creating it if missing.
     pub fn open(path: impl AsRef<Path>, durability: Durability) -> Result<Self> {
         Self::open_mode(path.as_ref(), OpenMode::ReadWrite, durability)
+    }
+
+    /// Opens `path` read-write although its log lost acknowledged commits
+    /// or is damaged before its end ([`Error::LostCommits`],
+    /// [`Error::Damaged`]): only on an operator's explicit request (`keel
+    /// recover --accept-loss`). The logs are read first, so the report
+    /// names every history event RocksDB's point-in-time recovery then
+    /// drops; RocksDB keeps everything before the first damage, which is a
+    /// consistent prefix (each commit is one atomic batch). The
+    /// acknowledged-commit record is reset to what was recovered.
+    pub fn open_accepting_loss(
+        path: impl AsRef<Path>,
+        durability: Durability,
+    ) -> Result<(Self, LossReport)> {
+        let path = path.as_ref();
+        if !path.join("CURRENT").exists() {
+            return Err(Error::NotFound {
+                path: path.to_path_buf(),
+            });
+        }
+        let acknowledged = acked::read(path)?;
+        let scans = crate::wal::scan_dir(path)?;
+        let damage = crate::wal::describe_damage(path);
+        let names = {
+            let found = DB::list_cf(&Options::default(), path)?;
+            let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
+            names.push("default".into());
+            for n in found {
+                if !names.contains(&n) {
+                    names.push(n);
+                }
+            }
+            names
+        };
+        {
+            let mut opts = db_options(OpenMode::ReadWrite);
+            opts.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
+            let db = DB::open_cf_descriptors(&opts, path, cf_descriptors(&names))
+                .map_err(|e| map_open_error(path, e))?;
+            let found = db.latest_sequence_number();
+            db.flush_wal(true)?;
+            drop(db);
+            let mut record = acked::AckedFile::open(path, found)?;
+            record.write(found)?;
+            let mut report = LossReport {
+                acknowledged,
+                found,
+                damage,
+                lost_events: Vec::new(),
+                lost_commits: 0,
+                unreadable_sequences: 0,
+            };
+            let mut readable_past = 0u64;
+            for b in scans.iter().flat_map(|s| s.batches.iter()) {
+                if b.sequence > found {
+                    report.lost_commits += 1;
+                    report.lost_events.extend(b.events.iter().copied());
+                    readable_past = readable_past.max(b.sequence + u64::from(b.count.max(1)) - 1);
+                }
+            }
+            if let Some(a) = acknowledged {
+                report.unreadable_sequences = a.saturating_sub(found.max(readable_past));
+            }
+            tracing::warn!(path = %path.display(), found, ?acknowledged,
+                lost_events = report.lost_events.len(), "opened a data directory accepting the loss of commits");
+            let store = Self::open(path, durability)?;
+            Ok((store, report))
+        }
     }
 
     /// Opens `path` read-only (works beside a running writer).
@@ -175,6 +283,9 @@ impl RocksStore {
                 });
             }
         }
+        // Read before RocksDB recovers: what was acknowledged by then is
+        // in the log it recovers from.
+        let recorded = if exists { acked::read(path)? } else { None };
         let opts = db_options(mode);
         let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
         names.push("default".into());
@@ -217,17 +328,20 @@ impl RocksStore {
         .map_err(|e| map_open_error(path, e))?;
         let db = Arc::new(db);
         check_or_init_meta(&db, path, mode)?;
+        acked::check(path, recorded, db.latest_sequence_number())?;
         let health = Arc::new(HealthCell::default());
-        let (tx, writer) = if mode == OpenMode::ReadWrite {
+        let (tx, writer, acked) = if mode == OpenMode::ReadWrite {
+            let keeper = acked::AckedKeeper::start(path, db.latest_sequence_number())?;
             let (tx, rx) = crossbeam_channel::bounded(COMMIT_QUEUE_MAX);
             let db2 = db.clone();
             let watch = WriteWatch::new(health.clone(), path.to_path_buf());
+            let published = (durability == Durability::Sync).then(|| keeper.handle());
             let handle = std::thread::Builder::new()
                 .name("keel-writer".into())
-                .spawn(move || writer_loop(db2, rx, durability, watch))?;
-            (Some(tx), Some(handle))
+                .spawn(move || writer_loop(db2, rx, durability, watch, published))?;
+            (Some(tx), Some(handle), Some(keeper))
         } else {
-            (None, None)
+            (None, None, None)
         };
         Ok(RocksStore {
             db,
@@ -237,6 +351,7 @@ impl RocksStore {
             tx,
             writer,
             health,
+            acked,
             _secondary_dir: secondary_dir,
         })
     }
@@ -286,6 +401,14 @@ impl RocksStore {
         self.tx.take();
         if let Some(w) = self.writer.take() {
             let _ = w.join();
+        }
+        if let Some(mut keeper) = self.acked.take() {
+            if self.durability == Durability::Buffered && self.db.flush_wal(true).is_ok() {
+                keeper
+                    .handle()
+                    .store(self.db.latest_sequence_number(), Ordering::Release);
+            }
+            keeper.stop();
         }
     }
 }
@@ -469,7 +592,11 @@ impl Store for RocksStore {
 
     fn sync(&self) -> Result<()> {
         if self.mode == OpenMode::ReadWrite {
+            let seq = self.db.latest_sequence_number();
             self.db.flush_wal(true)?;
+            if let Some(keeper) = &self.acked {
+                keeper.handle().fetch_max(seq, Ordering::AcqRel);
+            }
         }
         Ok(())
     }
@@ -681,7 +808,13 @@ impl KvRead for WriterView<'_> {
 /// inline only when the answer thread has nothing left to send), and the
 /// answer thread is joined before the writer exits, so closing the store
 /// still answers every queued commit.
-fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability, mut watch: WriteWatch) {
+fn writer_loop(
+    db: Arc<DB>,
+    rx: Receiver<Request>,
+    durability: Durability,
+    mut watch: WriteWatch,
+    acked: Option<Arc<AtomicU64>>,
+) {
     let (answer_tx, answer_rx) = crossbeam_channel::unbounded::<Answers>();
     // Groups handed to the answer thread and not yet fully answered.
     let handed = Arc::new(AtomicUsize::new(0));
@@ -755,7 +888,13 @@ fn writer_loop(db: Arc<DB>, rx: Receiver<Request>, durability: Durability, mut w
             let pending = RunCache::pending(&writes);
             let written = write_batch(&db, mutations_of(writes), &wo);
             match &written {
-                Ok(()) => runs.written(pending),
+                Ok(()) => {
+                    runs.written(pending);
+                    // Synced: acknowledged from here on.
+                    if let Some(acked) = &acked {
+                        acked.store(db.latest_sequence_number(), Ordering::Release);
+                    }
+                }
                 Err(_) => runs.forget(),
             }
             watch.wrote(&written);

@@ -1,0 +1,196 @@
+//! Goal: a data directory whose log lost acknowledged commits never opens
+//! as if nothing happened. A write-ahead log cut short (at any point, so
+//! RocksDB's recovery sees only a torn last record and would keep the
+//! rest without a word) or a directory restored from an older copy is
+//! refused with `LostCommits` naming how far commits were acknowledged and
+//! where the log ends, by read-write and read-only opens alike; a torn
+//! record after the last acknowledged commit (what a crash leaves) still
+//! opens with everything.
+//! `open_accepting_loss` then opens such a directory on request and names
+//! exactly the history events the damage hid.
+//! Method: commit a few hundred synced commits, close (the
+//! acknowledged-commit record is written), then damage a copy of the
+//! directory the way each case does and open it.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use keel_storage::acked::ACKED_FILE;
+use keel_storage::{wal, Durability, Error, RocksStore, Store};
+
+const COMMITS: u64 = 300;
+
+/// A closed directory holding one run with `COMMITS` signals after its start.
+fn written(dir: &Path) -> PathBuf {
+    let data = dir.join("data");
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    let mut run = RunBuilder::new(run_id(1), 100);
+    run.commit(&store, vec![started(run.run, "order-1", "wf")])
+        .unwrap();
+    for i in 0..COMMITS {
+        run.commit(&store, vec![signal("s", &i.to_le_bytes())])
+            .unwrap();
+    }
+    store.close().unwrap();
+    data
+}
+
+fn newest_log(dir: &Path) -> PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .max()
+        .expect("a write-ahead log")
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+fn assert_lost(err: Error) {
+    match err {
+        Error::LostCommits {
+            acknowledged,
+            found,
+            ..
+        } => assert!(found < acknowledged, "{found} < {acknowledged}"),
+        other => panic!("expected LostCommits, got: {other}"),
+    }
+}
+
+#[test]
+fn a_log_cut_short_is_refused_not_opened_without_its_acknowledged_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = written(dir.path());
+    let log = newest_log(&data);
+    let len = std::fs::metadata(&log).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
+    f.set_len(len / 2).unwrap();
+    drop(f);
+    assert_lost(RocksStore::open(&data, Durability::Sync).unwrap_err());
+    assert_lost(RocksStore::open_read_only(&data).unwrap_err());
+    let text = RocksStore::open_read_only(&data).unwrap_err().to_string();
+    assert!(text.contains("--accept-loss"), "{text}");
+}
+
+#[test]
+fn a_directory_restored_from_an_older_copy_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = written(dir.path());
+    // An older copy: a checkpoint taken early, then more commits.
+    let old = dir.path().join("old");
+    {
+        let store = RocksStore::open(&data, Durability::Sync).unwrap();
+        store.checkpoint(&old).unwrap();
+        let mut run = RunBuilder::new(run_id(2), 100);
+        run.commit(&store, vec![started(run.run, "order-2", "wf")])
+            .unwrap();
+        for _ in 0..10 {
+            run.commit(&store, vec![signal("s", b"x")]).unwrap();
+        }
+        store.close().unwrap();
+    }
+    // The old files come back; the record of what was acknowledged stays.
+    let restored = dir.path().join("restored");
+    copy_dir(&old, &restored);
+    std::fs::copy(data.join(ACKED_FILE), restored.join(ACKED_FILE)).unwrap();
+    assert_lost(RocksStore::open(&restored, Durability::Sync).unwrap_err());
+    // The checkpoint on its own is a consistent directory.
+    let store = RocksStore::open(&old, Durability::Sync).unwrap();
+    assert!(store.verify().unwrap().ok);
+}
+
+#[test]
+fn a_torn_record_after_the_last_acknowledged_commit_opens_with_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = written(dir.path());
+    // A crash in the middle of writing the next record: part of a header.
+    let log = newest_log(&data);
+    let mut bytes = std::fs::read(&log).unwrap();
+    bytes.extend_from_slice(&[0x5a, 0x13, 0x77, 0x01, 0x20]);
+    std::fs::write(&log, bytes).unwrap();
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    assert_eq!(store.history(run_id(1)).unwrap().len() as u64, 1 + COMMITS);
+    assert!(store.verify().unwrap().ok);
+}
+
+#[test]
+fn a_log_damaged_in_the_middle_names_the_place_and_accepting_the_loss_names_the_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = written(dir.path());
+    let log = newest_log(&data);
+    let clean = wal::scan_file(&log).unwrap();
+    assert_eq!(clean.damage, None);
+    let events: usize = clean.batches.iter().map(|b| b.events.len()).sum();
+    assert!(events as u64 > COMMITS, "{events} events read back");
+    let mut bytes = std::fs::read(&log).unwrap();
+    let flip = bytes.len() / 2;
+    bytes[flip] ^= 0x40;
+    std::fs::write(&log, bytes).unwrap();
+
+    let scan = wal::scan_file(&log).unwrap();
+    let damage = scan.damage.clone().expect("damage found");
+    assert!(damage.offset <= flip as u64 && flip as u64 - damage.offset < 32 * 1024);
+    let err = RocksStore::open(&data, Durability::Sync).unwrap_err();
+    assert!(matches!(err, Error::Damaged { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("damaged at byte {}", damage.offset)),
+        "{text}"
+    );
+
+    let (store, report) = RocksStore::open_accepting_loss(&data, Durability::Sync).unwrap();
+    assert!(report.lost_anything());
+    let kept = store.history(run_id(1)).unwrap().len() as u64;
+    assert!(kept < 1 + COMMITS, "the prefix before the damage: {kept}");
+    // Every event after the prefix is named, except those of the one
+    // batch inside the damaged record, which cannot be read.
+    let lost: Vec<u64> = report
+        .lost_events
+        .iter()
+        .map(|(run, seq)| {
+            assert_eq!(*run, run_id(1));
+            seq.0
+        })
+        .collect();
+    let expected: Vec<u64> = (kept + 1..=1 + COMMITS).collect();
+    assert!(
+        lost == expected || lost == expected[1..],
+        "lost {lost:?}, expected {expected:?}"
+    );
+    assert!(store.verify().unwrap().ok);
+    // Accepted: it opens normally from now on, and takes new commits.
+    store.close().unwrap();
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    let mut run = RunBuilder::new(run_id(1), 10_000);
+    run.next = kept + 1;
+    run.commit(&store, vec![signal("after", b"z")]).unwrap();
+    assert_eq!(store.history(run_id(1)).unwrap().len() as u64, kept + 1);
+}
+
+#[test]
+fn a_log_cut_short_opened_accepting_the_loss_counts_what_is_unreadable() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = written(dir.path());
+    let log = newest_log(&data);
+    let len = std::fs::metadata(&log).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
+    f.set_len(len / 2).unwrap();
+    drop(f);
+    let (store, report) = RocksStore::open_accepting_loss(&data, Durability::Sync).unwrap();
+    assert!(report.lost_anything());
+    assert!(report.unreadable_sequences > 0, "{report:?}");
+    assert!(report.acknowledged.unwrap() > report.found);
+    assert!(store.verify().unwrap().ok);
+    store.close().unwrap();
+    RocksStore::open(&data, Durability::Sync).expect("accepted once, it opens");
+}
