@@ -930,41 +930,46 @@ pub(crate) fn checkpoint(args: CheckpointArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Beside a running engine only a secondary handle is possible, and its
-/// checkpoint holds the table files but not what the engine has in its
-/// write-ahead log only. The copy is therefore checked against the
-/// secondary's view (every run at the same seq) and refused when short.
+/// Beside a running engine RocksDB's checkpoint needs the engine's own
+/// handle, so keel copies the files itself (`RocksStore::copy_live`: the
+/// write-ahead logs included). The copy is then opened, checked against
+/// what a secondary saw before it started (every run at least as far) and
+/// verified; anything short is refused and removed.
 fn checkpoint_beside_engine(args: &CheckpointArgs) -> anyhow::Result<()> {
+    // What the engine had committed when the copy started: the copy must
+    // hold at least that much of every run.
     let source = open(&args.data)?;
+    let before = source.runs(&RunFilter::default())?;
+    drop(source);
     let refuse = |detail: String| -> anyhow::Error {
         let _ = std::fs::remove_dir_all(&args.dir);
         bad_input(format!(
-            "cannot checkpoint {} while an engine runs on it: {detail}; stop the engine, or call RocksStore::checkpoint inside the engine process",
+            "cannot checkpoint {} while an engine runs on it: {detail}",
             args.data.display()
         ))
     };
-    if let Err(e) = source.checkpoint(&args.dir) {
-        return Err(refuse(e.to_string()));
-    }
-    let copy = match RocksStore::open_read_only(&args.dir) {
-        Ok(c) => c,
-        Err(_) => {
-            return Err(refuse(
-                "the engine's recent writes are only in its write-ahead log, which a checkpoint from outside cannot include".into(),
-            ))
-        }
-    };
-    let want = source.runs(&RunFilter::default())?;
+    RocksStore::copy_live(&args.data, &args.dir).map_err(|e| refuse(e.to_string()))?;
+    let copy = RocksStore::open_read_only(&args.dir).map_err(|e| refuse(e.to_string()))?;
     let mut short = 0usize;
-    for m in &want {
-        if copy.run_meta(m.run_id)?.map(|c| c.next_seq) != Some(m.next_seq) {
+    for m in &before {
+        if copy
+            .run_meta(m.run_id)?
+            .is_none_or(|c| c.next_seq < m.next_seq)
+        {
             short += 1;
         }
     }
     if short > 0 {
         return Err(refuse(format!(
-            "{short} of {} runs have events only in the engine's write-ahead log",
-            want.len()
+            "the copy lacks events of {short} of {} runs",
+            before.len()
+        )));
+    }
+    let report = copy.verify()?;
+    if !report.ok {
+        return Err(refuse(format!(
+            "the copy fails verify: {} violations",
+            report.violations.len()
         )));
     }
     Ok(())

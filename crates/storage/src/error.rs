@@ -45,7 +45,7 @@ pub enum Error {
     /// them (a write-ahead log record before its end, a table file, the
     /// MANIFEST): opening it would lose acknowledged commits silently, so
     /// it is refused.
-    #[error("{path} is damaged and was not opened, so that no acknowledged commit is dropped silently: {detail}. Keep a copy of the directory; restore it from a checkpoint or backup, or ask RocksDB's tools to repair it knowing what repair drops")]
+    #[error("{path} is damaged and was not opened, so that no acknowledged commit is dropped silently: {detail}. Keep a copy of the directory; restore it from a checkpoint or backup, or open what precedes the damage with `keel recover --data {path} --accept-loss`, which lists what it drops")]
     Damaged {
         /// The path given.
         path: PathBuf,

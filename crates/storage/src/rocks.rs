@@ -82,6 +82,10 @@ impl std::fmt::Debug for RocksStore {
     }
 }
 
+/// Times [`RocksStore::copy_live`] starts over because the writer changed
+/// the directory's MANIFEST during the copy.
+pub const LIVE_COPY_ATTEMPTS_MAX: u32 = 50;
+
 /// Memory all memtables together may use before RocksDB flushes them.
 pub const MEMTABLES_BYTES_MAX: usize = 64 << 20;
 
@@ -261,7 +265,12 @@ impl RocksStore {
     fn open_mode(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
         if mode == OpenMode::ReadWrite {
             creation::prepare(path)?;
+            // The next start cleans what killed inspection commands left.
+            if let Ok(scratch) = creation::scratch_dir() {
+                creation::remove_dead_secondaries(&scratch);
+            }
         }
+        creation::warn_if_others_can_write(path);
         let exists = path.exists();
         if !exists && mode != OpenMode::ReadWrite {
             return Err(Error::NotFound {
@@ -312,14 +321,15 @@ impl RocksStore {
             OpenMode::ReadWrite => DB::open_cf_descriptors(&opts, path, cf_descriptors(&names)),
             OpenMode::ReadOnly => DB::open_cf_for_read_only(&opts, path, &names, false),
             OpenMode::Secondary => {
-                creation::remove_dead_secondaries();
+                let scratch = creation::scratch_dir()?;
+                creation::remove_dead_secondaries(&scratch);
                 let dir = tempfile::Builder::new()
                     .prefix(&format!(
                         "{}{}-",
                         creation::SECONDARY_PREFIX,
                         std::process::id()
                     ))
-                    .tempdir()?;
+                    .tempdir_in(&scratch)?;
                 let db = DB::open_cf_as_secondary(&opts, path, dir.path(), &names);
                 secondary_dir = Some(dir);
                 db
@@ -329,6 +339,12 @@ impl RocksStore {
         let db = Arc::new(db);
         check_or_init_meta(&db, path, mode)?;
         acked::check(path, recorded, db.latest_sequence_number())?;
+        if mode == OpenMode::ReadWrite {
+            if let Err(e) = creation::make_files_private(path) {
+                tracing::warn!(path = %path.display(), error = %e,
+                    "cannot make the data directory's files private to their owner");
+            }
+        }
         let health = Arc::new(HealthCell::default());
         let (tx, writer, acked) = if mode == OpenMode::ReadWrite {
             let keeper = acked::AckedKeeper::start(path, db.latest_sequence_number())?;
@@ -379,6 +395,21 @@ impl RocksStore {
     pub fn checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
         Checkpoint::new(&self.db)?.create_checkpoint(dir.as_ref())?;
         Ok(())
+    }
+
+    /// Copies the data directory at `path` to `dest` (which must not
+    /// exist) while another process holds it open for writing: a
+    /// consistent copy that opens as a keel store, holding at least every
+    /// commit acknowledged before the call. RocksDB's own checkpoint needs
+    /// the writing process; from outside, keel copies the files itself: the
+    /// MANIFEST up to its current length, every table file (hard-linked:
+    /// they never change) and every write-ahead log as it is now (a record
+    /// being written is a torn tail, which recovery drops as after a crash).
+    /// A flush or compaction that finishes during the copy changes the
+    /// MANIFEST and may delete files; the copy is then thrown away and
+    /// taken again, at most [`LIVE_COPY_ATTEMPTS_MAX`] times.
+    pub fn copy_live(path: impl AsRef<Path>, dest: impl AsRef<Path>) -> Result<()> {
+        live_copy::copy(path.as_ref(), dest.as_ref())
     }
 
     /// Flushes memtables to SST files (used by tests and before copying).
@@ -1198,6 +1229,7 @@ mod creation {
             check_or_init_meta(&db, &building, OpenMode::ReadWrite)?;
             db.flush_wal(true)?;
         }
+        make_files_private(&building)?;
         sync_dir(&building)?;
         // Replaces an empty directory at `path` too (rename(2)).
         if let Err(e) = std::fs::rename(&building, path) {
@@ -1232,26 +1264,100 @@ mod creation {
         Ok(())
     }
 
-    /// The name a secondary's own directory (in the temp dir) starts with,
-    /// followed by the process id: `keel-secondary-PID-RANDOM`.
-    pub(super) const SECONDARY_PREFIX: &str = "keel-secondary-";
+    /// The name a secondary's own directory starts with, followed by the
+    /// process id: `secondary-PID-RANDOM`, in [`scratch_dir`].
+    pub(super) const SECONDARY_PREFIX: &str = "secondary-";
+
+    /// What secondaries of older builds were called, directly in the temp
+    /// dir (`keel-secondary-PID-RANDOM`): removed like the new ones.
+    const OLD_SECONDARY_PREFIX: &str = "keel-secondary-";
+
+    /// The per-user directory for keel's scratch files (`keel-UID` in the
+    /// temp dir, owner-only). One that is not ours or that others can write
+    /// to is not used: a fresh private one is made beside it instead.
+    pub(super) fn scratch_dir() -> Result<PathBuf> {
+        let uid = user_id();
+        let base = std::env::temp_dir();
+        let dir = base.join(format!("keel-{uid}"));
+        match create_private_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e.into()),
+        }
+        if private_to_us(&dir, uid) {
+            return Ok(dir);
+        }
+        tracing::warn!(dir = %dir.display(),
+            "keel's scratch directory is not private to this user; using a new one");
+        let fresh = tempfile::Builder::new()
+            .prefix(&format!("keel-{uid}-"))
+            .tempdir_in(&base)?;
+        Ok(fresh.keep())
+    }
+
+    #[cfg(unix)]
+    fn user_id() -> u32 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self").map_or(0, |m| m.uid())
+    }
+
+    #[cfg(not(unix))]
+    fn user_id() -> u32 {
+        0
+    }
+
+    #[cfg(unix)]
+    fn private_to_us(dir: &Path, uid: u32) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(dir)
+            .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.mode() & 0o077 == 0)
+    }
+
+    #[cfg(not(unix))]
+    fn private_to_us(dir: &Path, _uid: u32) -> bool {
+        dir.is_dir()
+    }
+
+    /// Warns when users other than the owner can write to the data
+    /// directory: they could change or remove every workflow's history.
+    pub(super) fn warn_if_others_can_write(path: &Path) {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            if let Ok(m) = std::fs::metadata(path) {
+                if m.mode() & 0o022 != 0 {
+                    tracing::warn!(path = %path.display(), mode = format!("{:o}", m.mode() & 0o777),
+                        "the data directory can be written by other users; make it private (chmod 700)");
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = path;
+    }
 
     /// Removes the directories of secondaries whose process is gone (an
-    /// inspection command killed before it could remove its own).
-    pub(super) fn remove_dead_secondaries() {
-        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(pid) = name
-                .strip_prefix(SECONDARY_PREFIX)
-                .and_then(|rest| rest.split('-').next())
-            else {
+    /// inspection command killed before it could remove its own), in
+    /// `scratch` and, from older builds, in the temp dir.
+    pub(super) fn remove_dead_secondaries(scratch: &Path) {
+        let old = std::env::temp_dir();
+        for (dir, prefix) in [
+            (scratch, SECONDARY_PREFIX),
+            (old.as_path(), OLD_SECONDARY_PREFIX),
+        ] {
+            let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };
-            if !process_alive(pid) {
-                let _ = std::fs::remove_dir_all(entry.path());
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some(pid) = name
+                    .strip_prefix(prefix)
+                    .and_then(|rest| rest.split('-').next())
+                else {
+                    continue;
+                };
+                if !process_alive(pid) {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
             }
         }
     }
@@ -1334,8 +1440,148 @@ mod creation {
         builder.create(dir)
     }
 
+    /// Makes the files in `dir` readable by their owner only. RocksDB
+    /// creates files with the process umask; a read-write open tightens
+    /// every file there is, and the directory's 0700 keeps files made
+    /// later private too (a process with umask 077 makes them 0600 from
+    /// the start).
+    pub(super) fn make_files_private(dir: &Path) -> Result<()> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            for entry in std::fs::read_dir(dir)? {
+                let entry = entry?;
+                if entry.file_type()?.is_file() {
+                    std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o600))?;
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = dir;
+        Ok(())
+    }
+
     fn sync_dir(dir: &Path) -> Result<()> {
         std::fs::File::open(dir)?.sync_all()?;
         Ok(())
+    }
+}
+
+/// Copying a directory another process writes (see
+/// [`RocksStore::copy_live`]).
+mod live_copy {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    /// The MANIFEST that CURRENT names and its length now.
+    fn manifest_state(dir: &Path) -> Result<(String, u64)> {
+        let current = std::fs::read_to_string(dir.join("CURRENT"))?;
+        let name = current.trim().to_string();
+        let len = std::fs::metadata(dir.join(&name))?.len();
+        Ok((name, len))
+    }
+
+    /// Reads the first `len` bytes of `from` into a new file `to`.
+    fn copy_prefix(from: &Path, to: &Path, len: u64) -> std::io::Result<()> {
+        use std::io::{Read, Write};
+        let mut bytes = Vec::new();
+        std::fs::File::open(from)?
+            .take(len)
+            .read_to_end(&mut bytes)?;
+        let mut out = std::fs::File::create(to)?;
+        out.write_all(&bytes)?;
+        out.sync_all()
+    }
+
+    fn copy_synced(from: &Path, to: &Path) -> std::io::Result<()> {
+        std::fs::copy(from, to)?;
+        std::fs::File::open(to)?.sync_all()
+    }
+
+    /// One attempt: `Ok(false)` when the writer changed the directory
+    /// meanwhile.
+    fn attempt(src: &Path, tmp: &Path) -> Result<bool> {
+        let (manifest, len) = manifest_state(src)?;
+        copy_prefix(&src.join(&manifest), &tmp.join(&manifest), len)?;
+        for entry in std::fs::read_dir(src)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let (from, to) = (entry.path(), tmp.join(&name));
+            let copied = if name.ends_with(".sst") {
+                std::fs::hard_link(&from, &to).or_else(|_| copy_synced(&from, &to))
+            } else if name.ends_with(".log") || name.starts_with("OPTIONS-") || name == "IDENTITY" {
+                copy_synced(&from, &to)
+            } else {
+                // LOCK, RocksDB's info LOG, older MANIFESTs, CURRENT (written
+                // below), keel's acknowledged-commit record (the copy's own
+                // starts when it is first opened).
+                continue;
+            };
+            match copied {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut current = std::fs::File::create(tmp.join("CURRENT"))?;
+        std::io::Write::write_all(&mut current, format!("{manifest}\n").as_bytes())?;
+        current.sync_all()?;
+        Ok(manifest_state(src)? == (manifest, len))
+    }
+
+    pub(super) fn copy(src: &Path, dest: &Path) -> Result<()> {
+        if dest.exists() {
+            return Err(Error::Io(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} already exists", dest.display()),
+            )));
+        }
+        if !src.join("CURRENT").exists() {
+            return Err(Error::NotFound {
+                path: src.to_path_buf(),
+            });
+        }
+        let name = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "copy".into());
+        let parent = match dest.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&parent)?;
+        let tmp = parent.join(format!(".{name}.keel-copying.{}", std::process::id()));
+        for _ in 0..LIVE_COPY_ATTEMPTS_MAX {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp)?;
+            }
+            std::fs::DirBuilder::new().create(&tmp)?;
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700))?;
+            }
+            match attempt(src, &tmp) {
+                Ok(true) => {
+                    std::fs::File::open(&tmp)?.sync_all()?;
+                    std::fs::rename(&tmp, dest)?;
+                    std::fs::File::open(&parent)?.sync_all()?;
+                    return Ok(());
+                }
+                Ok(false) => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    return Err(e);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        Err(Error::Io(std::io::Error::other(format!(
+            "the engine changed {} during each of {LIVE_COPY_ATTEMPTS_MAX} copies (flushes or compactions); try again",
+            src.display()
+        ))))
     }
 }

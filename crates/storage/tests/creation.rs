@@ -39,6 +39,17 @@ fn a_new_directory_appears_complete_and_private() {
     }
     let store = RocksStore::open(&data, Durability::Sync).unwrap();
     assert_eq!(store.history(run.run).unwrap().len(), 1);
+    // Every file there is, once a read-write open is done, is its owner's
+    // only (the test's umask would make new ones 0644).
+    #[cfg(unix)]
+    for entry in std::fs::read_dir(&data).unwrap() {
+        use std::os::unix::fs::PermissionsExt;
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            let mode = entry.metadata().unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{:?}", entry.file_name());
+        }
+    }
 }
 
 #[test]
@@ -101,9 +112,36 @@ fn a_killed_secondary_s_directory_is_removed_by_the_next_one() {
     let _writer = RocksStore::open(&data, Durability::Sync).unwrap();
     // What an inspection command killed while it followed the writer left
     // in the temp dir (its process id cannot be running).
-    let dead = std::env::temp_dir().join("keel-secondary-4294967294-left");
-    std::fs::create_dir_all(dead.join("inside")).unwrap();
+    // (In the per-user scratch dir, and where older builds put them.)
+    let uid = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self").unwrap().uid()
+    };
+    let scratch = std::env::temp_dir().join(format!("keel-{uid}"));
+    let dead = scratch.join("secondary-4294967294-left");
+    let old = std::env::temp_dir().join("keel-secondary-4294967294-left");
+    for d in [&dead, &old] {
+        std::fs::create_dir_all(d.join("inside")).unwrap();
+    }
     let secondary = RocksStore::open_secondary(&data).unwrap();
     assert!(!dead.exists(), "the dead secondary's directory is removed");
+    assert!(!old.exists(), "an older build's leftover is removed");
+    // A live one's lives in the private scratch dir.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&scratch).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let mine = format!("secondary-{}-", std::process::id());
+        assert!(std::fs::read_dir(&scratch).unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(&mine)));
+    }
     drop(secondary);
+    // The next engine start cleans them too.
+    std::fs::create_dir_all(dead.join("inside")).unwrap();
+    drop(_writer);
+    let _writer = RocksStore::open(&data, Durability::Sync).unwrap();
+    assert!(!dead.exists(), "removed at the next read-write open");
 }
