@@ -34,6 +34,10 @@ pub(crate) enum BenchCommand {
     Replay(keel_cli::replay_bench::ReplayBenchArgs),
     /// Time to the first event line of `keel show` on a 100,000-event history.
     Show(keel_cli::replay_bench::ShowBenchArgs),
+    /// Kill the engine process over and over (SIGKILL, from directory
+    /// creation to mid-commit); after each kill the directory must open,
+    /// and after each round every workflow must complete exactly once.
+    Torture(crate::bench_torture::TortureArgs),
 }
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -45,6 +49,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Read(args) => bench_store::read(args),
         BenchCommand::Replay(args) => keel_cli::replay_bench::replay(args),
         BenchCommand::Show(args) => keel_cli::replay_bench::show(args),
+        BenchCommand::Torture(args) => crate::bench_torture::torture(args),
     }
 }
 

@@ -7,6 +7,7 @@
 
 mod bench;
 mod bench_fanout;
+mod bench_torture;
 mod demo;
 mod sim;
 

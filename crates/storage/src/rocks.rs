@@ -162,6 +162,12 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
         Error::Locked {
             path: path.to_path_buf(),
         }
+    } else if WriteFault::of_message(&text) == WriteFault::NoSpace {
+        // A full disk at open (RocksDB writes a new MANIFEST and log).
+        Error::Unwritable {
+            fault: WriteFault::NoSpace,
+            detail: format!("opening {}: {text}", path.display()),
+        }
     } else if text.starts_with("Corruption:") {
         // RocksDB names neither file nor offset for a damaged log: find
         // them.
@@ -263,6 +269,18 @@ impl RocksStore {
     }
 
     fn open_mode(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
+        Self::open_mode_inner(path, mode, durability).map_err(|e| match e {
+            // A full disk while keel creates the directory or its records:
+            // the typed error, with the path and what to do.
+            Error::Io(io) if io.kind() == std::io::ErrorKind::StorageFull => Error::Unwritable {
+                fault: WriteFault::NoSpace,
+                detail: format!("opening {}: {io}", path.display()),
+            },
+            other => other,
+        })
+    }
+
+    fn open_mode_inner(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
         if mode == OpenMode::ReadWrite {
             creation::prepare(path)?;
             // The next start cleans what killed inspection commands left.

@@ -27,11 +27,12 @@ const RESUME_WAIT_S_MAX: u64 = 30;
 struct Mount(PathBuf);
 
 impl Mount {
-    fn new() -> Result<Mount, String> {
+    fn new(name: &str) -> Result<Mount, String> {
         if !is_root() {
             return Err("not running as root, cannot mount a tmpfs".into());
         }
-        let dir = std::env::temp_dir().join(format!("keel-disk-full-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("keel-disk-full-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let out = Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={TMPFS_MIB}m"), "tmpfs"])
@@ -74,7 +75,7 @@ fn fill(path: &Path) {
 
 #[test]
 fn a_full_disk_stops_commits_with_a_typed_error_and_they_resume_when_space_is_freed() {
-    let mount = match Mount::new() {
+    let mount = match Mount::new("commits") {
         Ok(m) => m,
         Err(why) => {
             eprintln!("skipped: {why}");
@@ -154,4 +155,55 @@ fn a_full_disk_stops_commits_with_a_typed_error_and_they_resume_when_space_is_fr
     let history = store.history(run.run).unwrap();
     assert_eq!(history.len() as u64, 1 + acked + 1);
     assert!(store.verify().unwrap().ok);
+}
+
+/// Goal: opening on a full disk, a new directory or an existing one, is a
+/// typed error naming the path and what to do (or, for an existing one
+/// that needs no new space, a working open), never a panic, a hang or a
+/// half-made directory. Method: fill a tmpfs, then open both.
+#[test]
+fn opening_on_a_full_disk_is_a_typed_error_with_the_path() {
+    let mount = match Mount::new("open") {
+        Ok(m) => m,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let existing = mount.0.join("existing");
+    drop(RocksStore::open(&existing, Durability::Sync).unwrap());
+    fill(&mount.0.join("ballast"));
+    let fresh = mount.0.join("fresh");
+    match RocksStore::open(&fresh, Durability::Sync) {
+        Err(
+            e @ Error::Unwritable {
+                fault: WriteFault::NoSpace,
+                ..
+            },
+        ) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("fresh") && text.contains("free space"),
+                "{text}"
+            );
+        }
+        Err(other) => panic!("expected a typed no-space error, got: {other}"),
+        Ok(_) => panic!("a new directory opened on a full disk"),
+    }
+    assert!(
+        !fresh.join("CURRENT").exists(),
+        "no half-made directory is left at the path"
+    );
+    match RocksStore::open(&existing, Durability::Sync) {
+        Ok(store) => assert!(store.verify().unwrap().ok),
+        Err(Error::Unwritable {
+            fault: WriteFault::NoSpace,
+            ..
+        }) => {}
+        Err(other) => panic!("expected a typed no-space error, got: {other}"),
+    }
+    // Space freed: both open.
+    std::fs::remove_file(mount.0.join("ballast")).unwrap();
+    drop(RocksStore::open(&fresh, Durability::Sync).unwrap());
+    drop(RocksStore::open(&existing, Durability::Sync).unwrap());
 }
