@@ -194,3 +194,96 @@ fn a_log_cut_short_opened_accepting_the_loss_counts_what_is_unreadable() {
     store.close().unwrap();
     RocksStore::open(&data, Durability::Sync).expect("accepted once, it opens");
 }
+
+/// Goal: a compaction that meets a damaged table block stops the store
+/// loudly instead of leaving the writer stuck: later commits fail at once
+/// with a typed corruption error and the store reports that it gave up
+/// (the engine then stops serving with that cause).
+/// Method: write three table files, damage a data block of one while the
+/// store is closed, reopen, write a fourth, which makes RocksDB compact
+/// the four (it reads every block, checksums on), then commit again.
+#[test]
+fn a_compaction_meeting_a_damaged_table_stops_writes_with_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let payload = vec![0x33u8; 4096];
+    // Every table file holds events of the same four runs, so their key
+    // ranges overlap and compaction must read and merge them (files that
+    // do not overlap are moved without being read).
+    let mut runs: Vec<RunBuilder> = (0..4u64)
+        .map(|n| RunBuilder::new(run_id(100 + n), 100))
+        .collect();
+    {
+        let store = RocksStore::open(&data, Durability::Sync).unwrap();
+        for (n, run) in runs.iter_mut().enumerate() {
+            run.commit(&store, vec![started(run.run, &format!("c-{n}"), "wf")])
+                .unwrap();
+        }
+        for _ in 0..3 {
+            for run in runs.iter_mut() {
+                for _ in 0..5 {
+                    run.commit(&store, vec![signal("s", &payload)]).unwrap();
+                }
+            }
+            store.flush().unwrap();
+        }
+        store.close().unwrap();
+    }
+    // Damage the middle of the largest table file (a data block).
+    let sst = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "sst"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .expect("a table file");
+    let mut bytes = std::fs::read(&sst).unwrap();
+    let at = bytes.len() / 3;
+    bytes[at] ^= 0x55;
+    std::fs::write(&sst, bytes).unwrap();
+
+    let store = RocksStore::open(&data, Durability::Sync).unwrap();
+    for run in runs.iter_mut() {
+        for _ in 0..5 {
+            run.commit(&store, vec![signal("s", &payload)]).unwrap();
+        }
+    }
+    let run = &mut runs[0];
+    // The flush may itself fail once the compaction has stopped writes.
+    let _ = store.flush();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let err = loop {
+        match run.commit(&store, vec![signal("s", b"x")]) {
+            Ok(_) => {
+                if std::time::Instant::now() >= deadline {
+                    let log = std::fs::read_to_string(data.join("LOG")).unwrap_or_default();
+                    for l in log
+                        .lines()
+                        .filter(|l| l.contains("orrupt") || l.contains("rror"))
+                    {
+                        eprintln!("LOG: {l}");
+                    }
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "writes kept going past a damaged table's compaction"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(
+            err,
+            Error::Unwritable {
+                fault: keel_storage::WriteFault::Corruption,
+                ..
+            }
+        ),
+        "expected a typed corruption error, got: {err}"
+    );
+    assert!(store.health().is_failed(), "{}", store.health());
+    // Final: nothing is written any more, fast.
+    let again = run.commit(&store, vec![signal("s", b"y")]).unwrap_err();
+    assert!(matches!(again, Error::Unwritable { .. }), "{again}");
+}
