@@ -45,7 +45,7 @@ pub enum Error {
     /// them (a write-ahead log record before its end, a table file, the
     /// MANIFEST): opening it would lose acknowledged commits silently, so
     /// it is refused.
-    #[error("{path} is damaged and was not opened, so that no acknowledged commit is dropped silently: {detail}. Keep a copy of the directory; restore it from a checkpoint or backup, or open what precedes the damage with `keel recover --data {path} --accept-loss`, which lists what it drops")]
+    #[error("{path} is damaged and was not opened, so that no acknowledged commit is dropped silently: {detail}. Keep a copy of the directory, and restore it from a checkpoint or backup")]
     Damaged {
         /// The path given.
         path: PathBuf,
@@ -167,7 +167,11 @@ pub enum Error {
     #[error("commit failed: {0}")]
     CommitFailed(String),
     /// The store stopped accepting writes (see [`crate::health`]): this
-    /// commit wrote nothing, and none will until the cause is gone.
+    /// commit is not acknowledged, and none will be until the cause is
+    /// gone. (Commits refused after the stop wrote nothing; the group whose
+    /// write failed may still reach the log if only its sync failed, and
+    /// then appears after a restart, where durable ids keep a retry from
+    /// applying twice.)
     #[error("the store stopped accepting writes ({fault}): {detail}; {}", fault.remedy())]
     Unwritable {
         /// What stopped them.

@@ -6,9 +6,11 @@
 //! later one fails with [`Error::Unwritable`] naming the cause, until the
 //! cause is gone. A stop is either waited out (no space: the store probes
 //! and resumes once space is freed) or final (corruption, or an I/O error
-//! that outlasts [`STORE_IO_RECOVERY_MS_MAX`]): the engine then shuts down
-//! and the process should exit non-zero. Nothing acknowledged is lost
-//! either way: a commit is acknowledged only after its write returned.
+//! that outlasts [`STORE_IO_RECOVERY_MS_MAX`]: RocksDB resumes by itself
+//! only from errors it deems retryable, so most I/O errors need a restart
+//! once the disk is fixed): the engine then shuts down and the process
+//! should exit non-zero. Nothing acknowledged is lost either way: a commit
+//! is acknowledged only after its write returned.
 
 use std::fmt;
 
@@ -60,7 +62,7 @@ impl WriteFault {
     pub fn remedy(self) -> &'static str {
         match self {
             WriteFault::NoSpace => "free space on the data directory's file system (at least 64 MiB, one memtable); commits resume by themselves within seconds",
-            WriteFault::Io => "check the disk and the kernel log; commits resume by themselves if the error clears",
+            WriteFault::Io => "check the disk and the kernel log; keel retries for 60 s (RocksDB resumes by itself only from errors it deems retryable), then stops: restart the engine once the disk is fixed",
             WriteFault::Corruption => "stop keel, keep a copy of the directory and run `keel verify`; restore from a checkpoint if it reports damage",
         }
     }

@@ -82,6 +82,10 @@ impl std::fmt::Debug for RocksStore {
     }
 }
 
+/// Times a read-only or secondary open is tried before it reports
+/// [`Error::LostCommits`] (a live writer's flush can race the open).
+const LOST_COMMITS_OPEN_TRIES: u32 = 5;
+
 /// Times [`RocksStore::copy_live`] starts over because the writer changed
 /// the directory's MANIFEST during the copy.
 pub const LIVE_COPY_ATTEMPTS_MAX: u32 = 50;
@@ -172,7 +176,9 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
         // RocksDB names neither file nor offset for a damaged log: find
         // them.
         let detail = match crate::wal::describe_damage(path) {
-            Some(found) => format!("{found} (RocksDB: {text})"),
+            Some(found) => format!(
+                "{found} (RocksDB: {text}); `keel recover --accept-loss` opens what precedes it and lists what it drops"
+            ),
             None => text,
         };
         Error::Damaged {
@@ -269,7 +275,21 @@ impl RocksStore {
     }
 
     fn open_mode(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
-        Self::open_mode_inner(path, mode, durability).map_err(|e| match e {
+        let mut result = Self::open_mode_inner(path, mode, durability);
+        // Beside a live writer, a flush that ends while a read-only or
+        // secondary open reads the log can hide the newest commits from
+        // this open's view: a fresh open sees them. A directory that lost
+        // commits keeps failing.
+        let mut tries = 1;
+        while mode != OpenMode::ReadWrite
+            && tries < LOST_COMMITS_OPEN_TRIES
+            && matches!(result, Err(Error::LostCommits { .. }))
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(tries)));
+            result = Self::open_mode_inner(path, mode, durability);
+            tries += 1;
+        }
+        result.map_err(|e| match e {
             // A full disk while keel creates the directory or its records:
             // the typed error, with the path and what to do.
             Error::Io(io) if io.kind() == std::io::ErrorKind::StorageFull => Error::Unwritable {
@@ -334,6 +354,27 @@ impl RocksStore {
                 names.push(n);
             }
         }
+        if path.join("CURRENT").exists() {
+            // Damage RocksDB's recovery does not report (a zeroed block
+            // inside a log: it skips the block and reads on) must still
+            // stop the open; keel reads the logs itself first.
+            if let Some(found) = crate::wal::describe_damage(path) {
+                return Err(Error::Damaged {
+                    path: path.to_path_buf(),
+                    detail: format!("{found}; `keel recover --accept-loss` opens what precedes it and lists what it drops"),
+                });
+            }
+            if mode == OpenMode::ReadWrite && recorded.is_some() {
+                // Compared before a read-write open, which would replay
+                // and remove the logs (the evidence `recover` reads) and
+                // could write (a migration) before the comparison.
+                let ro = DB::open_cf_for_read_only(&opts, path, &names, false)
+                    .map_err(|e| map_open_error(path, e))?;
+                let found = ro.latest_sequence_number();
+                drop(ro);
+                acked::check(path, recorded, found)?;
+            }
+        }
         let mut secondary_dir = None;
         let db = match mode {
             OpenMode::ReadWrite => DB::open_cf_descriptors(&opts, path, cf_descriptors(&names)),
@@ -355,8 +396,10 @@ impl RocksStore {
         }
         .map_err(|e| map_open_error(path, e))?;
         let db = Arc::new(db);
+        if mode != OpenMode::ReadWrite {
+            acked::check(path, recorded, db.latest_sequence_number())?;
+        }
         check_or_init_meta(&db, path, mode)?;
-        acked::check(path, recorded, db.latest_sequence_number())?;
         if mode == OpenMode::ReadWrite {
             if let Err(e) = creation::make_files_private(path) {
                 tracing::warn!(path = %path.display(), error = %e,
@@ -1034,6 +1077,13 @@ impl WriteWatch {
             }
             Err(Error::Unwritable { fault, detail }) => {
                 let now = std::time::Instant::now();
+                // A new cause starts its own wait (a full disk that turns
+                // into an I/O error gets the I/O budget from now).
+                let same = matches!(self.health.get(),
+                    StoreHealth::Stopped { fault: f, .. } if f == *fault);
+                if !same {
+                    self.stop = None;
+                }
                 let first = self.stop.is_none();
                 let (since, logged) = *self.stop.get_or_insert((now, now));
                 let waited_ms = now.duration_since(since).as_millis() as u64;
@@ -1313,10 +1363,14 @@ mod creation {
         Ok(fresh.keep())
     }
 
+    /// The effective user id: the owner of a file this process creates
+    /// (works without `/proc`, and without a libc dependency).
     #[cfg(unix)]
     fn user_id() -> u32 {
         use std::os::unix::fs::MetadataExt;
-        std::fs::metadata("/proc/self").map_or(0, |m| m.uid())
+        tempfile::tempfile()
+            .and_then(|f| f.metadata())
+            .map_or(0, |m| m.uid())
     }
 
     #[cfg(not(unix))]

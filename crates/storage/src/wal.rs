@@ -98,6 +98,9 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
         damage: None,
         batches: Vec::new(),
     };
+    // Past the last non-zero byte nothing was written (preallocated or
+    // never reached).
+    let written = bytes.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
     let mut pos = 0usize;
     // A batch being assembled from fragments: (offset, payload).
     let mut partial: Option<(usize, Vec<u8>)> = None;
@@ -112,7 +115,7 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
             break; // a header torn by a crash
         }
         if rest[..HEADER_BYTES].iter().all(|b| *b == 0) {
-            if rest.iter().all(|b| *b == 0) {
+            if pos >= written {
                 break; // nothing written past here
             }
             damaged(
@@ -158,18 +161,38 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
                 partial = None;
                 batch(&mut scan, pos, payload, after);
             }
-            2 | 6 => partial = Some((pos, payload.to_vec())),
-            3 | 7 => {
-                if let Some((_, p)) = &mut partial {
-                    p.extend_from_slice(payload);
+            2 | 6 => {
+                if partial.is_some() {
+                    damaged(
+                        &mut scan,
+                        pos,
+                        "a batch starts before the previous one ended".into(),
+                        &mut partial,
+                    );
                 }
+                partial = Some((pos, payload.to_vec()));
             }
-            4 | 8 => {
-                if let Some((start, mut p)) = partial.take() {
+            3 | 7 => match &mut partial {
+                Some((_, p)) => p.extend_from_slice(payload),
+                None => damaged(
+                    &mut scan,
+                    pos,
+                    "a fragment without its start".into(),
+                    &mut partial,
+                ),
+            },
+            4 | 8 => match partial.take() {
+                Some((start, mut p)) => {
                     p.extend_from_slice(payload);
                     batch(&mut scan, start, &p, after);
                 }
-            }
+                None => damaged(
+                    &mut scan,
+                    pos,
+                    "a fragment without its start".into(),
+                    &mut partial,
+                ),
+            },
             // Metadata records (compression, timestamp sizes, the previous
             // log's description) and ignorable types carry no commits.
             _ => {}
@@ -383,8 +406,15 @@ mod tests {
             for b in &before {
                 prop_assert!(scan.batches.contains(b));
             }
-            if let Some(d) = &scan.damage {
+                if let Some(d) = &scan.damage {
                 prop_assert!(d.offset as usize <= at);
+            }
+            // A flipped byte inside the records (not in a block's zero
+            // trailer, not past the last record) is always found.
+            let last = full.batches.last().map_or(0, |b| b.offset as usize);
+            let in_trailer = BLOCK_BYTES - at % BLOCK_BYTES < HEADER_BYTES;
+            if at < last && !in_trailer {
+                prop_assert!(scan.damage.is_some(), "a flip at {} went unnoticed", at);
             }
         }
     }
