@@ -50,6 +50,15 @@ impl Mount {
     }
 }
 
+impl Mount {
+    /// The mount, or `None` after printing why the test skips.
+    fn or_skip(name: &str) -> Option<Mount> {
+        Mount::new(name)
+            .map_err(|why| eprintln!("skipped: {why}"))
+            .ok()
+    }
+}
+
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.0).status();
@@ -75,12 +84,8 @@ fn fill(path: &Path) {
 
 #[test]
 fn a_full_disk_stops_commits_with_a_typed_error_and_they_resume_when_space_is_freed() {
-    let mount = match Mount::new("commits") {
-        Ok(m) => m,
-        Err(why) => {
-            eprintln!("skipped: {why}");
-            return;
-        }
+    let Some(mount) = Mount::or_skip("commits") else {
+        return;
     };
     let dir = mount.0.join("data");
     let store = RocksStore::open(&dir, Durability::Sync).unwrap();
@@ -163,12 +168,8 @@ fn a_full_disk_stops_commits_with_a_typed_error_and_they_resume_when_space_is_fr
 /// half-made directory. Method: fill a tmpfs, then open both.
 #[test]
 fn opening_on_a_full_disk_is_a_typed_error_with_the_path() {
-    let mount = match Mount::new("open") {
-        Ok(m) => m,
-        Err(why) => {
-            eprintln!("skipped: {why}");
-            return;
-        }
+    let Some(mount) = Mount::or_skip("open") else {
+        return;
     };
     let existing = mount.0.join("existing");
     drop(RocksStore::open(&existing, Durability::Sync).unwrap());

@@ -46,6 +46,15 @@ fn newest_log(dir: &Path) -> PathBuf {
         .expect("a write-ahead log")
 }
 
+/// Cuts the newest log at half its length (at any byte, as a disk or a
+/// careless copy might).
+fn cut_newest_log_in_half(data: &Path) {
+    let log = newest_log(data);
+    let len = std::fs::metadata(&log).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
+    f.set_len(len / 2).unwrap();
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
@@ -71,11 +80,7 @@ fn assert_lost(err: Error) {
 fn a_log_cut_short_is_refused_not_opened_without_its_acknowledged_commits() {
     let dir = tempfile::tempdir().unwrap();
     let data = written(dir.path());
-    let log = newest_log(&data);
-    let len = std::fs::metadata(&log).unwrap().len();
-    let f = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
-    f.set_len(len / 2).unwrap();
-    drop(f);
+    cut_newest_log_in_half(&data);
     assert_lost(RocksStore::open(&data, Durability::Sync).unwrap_err());
     assert_lost(RocksStore::open_read_only(&data).unwrap_err());
     let text = RocksStore::open_read_only(&data).unwrap_err().to_string();
@@ -181,11 +186,7 @@ fn a_log_damaged_in_the_middle_names_the_place_and_accepting_the_loss_names_the_
 fn a_log_cut_short_opened_accepting_the_loss_counts_what_is_unreadable() {
     let dir = tempfile::tempdir().unwrap();
     let data = written(dir.path());
-    let log = newest_log(&data);
-    let len = std::fs::metadata(&log).unwrap().len();
-    let f = std::fs::OpenOptions::new().write(true).open(&log).unwrap();
-    f.set_len(len / 2).unwrap();
-    drop(f);
+    cut_newest_log_in_half(&data);
     let (store, report) = RocksStore::open_accepting_loss(&data, Durability::Sync).unwrap();
     assert!(report.lost_anything());
     assert!(report.unreadable_sequences > 0, "{report:?}");
