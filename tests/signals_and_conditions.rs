@@ -1,11 +1,10 @@
 //! Goal: two things workflow authors expect from signals and conditions
 //! (issue "The rest of the workflow surface", item 9): a condition over
 //! state that a signal-handling coroutine changes resolves in the same
-//! activation (holds today), and a signal sent to an instance while it
-//! continues as new reaches the next run, in order, instead of being
-//! refused as "run closed" (a known bug: the second test reproduces it in
-//! about one run of three and is ignored until it is fixed; run it with
-//! `cargo test --release --test signals_and_conditions -- --ignored`).
+//! activation, and a signal sent to an instance while it continues as new
+//! reaches the next run, in order, instead of being refused as "run
+//! closed" (it was, in about one run of three, while the instance still
+//! named the closed run and the next one's start was in the outbox).
 //! Method: the real engine on RocksDB. A handler coroutine counts "inc"
 //! signals while the main coroutine waits on a condition over the count.
 //! A run that continues as new on its first signal gets a second one sent
@@ -84,7 +83,6 @@ async fn a_condition_over_state_a_signal_handler_changes_resolves() -> anyhow::R
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug (issue 13, item 9): a signal that reaches an instance during its continue-as-new hand-off is refused as run closed"]
 async fn a_signal_during_continue_as_new_reaches_the_next_run() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let engine = engine(dir.path())?;

@@ -26,6 +26,20 @@ use crate::shard::{Feed, ShardActor};
 /// commit failed) before the call fails with [`EngineError::Unavailable`].
 pub const CLIENT_RETRIES_MAX: u32 = 8;
 
+/// Times a signal, cancel or terminate for an instance is sent again after
+/// the run it reached was closed (it may have continued as new).
+pub const CONTINUE_AS_NEW_FOLLOWS_MAX: u32 = 3;
+
+/// Whether `request` is an input for an instance (not for one run by id).
+fn names_instance(request: &Request) -> bool {
+    match request {
+        Request::Signal { target, .. }
+        | Request::Cancel { target, .. }
+        | Request::Terminate { target, .. } => RunId::parse(target).is_none(),
+        _ => false,
+    }
+}
+
 /// Errors the engine and client return. Bad input is refused with a typed
 /// error before anything is written.
 #[derive(Debug, thiserror::Error)]
@@ -203,9 +217,21 @@ impl ClientCore {
 
     async fn call(&self, request: Request) -> Result<Answer, EngineError> {
         let mut tries = 0;
+        let mut follows = 0;
         loop {
             let answer = self.call_once(request.clone()).await?;
             match answer {
+                // A signal, cancel or terminate for an instance can reach
+                // its run just as that run continues as new (it resolved
+                // the instance before the close): sent again, it resolves
+                // to the next run (the driver answers "try again" until
+                // that run exists). A run that closed for good is refused
+                // again, and that answer stands.
+                Answer::Refused(Refusal::RunClosed(_))
+                    if follows < CONTINUE_AS_NEW_FOLLOWS_MAX && names_instance(&request) =>
+                {
+                    follows += 1;
+                }
                 Answer::Retry(why) => {
                     tries += 1;
                     if tries >= CLIENT_RETRIES_MAX {

@@ -15,7 +15,9 @@ mod engine;
 mod readers;
 mod shard;
 
-pub use client::{Client, EngineError, StartOutcome, CLIENT_RETRIES_MAX};
+pub use client::{
+    Client, EngineError, StartOutcome, CLIENT_RETRIES_MAX, CONTINUE_AS_NEW_FOLLOWS_MAX,
+};
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
 pub use readers::{READER_THREADS, READ_QUEUE_MAX};

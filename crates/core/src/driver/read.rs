@@ -9,7 +9,7 @@
 use keel_storage::history::{children, ChildRecord};
 use keel_storage::{
     CommandId, Error as StoreError, Event, EventKind, InstanceId, InstanceMeta, Intent,
-    OutboxMessage, ParkInfo, RunId, RunMeta, Seq, Store,
+    OutboxMessage, Outcome, ParkInfo, RunId, RunMeta, Seq, Store,
 };
 
 use super::{shard_of, ShardId};
@@ -22,7 +22,9 @@ pub enum ReadQuery {
     /// An instance's current run, with the command id of its start (to
     /// decide a start).
     Instance(InstanceId),
-    /// A run id or an instance id, to the run it names.
+    /// A run id or an instance id, to the run it names. An instance whose
+    /// run continued as new and whose next run has not started yet (the
+    /// hand-off is in the outbox) resolves to [`ReadResult::Continuing`].
     Resolve(String),
     /// A run's metadata.
     RunMeta(RunId),
@@ -76,6 +78,14 @@ pub enum ReadResult {
     Instance(Option<InstanceState>),
     /// See [`ReadQuery::Resolve`].
     Resolved(Option<RunId>),
+    /// See [`ReadQuery::Resolve`]: the instance's run `closed` continued as
+    /// `next`, which does not exist yet.
+    Continuing {
+        /// The instance's current run, closed.
+        closed: RunId,
+        /// The run it continues as.
+        next: RunId,
+    },
     /// See [`ReadQuery::RunMeta`].
     RunMeta(Option<RunMeta>),
     /// See [`ReadQuery::Describe`]; `None` when the store has no such run.
@@ -114,7 +124,24 @@ impl ReadQuery {
                 };
                 ReadResult::Instance(state)
             }
-            ReadQuery::Resolve(target) => ReadResult::Resolved(store.resolve(target)?),
+            ReadQuery::Resolve(target) => {
+                let run = store.resolve(target)?;
+                let by_instance = run.is_some_and(|r| RunId::parse(target) != Some(r));
+                let continuing = match run {
+                    Some(closed) if by_instance => match store.run_meta(closed)? {
+                        Some(RunMeta {
+                            outcome: Some(Outcome::ContinuedAsNew(next)),
+                            ..
+                        }) if store.run_meta(next)?.is_none() => Some((closed, next)),
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                match continuing {
+                    Some((closed, next)) => ReadResult::Continuing { closed, next },
+                    None => ReadResult::Resolved(run),
+                }
+            }
             ReadQuery::RunMeta(run) => ReadResult::RunMeta(store.run_meta(*run)?),
             ReadQuery::Describe(run) => match store.run_meta(*run)? {
                 None => ReadResult::Describe(None),

@@ -152,6 +152,18 @@ impl Shard {
                 let answer = Answer::Refused(Refusal::UnknownRun("the target".into()));
                 self.reply(reply, answer, None);
             }
+            // A signal, cancel or terminate for an instance in the middle
+            // of its continue-as-new belongs to the next run: asked again
+            // shortly, the instance names it. Reads see the closed run.
+            Ok(ReadResult::Continuing { closed, next }) => match op {
+                RunOp::Input(_) => {
+                    let why = format!(
+                        "the instance is continuing as new from run {closed} to run {next}"
+                    );
+                    self.reply(reply, Answer::Retry(why), None);
+                }
+                op => self.resolved(op, reply, Ok(ReadResult::Resolved(Some(closed)))),
+            },
             Ok(_) => {}
             Err(e) => self.reply(reply, Answer::Retry(format!("store unreadable: {e}")), None),
         }
