@@ -46,13 +46,19 @@ async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_store_answers_clients_at_once_and_work_resumes_with_it() -> anyhow::Result<()> {
+/// An engine on an in-memory store whose writes the test stops.
+fn engine_on_mem_store() -> anyhow::Result<(Arc<MemStore>, Engine)> {
     let store = Arc::new(MemStore::new(Durability::Sync));
     let engine = Engine::builder()
         .store(store.clone())
         .register_workflow::<Waits>()
         .build()?;
+    Ok((store, engine))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_store_answers_clients_at_once_and_work_resumes_with_it() -> anyhow::Result<()> {
+    let (store, engine) = engine_on_mem_store()?;
     let c = engine.client();
     for i in 0..4 {
         c.start::<Waits>(&format!("w{i}"), &()).await?;
@@ -123,11 +129,7 @@ async fn a_stopped_store_answers_clients_at_once_and_work_resumes_with_it() -> a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_fails_for_good_stops_the_engine_with_its_cause() -> anyhow::Result<()> {
-    let store = Arc::new(MemStore::new(Durability::Sync));
-    let engine = Engine::builder()
-        .store(store.clone())
-        .register_workflow::<Waits>()
-        .build()?;
+    let (store, engine) = engine_on_mem_store()?;
     let c = engine.client();
     c.start::<Waits>("x", &()).await?;
     let waiting = {

@@ -146,6 +146,19 @@ fn db_options(mode: OpenMode) -> Options {
     opts
 }
 
+/// Every column family an open names: keel's, RocksDB's default, and any
+/// other the directory has (`found`), which RocksDB requires be named.
+fn family_names(found: Vec<String>) -> Vec<String> {
+    let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
+    names.push("default".into());
+    for n in found {
+        if !names.contains(&n) {
+            names.push(n);
+        }
+    }
+    names
+}
+
 fn cf_descriptors(names: &[String]) -> Vec<ColumnFamilyDescriptor> {
     names
         .iter()
@@ -216,52 +229,40 @@ impl RocksStore {
         }
         let acknowledged = acked::read(path)?;
         let scans = crate::wal::scan_dir(path)?;
-        let damage = crate::wal::describe_damage(path);
-        let names = {
-            let found = DB::list_cf(&Options::default(), path)?;
-            let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
-            names.push("default".into());
-            for n in found {
-                if !names.contains(&n) {
-                    names.push(n);
-                }
-            }
-            names
+        let damage = crate::wal::describe(&scans);
+        let names = family_names(DB::list_cf(&Options::default(), path)?);
+        let mut opts = db_options(OpenMode::ReadWrite);
+        opts.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
+        let db = DB::open_cf_descriptors(&opts, path, cf_descriptors(&names))
+            .map_err(|e| map_open_error(path, e))?;
+        let found = db.latest_sequence_number();
+        db.flush_wal(true)?;
+        drop(db);
+        // Accepted: the record starts again from what was recovered.
+        acked::AckedFile::open(path, found)?;
+        let mut report = LossReport {
+            acknowledged,
+            found,
+            damage,
+            lost_events: Vec::new(),
+            lost_commits: 0,
+            unreadable_sequences: 0,
         };
-        {
-            let mut opts = db_options(OpenMode::ReadWrite);
-            opts.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
-            let db = DB::open_cf_descriptors(&opts, path, cf_descriptors(&names))
-                .map_err(|e| map_open_error(path, e))?;
-            let found = db.latest_sequence_number();
-            db.flush_wal(true)?;
-            drop(db);
-            let mut record = acked::AckedFile::open(path, found)?;
-            record.write(found)?;
-            let mut report = LossReport {
-                acknowledged,
-                found,
-                damage,
-                lost_events: Vec::new(),
-                lost_commits: 0,
-                unreadable_sequences: 0,
-            };
-            let mut readable_past = 0u64;
-            for b in scans.iter().flat_map(|s| s.batches.iter()) {
-                if b.sequence > found {
-                    report.lost_commits += 1;
-                    report.lost_events.extend(b.events.iter().copied());
-                    readable_past = readable_past.max(b.sequence + u64::from(b.count.max(1)) - 1);
-                }
+        let mut readable_past = 0u64;
+        for b in scans.iter().flat_map(|s| s.batches.iter()) {
+            if b.sequence > found {
+                report.lost_commits += 1;
+                report.lost_events.extend(b.events.iter().copied());
+                readable_past = readable_past.max(b.sequence + u64::from(b.count.max(1)) - 1);
             }
-            if let Some(a) = acknowledged {
-                report.unreadable_sequences = a.saturating_sub(found.max(readable_past));
-            }
-            tracing::warn!(path = %path.display(), found, ?acknowledged,
-                lost_events = report.lost_events.len(), "opened a data directory accepting the loss of commits");
-            let store = Self::open(path, durability)?;
-            Ok((store, report))
         }
+        if let Some(a) = acknowledged {
+            report.unreadable_sequences = a.saturating_sub(found.max(readable_past));
+        }
+        tracing::warn!(path = %path.display(), found, ?acknowledged,
+            lost_events = report.lost_events.len(), "opened a data directory accepting the loss of commits");
+        let store = Self::open(path, durability)?;
+        Ok((store, report))
     }
 
     /// Opens `path` read-only (works beside a running writer).
@@ -334,8 +335,6 @@ impl RocksStore {
         // in the log it recovers from.
         let recorded = if exists { acked::read(path)? } else { None };
         let opts = db_options(mode);
-        let mut names: Vec<String> = Cf::ALL.iter().map(|c| c.name().to_string()).collect();
-        names.push("default".into());
         let existing = if path.join("CURRENT").exists() {
             let found = DB::list_cf(&opts, path)?;
             let unfinished = mode == OpenMode::ReadWrite && creation::unfinished(path, &found)?;
@@ -349,11 +348,7 @@ impl RocksStore {
         } else {
             Vec::new()
         };
-        for n in existing {
-            if !names.contains(&n) {
-                names.push(n);
-            }
-        }
+        let names = family_names(existing);
         if path.join("CURRENT").exists() {
             // Damage RocksDB's recovery does not report (a zeroed block
             // inside a log: it skips the block and reads on) must still

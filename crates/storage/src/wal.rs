@@ -308,7 +308,11 @@ impl<'a> Reader<'a> {
 /// Describes the first damage in a directory's logs for an error message:
 /// the file, the offset and what follows it.
 pub fn describe_damage(dir: &Path) -> Option<String> {
-    let scans = scan_dir(dir).ok()?;
+    describe(&scan_dir(dir).ok()?)
+}
+
+/// [`describe_damage`] for logs already scanned.
+pub fn describe(scans: &[WalScan]) -> Option<String> {
     let scan = scans.iter().find(|s| s.damage.is_some())?;
     let damage = scan.damage.as_ref()?;
     let lost: Vec<&WalBatch> = scan.lost().collect();
