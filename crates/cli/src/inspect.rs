@@ -364,10 +364,17 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             ("name", text(name)),
             ("payload", Field::Payload(payload)),
         ],
-        K::UpdateCompleted { update_id, result } => vec![
-            ("update", text(update_id)),
-            ("result", Field::Payload(result)),
-        ],
+        K::UpdateCompleted {
+            update_id,
+            result,
+            failure,
+        } => match failure {
+            Some(f) => vec![("update", text(update_id)), ("failure", text(f))],
+            None => vec![
+                ("update", text(update_id)),
+                ("result", Field::Payload(result)),
+            ],
+        },
         K::SideEffectRecorded { value, .. } => vec![("value", Field::Payload(value))],
         K::SelectionWinnerRecorded {
             member_index,

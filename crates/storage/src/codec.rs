@@ -22,8 +22,9 @@ pub const HEADER_BYTES: usize = 8;
 /// Current schema version of history events. Version 2 added
 /// `ChildCancelRequested`, `WorkflowStarted::previous_run`,
 /// `ActivityAttemptFailed::heartbeat` and `RetrySettings::backoff_mode`;
-/// version 1 records decode unchanged (the new fields default).
-pub const EVENT_VERSION: u16 = 2;
+/// version 3 added `UpdateCompleted::failure`; older records decode
+/// unchanged (the new fields default).
+pub const EVENT_VERSION: u16 = 3;
 /// Current schema version of every derived-state record. Version 2 added
 /// the cancellation and continue-as-new intents to the outbox, the
 /// `children` records and `TaskEntry::heartbeat`.

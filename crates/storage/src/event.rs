@@ -534,8 +534,11 @@ pub enum EventKind {
     UpdateCompleted {
         /// The update's id.
         update_id: CommandId,
-        /// Its result.
+        /// Its result (empty when it failed).
         result: Payload,
+        /// Its failure, when the handler failed.
+        #[serde(default)]
+        failure: Option<Failure>,
     },
     /// A side effect's value was recorded (also used for `now`, `random`,
     /// `uuid`).

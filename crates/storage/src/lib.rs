@@ -50,8 +50,8 @@ pub use verify::{VerifyReport, Violation};
 
 /// Schema version of a data directory; opening another version fails with
 /// [`Error::SchemaVersion`] naming both, except that a read-write open
-/// migrates a directory of schema 1 (see `rocks::migrate_v1`).
-pub const SCHEMA_VERSION: u32 = 2;
+/// migrates an older directory (see `rocks::migrate`).
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// Largest payload (input, result, signal, side effect value) in bytes.
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;

@@ -526,8 +526,8 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
                     detail: format!("format is {:?}", meta.format),
                 });
             }
-            if meta.schema_version == 1 && mode == OpenMode::ReadWrite {
-                return migrate_v1(db, path, meta);
+            if meta.schema_version < SCHEMA_VERSION && mode == OpenMode::ReadWrite {
+                return migrate(db, path, meta);
             }
             if meta.schema_version != SCHEMA_VERSION {
                 return Err(Error::SchemaVersion {
@@ -562,19 +562,22 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
     }
 }
 
-/// Schema 1 to 2: derived state gained the `children` family, the
-/// cancellation and continue-as-new intents and a new record version. The
-/// events are unchanged, so the whole derived state is rebuilt from them
+/// An older schema to this one. Schema 1 to 2: derived state gained the
+/// `children` family, the cancellation and continue-as-new intents and a
+/// new record version. Schema 2 to 3: events gained an update's failure
+/// (event version 3), which an older build could not read. Events are
+/// never rewritten, so the whole derived state is rebuilt from them
 /// through the commit path's own code and written in one synced batch with
-/// the new schema version: a crash before the batch leaves schema 1, which
-/// the next read-write open migrates again. Only a read-write open migrates;
-/// inspection of a schema-1 directory asks for one.
-fn migrate_v1(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
+/// the new schema version: a crash before the batch leaves the old schema,
+/// which the next read-write open migrates again. Only a read-write open
+/// migrates; inspection of an older directory asks for one.
+fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
+    let from = meta.schema_version;
     let view = DbView(db);
     let (rebuilt, report) = crate::verify::rebuild(&view)?;
     if !report.ok {
-        tracing::warn!(path = %path.display(), problems = report.violations.len(),
-            "migrating a schema-1 directory with damaged runs; `keel verify` lists them");
+        tracing::warn!(path = %path.display(), problems = report.violations.len(), from,
+            "migrating an older data directory with damaged runs; `keel verify` lists them");
     }
     let mut mutations = Vec::new();
     for cf in Cf::DERIVED {
@@ -597,7 +600,8 @@ fn migrate_v1(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
     write_batch(db, mutations, &wo)?;
-    tracing::info!(path = %path.display(), runs = report.runs, "migrated the data directory from schema 1 to 2");
+    tracing::info!(path = %path.display(), runs = report.runs, from, to = SCHEMA_VERSION,
+        "migrated the data directory to the current schema");
     Ok(())
 }
 

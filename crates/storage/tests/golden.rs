@@ -232,6 +232,7 @@ fn samples() -> Vec<Event> {
         EventKind::UpdateCompleted {
             update_id: CommandId::new("update-1"),
             result: payload("updated"),
+            failure: Some(failure()),
         },
         EventKind::SideEffectRecorded {
             step: Step(11),
@@ -297,7 +298,8 @@ fn golden_dir() -> PathBuf {
 
 /// What a sample looked like in schema version 1: the fields added since
 /// at their defaults; `None` for a variant version 1 did not have.
-fn as_v1(mut e: Event) -> Option<Event> {
+fn as_v1(e: Event) -> Option<Event> {
+    let mut e = as_v2(e);
     match &mut e.kind {
         EventKind::WorkflowStarted { previous_run, .. } => *previous_run = None,
         EventKind::ActivityAttemptFailed { heartbeat, .. } => *heartbeat = None,
@@ -311,6 +313,15 @@ fn as_v1(mut e: Event) -> Option<Event> {
         _ => {}
     }
     Some(e)
+}
+
+/// What a sample looked like in event version 2: `UpdateCompleted`
+/// without its failure.
+fn as_v2(mut e: Event) -> Event {
+    if let EventKind::UpdateCompleted { failure, .. } = &mut e.kind {
+        *failure = None;
+    }
+    e
 }
 
 fn blessing() -> bool {
@@ -413,6 +424,25 @@ fn every_earlier_version_still_decodes() {
         }
     }
     assert_eq!(checked, VARIANTS - 1, "every v1 variant has a file");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn version_2_still_decodes() {
+    // Version 2's files were written before `UpdateCompleted::failure`.
+    let mut failures = Vec::new();
+    for sample in samples() {
+        let old = as_v2(sample);
+        let name = old.kind.name();
+        let path = golden_dir_of(2).join(format!("{name}.bin"));
+        let bytes = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{name}: cannot read {}: {e}", path.display()));
+        match codec::decode::<Event>(RecordKind::Event, &bytes) {
+            Ok(decoded) if decoded == old => {}
+            Ok(decoded) => failures.push(format!("{name}: v2 decodes to {decoded:?}")),
+            Err(e) => failures.push(format!("{name}: v2 does not decode: {e}")),
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -84,6 +84,7 @@ fn every_payload_of_an_event_is_limited() {
     let update = |p: Payload| EventKind::UpdateCompleted {
         update_id: keel_storage::CommandId::new("u"),
         result: p,
+        failure: None,
     };
     for_each_store(|store| {
         let mut b = RunBuilder::new(run_id(1), 100);
