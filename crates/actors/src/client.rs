@@ -18,6 +18,7 @@ use keel_core::driver::{
 use keel_core::Workflow;
 use keel_storage::{CommandId, Failure, InstanceId, Outcome, Payload, RunId, PAYLOAD_BYTES_MAX};
 use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::shard::{Feed, ShardActor};
@@ -119,6 +120,14 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("the engine is shut down")]
     Shutdown,
+    /// The run's code did not answer a query or update: no handler by that
+    /// name, arguments that do not decode, a validator's rejection, a
+    /// handler that panicked or tried to write. Nothing was written.
+    #[error(transparent)]
+    Handler(#[from] keel_core::HandlerError),
+    /// The update's handler failed; the failure is committed.
+    #[error("update failed: {0}")]
+    UpdateFailed(Failure),
     /// The store does not accept writes (a full or failing disk; see
     /// [`crate::Engine::health`]): the request needs a commit, or waited
     /// for progress that cannot happen. Nothing was written.
@@ -335,6 +344,7 @@ fn refused(r: Refusal) -> EngineError {
         Refusal::Store(detail) => EngineError::Refused(detail),
         Refusal::Shutdown => EngineError::Shutdown,
         Refusal::Unavailable(why) => EngineError::StoreUnavailable(why),
+        Refusal::Handler(e) => EngineError::Handler(e),
     }
 }
 
@@ -486,6 +496,73 @@ impl Client {
         };
         match self.core.call(request).await? {
             Answer::Described(d) => Ok(*d),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Asks the query `name` of the instance's current run (or a run by
+    /// id, open or closed) and decodes its value. Answered from committed
+    /// state only; writes nothing. A run not in memory is rebuilt from its
+    /// history first.
+    pub async fn query<A: Serialize, R: DeserializeOwned>(
+        &self,
+        instance: &str,
+        name: &str,
+        args: &A,
+    ) -> Result<R, EngineError> {
+        let args = Payload::encode(args).map_err(|e| EngineError::Encode(e.to_string()))?;
+        check_size(&args)?;
+        let request = Request::Query {
+            target: instance.to_string(),
+            name: name.to_string(),
+            args,
+        };
+        match self.core.call(request).await? {
+            Answer::Queried(v) => v
+                .decode()
+                .map_err(|e| EngineError::ResultDecode(e.to_string())),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Sends the update `name` to the instance's current run (or a run by
+    /// id) and waits for its outcome: the validator may refuse it
+    /// ([`EngineError::Handler`], nothing written); once accepted its
+    /// handler runs in the workflow and its value (or
+    /// [`EngineError::UpdateFailed`]) is committed and returned.
+    /// `update_id` deduplicates: repeating an update with the same id, even
+    /// after a restart, returns the first outcome. Without one a fresh id
+    /// is drawn, so only this call's own retries are deduplicated.
+    pub async fn update<A: Serialize, R: DeserializeOwned>(
+        &self,
+        instance: &str,
+        name: &str,
+        args: &A,
+        update_id: Option<&str>,
+    ) -> Result<R, EngineError> {
+        let args = Payload::encode(args).map_err(|e| EngineError::Encode(e.to_string()))?;
+        check_size(&args)?;
+        let update_id = match update_id {
+            Some(id) => CommandId::new(id),
+            None => CommandId::new(format!(
+                "update-{:016x}{:016x}",
+                self.core.random(),
+                self.core.random()
+            )),
+        };
+        let request = Request::Update {
+            target: instance.to_string(),
+            name: name.to_string(),
+            args,
+            update_id,
+        };
+        match self.core.call(request).await? {
+            Answer::Updated(Ok(v)) => v
+                .decode()
+                .map_err(|e| EngineError::ResultDecode(e.to_string())),
+            Answer::Updated(Err(f)) => Err(EngineError::UpdateFailed(f)),
             Answer::Refused(r) => Err(refused(r)),
             other => Err(unexpected(other)),
         }

@@ -56,8 +56,9 @@ pub use keel_core::concurrency::{
     All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,
 };
 pub use keel_core::{
-    format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, MachineError,
-    RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
+    format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, HandlerError,
+    MachineError, RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
+    CONTINUE_AS_NEW_SUGGESTED_EVENTS,
 };
 pub use keel_core::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
 pub use keel_storage::{

@@ -31,6 +31,7 @@ pub struct WorkflowContext {
     pub(crate) spawns: Rc<RefCell<Vec<Spawn>>>,
     pub(crate) scope_registry: crate::scope::ScopeRegistry,
     pub(crate) closures: crate::concurrency::Closures,
+    pub(crate) handlers: crate::handlers::SharedHandlers,
 }
 
 impl std::fmt::Debug for WorkflowContext {
@@ -153,6 +154,64 @@ impl WorkflowContext {
                 false,
             )),
         }
+    }
+
+    /// Whether this run takes the new branch of change `change_id`:
+    /// `true` for code running live (a version marker is recorded, so every
+    /// replay answers the same) and for a run whose history recorded the
+    /// marker; `false` while the run is rebuilt from history recorded by
+    /// code from before the change. Once true, true for the rest of the run.
+    ///
+    /// ```ignore
+    /// if ctx.patched("send-receipt") {
+    ///     ctx.activity::<SendReceipt>(order.clone()).await?;
+    /// }
+    /// ```
+    ///
+    /// Keep the calls of one run in the order the code first made them.
+    /// When no open run took the old branch any more (`keel replay --all`
+    /// passes with the old branch removed), replace the call with
+    /// [`deprecate_patch`](Self::deprecate_patch), and later remove it.
+    pub fn patched(&self, change_id: &str) -> bool {
+        self.core.borrow_mut().version(change_id, 0, 1) >= 1
+    }
+
+    /// The version of change `change_id` this run follows, between `min`
+    /// and `max`: the recorded version when history holds its marker, 0
+    /// when the run is rebuilt from history recorded before the change
+    /// existed, and `max` (recorded as a marker) for code running live.
+    /// A run whose version is outside `min..=max` (code that dropped a
+    /// branch some open run still needs) is parked as non-deterministic,
+    /// never failed or rewritten.
+    ///
+    /// # Panics
+    /// If `min > max` (a programming error).
+    pub fn version(&self, change_id: &str, min: u32, max: u32) -> u32 {
+        self.core.borrow_mut().version(change_id, min, max)
+    }
+
+    /// The clean-up step of a change whose old branch is gone: accepts the
+    /// marker `patched(change_id)` recorded in older histories and records
+    /// nothing new. Markers of a change the code no longer names are passed
+    /// over on replay as well, so the call can go too once the runs that
+    /// recorded it closed.
+    pub fn deprecate_patch(&self, change_id: &str) {
+        self.core.borrow_mut().deprecate_patch(change_id)
+    }
+
+    /// The number of events in this run's history so far (including the
+    /// ones the current input is adding).
+    pub fn history_len(&self) -> u64 {
+        self.core.borrow().next_seq.0 - 1
+    }
+
+    /// True once the history reached
+    /// [`CONTINUE_AS_NEW_SUGGESTED_EVENTS`](crate::CONTINUE_AS_NEW_SUGGESTED_EVENTS):
+    /// a long-lived workflow should then finish its current unit of work
+    /// and continue as new, so activation stays cheap and the run never
+    /// meets the history limit.
+    pub fn continue_as_new_suggested(&self) -> bool {
+        self.history_len() >= crate::CONTINUE_AS_NEW_SUGGESTED_EVENTS
     }
 
     /// True once cancellation of this run has been requested.

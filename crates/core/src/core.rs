@@ -130,6 +130,24 @@ pub(crate) struct Core {
     pub memo: BTreeMap<String, Payload>,
     /// Children whose cancellation was issued (at most once each).
     pub child_cancelled: std::collections::BTreeSet<Step>,
+    /// True while the machine rebuilds the run from its committed history
+    /// (`RunMachine::replay`): what the code decides now was decided
+    /// before, by whatever code ran then.
+    pub historical: bool,
+    /// Versions chosen per change id in this run (`ctx.version`,
+    /// `ctx.patched`): once recorded, a change keeps its version.
+    pub versions: BTreeMap<String, u32>,
+    /// Updates accepted (`None` while their handler runs) and completed.
+    pub updates: BTreeMap<CommandId, Option<Result<Payload, Failure>>>,
+}
+
+/// What a read-only handler must leave as it found it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Untouched {
+    rng: u64,
+    next_step: u32,
+    next_seq: Seq,
+    pending: usize,
 }
 
 impl Core {
@@ -164,7 +182,30 @@ impl Core {
             tearing_down: false,
             memo: BTreeMap::new(),
             child_cancelled: Default::default(),
+            historical: false,
+            versions: BTreeMap::new(),
+            updates: BTreeMap::new(),
         }
+    }
+
+    /// The state a query or a validator must not change.
+    pub(crate) fn untouched(&self) -> Untouched {
+        Untouched {
+            rng: self.rng,
+            next_step: self.next_step,
+            next_seq: self.next_seq,
+            pending: self.pending.len(),
+        }
+    }
+
+    /// Undoes what a read-only handler changed; true if it changed anything.
+    pub(crate) fn restore(&mut self, before: Untouched) -> bool {
+        let changed = self.untouched() != before;
+        self.rng = before.rng;
+        self.next_step = before.next_step;
+        self.next_seq = before.next_seq;
+        self.pending.truncate(before.pending);
+        changed
     }
 
     /// True while recorded events remain to be matched.
@@ -227,6 +268,7 @@ impl Core {
         if self.error.is_some() {
             return Issued::Diverged;
         }
+        self.skip_markers_not_asked(&candidate);
         let Some(front) = self.replay.front() else {
             return Issued::Live(self.push_event(candidate));
         };
@@ -253,6 +295,94 @@ impl Core {
             }
         });
         Issued::Diverged
+    }
+
+    /// Version markers hold no step: code that no longer asks about a
+    /// change (its `patched` call removed after the old branch was retired)
+    /// replays histories that recorded the marker by passing over it.
+    pub(crate) fn skip_markers_not_asked(&mut self, candidate: &EventKind) {
+        if matches!(candidate, EventKind::VersionMarker { .. }) {
+            return;
+        }
+        while let Some(front) = self.replay.front() {
+            if !matches!(front.kind, EventKind::VersionMarker { .. }) {
+                break;
+            }
+            let marker = self.replay.pop_front().expect("front exists");
+            self.next_seq = marker.seq.next();
+        }
+    }
+
+    /// The version of `change_id` this run follows (`ctx.version`): the
+    /// recorded one when history holds a marker for it here; 0 ("before
+    /// the change") when the run is being rebuilt from history recorded
+    /// without one; `max` (recorded now) for code running live. A recorded
+    /// version outside `min..=max` is non-determinism: the run parks.
+    pub(crate) fn version(&mut self, change_id: &str, min: u32, max: u32) -> u32 {
+        assert!(
+            min <= max,
+            "version({change_id:?}, {min}, {max}): min > max"
+        );
+        if self.error.is_some() {
+            return min;
+        }
+        let step = Step(self.next_step);
+        let known = self.versions.get(change_id).copied().or_else(|| {
+            let front = self.replay.front()?;
+            match &front.kind {
+                EventKind::VersionMarker {
+                    change_id: c,
+                    version,
+                    ..
+                } if c == change_id => {
+                    let version = *version;
+                    let marker = self.replay.pop_front().expect("front exists");
+                    self.next_seq = marker.seq.next();
+                    self.versions.insert(change_id.to_string(), version);
+                    Some(version)
+                }
+                _ => None,
+            }
+        });
+        let version = match known {
+            Some(v) => v,
+            None if self.historical => 0,
+            None => {
+                self.push_event(EventKind::VersionMarker {
+                    step,
+                    change_id: change_id.to_string(),
+                    version: max,
+                });
+                self.versions.insert(change_id.to_string(), max);
+                max
+            }
+        };
+        if version < min || version > max {
+            self.error = Some(MachineError::NonDeterminism {
+                step,
+                recorded: if version == 0 {
+                    format!("code from before change {change_id:?} (no version marker)")
+                } else {
+                    format!("version {version} of change {change_id:?}")
+                },
+                issued: format!("code that supports versions {min}..={max} of {change_id:?}"),
+            });
+            return min;
+        }
+        version
+    }
+
+    /// `ctx.deprecate_patch`: accepts the marker of a retired change where
+    /// history has one; records nothing.
+    pub(crate) fn deprecate_patch(&mut self, change_id: &str) {
+        if let Some(front) = self.replay.front() {
+            if matches!(&front.kind, EventKind::VersionMarker { change_id: c, .. } if c == change_id)
+            {
+                let marker = self.replay.pop_front().expect("front exists");
+                self.next_seq = marker.seq.next();
+            }
+        }
+        self.versions.insert(change_id.to_string(), 1);
     }
 
     /// Registers the waker of the future waiting on `step`.
@@ -379,18 +509,9 @@ fn commands_match(recorded: &EventKind, issued: &EventKind) -> bool {
                 ..
             },
         ) => a == b && ga == gb && ta == tb,
-        (
-            K::VersionMarker {
-                step: a,
-                change_id: ca,
-                ..
-            },
-            K::VersionMarker {
-                step: b,
-                change_id: cb,
-                ..
-            },
-        ) => a == b && ca == cb,
+        (K::VersionMarker { change_id: ca, .. }, K::VersionMarker { change_id: cb, .. }) => {
+            ca == cb
+        }
         (
             K::SelectionWinnerRecorded { step: a, .. },
             K::SelectionWinnerRecorded { step: b, .. },

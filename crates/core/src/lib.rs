@@ -22,6 +22,7 @@ pub mod context;
 mod core;
 pub mod driver;
 pub mod executor;
+pub mod handlers;
 pub mod machine;
 pub mod retry;
 pub mod scope;
@@ -33,6 +34,13 @@ pub use activity::{
 };
 pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
 pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
-pub use machine::{Input, MachineError, RunMachine, StartSpec, Verdict};
+pub use handlers::{HandlerError, HANDLERS_PER_RUN_MAX};
+pub use machine::{Input, MachineError, RunMachine, StartSpec, UpdateStatus, Verdict};
 pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, ScopeView, Sender};
 pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};
+
+/// History length (events) at which `ctx.continue_as_new_suggested()`
+/// turns true: well under `keel_storage::HISTORY_EVENTS_MAX`, and where
+/// rebuilding a passivated run by replay starts to cost milliseconds.
+pub const CONTINUE_AS_NEW_SUGGESTED_EVENTS: u64 = 10_000;
+const _: () = assert!(CONTINUE_AS_NEW_SUGGESTED_EVENTS * 100 <= keel_storage::HISTORY_EVENTS_MAX);

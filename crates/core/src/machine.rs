@@ -20,6 +20,7 @@ use keel_storage::{
 use crate::context::{Spawn, WorkflowContext};
 use crate::core::{describe_recorded, Core, Issued, OpenWait, Resolution};
 use crate::executor::{CoroutineId, Executor};
+use crate::handlers::{call_read_only, classify, is_bad_arguments, HandlerError};
 use crate::workflow::{WorkflowError, WorkflowRegistry};
 
 /// Rounds of re-checking conditions after one input at most (a guard
@@ -284,6 +285,27 @@ pub enum Input {
         /// Why.
         reason: String,
     },
+    /// An update the run's validator accepted (the driver asks
+    /// [`RunMachine::validate_update`] first).
+    Update {
+        /// The update's id: its deduplication key.
+        update_id: CommandId,
+        /// The handler's name.
+        name: String,
+        /// Its arguments.
+        payload: Payload,
+    },
+}
+
+/// Where an update stands in a run (deduplication by update id).
+#[derive(Clone, Debug, PartialEq)]
+pub enum UpdateStatus {
+    /// Not seen.
+    New,
+    /// Accepted; its handler has not completed.
+    Accepted,
+    /// Completed with this value or failure.
+    Completed(Result<Payload, Failure>),
 }
 
 impl Input {
@@ -344,6 +366,7 @@ pub struct RunMachine {
     registry: WorkflowRegistry,
     started: Option<EventKind>,
     scopes: crate::scope::ScopeRegistry,
+    handlers: crate::handlers::SharedHandlers,
 }
 
 impl std::fmt::Debug for RunMachine {
@@ -365,6 +388,40 @@ impl Drop for RunMachine {
             core.tearing_down = true;
         }
     }
+}
+
+/// What a query or validator broke by writing.
+const READ_ONLY_BROKEN: &str =
+    "it tried to change workflow state (issue a command or draw a random number); \
+     queries and validators are read-only";
+
+/// Commits an update handler's outcome (`UpdateCompleted`, matched by
+/// update id on replay).
+fn complete_update(core: &Rc<RefCell<Core>>, update_id: CommandId, r: Result<Payload, Failure>) {
+    let mut core = core.borrow_mut();
+    if core.tearing_down {
+        return;
+    }
+    let (result, failure) = match r {
+        Ok(v) => (v, None),
+        Err(f) => (Payload::default(), Some(f)),
+    };
+    let issued = core.issue(EventKind::UpdateCompleted {
+        update_id: update_id.clone(),
+        result,
+        failure,
+    });
+    let outcome = match issued {
+        Issued::Live(e) | Issued::Replayed(e) => match e.kind {
+            EventKind::UpdateCompleted {
+                failure: Some(f), ..
+            } => Err(f),
+            EventKind::UpdateCompleted { result, .. } => Ok(result),
+            _ => unreachable!("issue returns the matching kind"),
+        },
+        Issued::Diverged => return,
+    };
+    core.updates.insert(update_id, Some(outcome));
 }
 
 impl RunMachine {
@@ -400,6 +457,7 @@ impl RunMachine {
             registry: registry.clone(),
             started: Some(started.clone()),
             scopes: Default::default(),
+            handlers: Default::default(),
         })
     }
 
@@ -445,7 +503,11 @@ impl RunMachine {
             )));
         }
         let mut m = Self::empty(registry, &first.kind)?;
-        m.core.borrow_mut().replay = history.into();
+        {
+            let mut core = m.core.borrow_mut();
+            core.replay = history.into();
+            core.historical = true;
+        }
         loop {
             let next = m.core.borrow_mut().replay.pop_front();
             let Some(event) = next else { break };
@@ -456,6 +518,11 @@ impl RunMachine {
                         "expected seq {}, found seq {}",
                         core.next_seq, event.seq
                     )));
+                }
+                if let EventKind::VersionMarker { .. } = event.kind {
+                    // A marker of a change this code no longer asks about.
+                    core.next_seq = event.seq.next();
+                    continue;
                 }
                 if event.kind.is_command() {
                     return Err(MachineError::NonDeterminism {
@@ -476,6 +543,7 @@ impl RunMachine {
             }
             m.apply_input(&event)?;
         }
+        m.core.borrow_mut().historical = false;
         // A committed history holds every command its code issued after
         // its last input. Code that issues one more diverged from it: park
         // (committing it would overwrite nothing, but its seq would collide
@@ -534,6 +602,66 @@ impl RunMachine {
                 _ => Verdict::Accept,
             },
             Input::Terminate { .. } => Verdict::Accept,
+            Input::Update { update_id, .. } => match core.updates.contains_key(update_id) {
+                true => Verdict::Duplicate,
+                false => Verdict::Accept,
+            },
+        }
+    }
+
+    /// Where the update `update_id` stands in this run.
+    pub fn update_status(&self, update_id: &CommandId) -> UpdateStatus {
+        match self.core.borrow().updates.get(update_id) {
+            None => UpdateStatus::New,
+            Some(None) => UpdateStatus::Accepted,
+            Some(Some(r)) => UpdateStatus::Completed(r.clone()),
+        }
+    }
+
+    /// Runs the validator of update `name` against the run's state: `Ok`
+    /// means the update may be accepted. Writes nothing.
+    pub fn validate_update(&mut self, name: &str, args: &Payload) -> Result<(), HandlerError> {
+        let (validate, _) = self.handlers.borrow().update(name)?;
+        let before = self.core.borrow().untouched();
+        let r = call_read_only("update validator", name, || validate(args));
+        let changed = self.core.borrow_mut().restore(before);
+        let failed = |detail: String| HandlerError::Failed {
+            kind: "update validator",
+            name: name.into(),
+            detail,
+        };
+        match r {
+            Err(panicked) => Err(failed(panicked)),
+            Ok(_) if changed => Err(failed(READ_ONLY_BROKEN.into())),
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(detail)) if is_bad_arguments(&detail) => {
+                Err(classify("update validator", name, detail))
+            }
+            Ok(Err(reason)) => Err(HandlerError::Rejected {
+                name: name.into(),
+                reason,
+            }),
+        }
+    }
+
+    /// Answers the query `name` from the run's state. Writes nothing: a
+    /// handler that issues a command or draws a random number fails and
+    /// what it changed is undone.
+    pub fn query(&mut self, name: &str, args: &Payload) -> Result<Payload, HandlerError> {
+        let handler = self.handlers.borrow().query(name)?;
+        let before = self.core.borrow().untouched();
+        let r = call_read_only("query", name, || handler(args));
+        let changed = self.core.borrow_mut().restore(before);
+        let failed = |detail: String| HandlerError::Failed {
+            kind: "query",
+            name: name.into(),
+            detail,
+        };
+        match r {
+            Err(panicked) => Err(failed(panicked)),
+            Ok(_) if changed => Err(failed(READ_ONLY_BROKEN.into())),
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(detail)) => Err(classify("query", name, detail)),
         }
     }
 
@@ -612,6 +740,15 @@ impl RunMachine {
                     EventKind::WorkflowCancelRequested { command_id, reason }
                 }
                 Input::Terminate { reason } => EventKind::WorkflowTerminated { reason },
+                Input::Update {
+                    update_id,
+                    name,
+                    payload,
+                } => EventKind::UpdateAccepted {
+                    update_id,
+                    name,
+                    payload,
+                },
             }
         };
         let event = self.core.borrow_mut().push_event(kind);
@@ -690,6 +827,31 @@ impl RunMachine {
                     core.closed = true;
                     return Ok(());
                 }
+                EventKind::UpdateAccepted {
+                    update_id,
+                    name,
+                    payload,
+                } => {
+                    core.updates.insert(update_id.clone(), None);
+                    let handler = self.handlers.borrow().update(name);
+                    match handler {
+                        Ok((_, run)) => {
+                            let fut = run(payload.clone());
+                            let (core_rc, id) = (self.core.clone(), update_id.clone());
+                            self.spawns.borrow_mut().push(Box::pin(async move {
+                                let r = fut.await;
+                                complete_update(&core_rc, id, r);
+                            }));
+                        }
+                        Err(e) => {
+                            return Err(MachineError::NonDeterminism {
+                                step: Step(core.next_step),
+                                recorded: format!("update {name:?} accepted at seq {}", event.seq),
+                                issued: format!("code without that update handler here ({e})"),
+                            })
+                        }
+                    }
+                }
                 other => {
                     return Err(MachineError::InvalidHistory(format!(
                         "{} is not an input",
@@ -710,6 +872,7 @@ impl RunMachine {
                 spawns: self.spawns.clone(),
                 scope_registry: self.scopes.clone(),
                 closures: self.registry.closures.clone(),
+                handlers: self.handlers.clone(),
             };
             let body = self
                 .registry

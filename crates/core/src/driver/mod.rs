@@ -33,6 +33,7 @@
 mod attempts;
 mod describe;
 mod due;
+mod handlers;
 mod outbox;
 mod read;
 mod requests;
@@ -242,6 +243,26 @@ pub enum Request {
         /// Instance or run id.
         target: String,
     },
+    /// Asks a query handler of the run's code; writes nothing.
+    Query {
+        /// Instance or run id.
+        target: String,
+        /// The handler's name.
+        name: String,
+        /// Its serialized arguments.
+        args: Payload,
+    },
+    /// Asks an update handler of the run's code to change its state.
+    Update {
+        /// Instance or run id.
+        target: String,
+        /// The handler's name.
+        name: String,
+        /// Its serialized arguments.
+        args: Payload,
+        /// The update's id: a repeat gets the first outcome.
+        update_id: CommandId,
+    },
 }
 
 impl Request {
@@ -254,7 +275,9 @@ impl Request {
             | Request::Terminate { target, .. }
             | Request::Result { target }
             | Request::Describe { target }
-            | Request::Resume { target } => shard_of_target(target, shards),
+            | Request::Resume { target }
+            | Request::Query { target, .. }
+            | Request::Update { target, .. } => shard_of_target(target, shards),
         }
     }
 }
@@ -320,6 +343,11 @@ pub enum Refusal {
     /// succeed.
     #[error("the store does not accept writes: {0}")]
     Unavailable(String),
+    /// A query or update the run's code did not answer: no handler by
+    /// that name, arguments that do not decode, a validator's rejection,
+    /// a handler that panicked or tried to write.
+    #[error(transparent)]
+    Handler(crate::handlers::HandlerError),
 }
 
 /// The answer to a request or a message: one vocabulary for everything a
@@ -346,6 +374,10 @@ pub enum Answer {
     Described(Box<RunDescription>),
     /// What a resume found.
     Resumed(Resumed),
+    /// A query's value.
+    Queried(Payload),
+    /// An update's outcome: its handler's value or failure.
+    Updated(Result<Payload, keel_storage::Failure>),
 }
 
 /// What [`Request::Resume`] found.
@@ -409,6 +441,13 @@ pub enum RunOp {
     Resume,
     /// Replay it, so that the closures of its async children are bound.
     Activate,
+    /// A query.
+    Query {
+        /// The handler's name.
+        name: String,
+        /// Its arguments.
+        args: Payload,
+    },
 }
 
 /// A message between shards (a shard may send one to itself).
@@ -734,12 +773,21 @@ impl Default for DriverConfig {
 enum ReadFor {
     Activate(RunId),
     Instance(Box<requests::StartJob>),
-    Resolve { op: RunOp, reply: ReplyTo },
+    Resolve {
+        op: RunOp,
+        reply: ReplyTo,
+    },
     Result(RunId, Token),
     Continuation(Token),
     Describe(RunId, Option<MachineView>, ReplyTo),
     Recover,
     RunIntents(RunId),
+    QueryClosed {
+        run: RunId,
+        name: String,
+        args: Payload,
+        reply: ReplyTo,
+    },
 }
 
 /// What a pending commit is for.
@@ -778,6 +826,8 @@ pub struct Shard {
     commits: BTreeMap<Token, CommitFor>,
     /// Who waits for a run's outcome, by the token of their registration.
     results: BTreeMap<RunId, BTreeMap<Token, ReplyTo>>,
+    /// Who waits for an accepted update's completion, per run.
+    updates: BTreeMap<RunId, Vec<(CommandId, ReplyTo)>>,
     /// Clients told of a continue-as-new only once the next run exists:
     /// (closed run, next run, the client, checks so far), by token.
     continuing: BTreeMap<Token, (RunId, RunId, ReplyTo, u32)>,
@@ -827,6 +877,7 @@ impl Shard {
             reads: BTreeMap::new(),
             commits: BTreeMap::new(),
             results: BTreeMap::new(),
+            updates: BTreeMap::new(),
             continuing: BTreeMap::new(),
             timers: BTreeMap::new(),
             attempts: Attempts::default(),
@@ -938,6 +989,11 @@ impl Shard {
                 });
             }
             self.results.retain(|_, waiters| !waiters.is_empty());
+            for (_, reply) in std::mem::take(&mut self.updates).into_values().flatten() {
+                if let ReplyTo::Client(id) = reply {
+                    clients.push(id);
+                }
+            }
             for id in clients {
                 self.actions.push_back(Action::Reply {
                     id,
@@ -996,6 +1052,11 @@ impl Shard {
                 _ => None,
             }));
         }
+        for (_, reply) in std::mem::take(&mut self.updates).into_values().flatten() {
+            if let ReplyTo::Client(id) = reply {
+                clients.push(id);
+            }
+        }
         for (_, _, reply, _) in std::mem::take(&mut self.continuing).into_values() {
             if let ReplyTo::Client(id) = reply {
                 clients.push(id);
@@ -1007,7 +1068,11 @@ impl Shard {
                     reply: ReplyTo::Client(id),
                     ..
                 }
-                | ReadFor::Describe(_, _, ReplyTo::Client(id)) => clients.push(id),
+                | ReadFor::Describe(_, _, ReplyTo::Client(id))
+                | ReadFor::QueryClosed {
+                    reply: ReplyTo::Client(id),
+                    ..
+                } => clients.push(id),
                 ReadFor::Instance(job) => clients.extend(job.client()),
                 _ => {}
             }
@@ -1106,6 +1171,12 @@ impl Shard {
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
             ReadFor::Recover => self.recovered(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
+            ReadFor::QueryClosed {
+                run,
+                name,
+                args,
+                reply,
+            } => self.query_closed_read(run, name, args, reply, result),
         }
     }
 

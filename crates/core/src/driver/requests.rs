@@ -49,7 +49,10 @@ impl StartJob {
 impl Shard {
     pub(super) fn request(&mut self, id: RequestId, request: Request) {
         let reply = ReplyTo::Client(id);
-        let writes = !matches!(request, Request::Result { .. } | Request::Describe { .. });
+        let writes = !matches!(
+            request,
+            Request::Result { .. } | Request::Describe { .. } | Request::Query { .. }
+        );
         if !self.store_health.is_healthy() && (writes || self.shut_down) {
             let refusal = Refusal::Unavailable(self.store_health.to_string());
             return self.reply(reply, Answer::Refused(refusal), None);
@@ -126,6 +129,20 @@ impl Shard {
             Request::Result { target } => (target, RunOp::Result),
             Request::Describe { target } => (target, RunOp::Describe),
             Request::Resume { target } => (target, RunOp::Resume),
+            Request::Query { target, name, args } => (target, RunOp::Query { name, args }),
+            Request::Update {
+                target,
+                name,
+                args,
+                update_id,
+            } => (
+                target,
+                RunOp::Input(Input::Update {
+                    update_id,
+                    name,
+                    payload: args,
+                }),
+            ),
         };
         self.read(
             ReadQuery::Resolve(target.clone()),

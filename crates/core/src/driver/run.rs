@@ -22,7 +22,7 @@ use super::{
     RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX, RUN_RESTARTS_MAX,
 };
 use crate::concurrency::ASYNC_WORKFLOW_TYPE;
-use crate::machine::{MachineError, RunMachine, Verdict};
+use crate::machine::{Input, MachineError, RunMachine, Verdict};
 
 /// Where a run's machine is.
 pub(super) enum Phase {
@@ -49,6 +49,12 @@ pub(super) struct Inflight {
     /// Answers that rest on this commit (and those before it) being
     /// durable: duplicates, closed-run answers.
     deferred: Vec<(Origin, Answer)>,
+    /// Updates this commit accepts (their clients wait) and completes.
+    accepted: Vec<keel_storage::CommandId>,
+    completed: Vec<(
+        keel_storage::CommandId,
+        Result<keel_storage::Payload, keel_storage::Failure>,
+    )>,
 }
 
 /// A run of the shard, as long as it is in memory.
@@ -134,6 +140,17 @@ impl RunSlot {
         ) || !self.inflight.is_empty()
     }
 
+    /// True when no commit or park marker of the run is in flight: its
+    /// machine holds committed state only.
+    pub(super) fn drained_now(&self) -> bool {
+        self.inflight.is_empty() && self.markers.is_empty()
+    }
+
+    /// Holds an operation until [`drained_now`](Self::drained_now).
+    pub(super) fn wait_drained(&mut self, op: RunOp, origin: Origin) {
+        self.drained.push((op, origin));
+    }
+
     pub(super) fn machine(&self) -> Option<&RunMachine> {
         match &self.phase {
             Phase::Ready(m) => Some(m),
@@ -212,6 +229,7 @@ impl Shard {
                 self.answer_when_durable(run, origin, answer);
             }
             RunOp::Describe => self.describe_when_drained(run, origin),
+            RunOp::Query { name, args } => self.query_closed(run, name, args, origin),
             RunOp::Activate | RunOp::Result | RunOp::Resume => {}
         }
     }
@@ -390,8 +408,26 @@ impl Shard {
         let input = match op {
             RunOp::Input(input) => input,
             RunOp::Describe => return self.describe_when_drained(run, origin),
+            RunOp::Query { name, args } => return self.query_ready(run, name, args, origin),
             RunOp::Activate => return,
             RunOp::Result | RunOp::Resume => unreachable!("handled before the machine"),
+        };
+        let (input, origin) = match input {
+            Input::Update { .. } => {
+                let Some(input) = self.update_ready(run, input, origin.clone()) else {
+                    return;
+                };
+                // New and valid: its client waits for the completion.
+                if let Input::Update { update_id, .. } = &input {
+                    self.wait_update(run, update_id.clone(), origin.clone());
+                }
+                let origin = match origin {
+                    Origin::Reply(_) => Origin::Reply(ReplyTo::Nobody),
+                    other => other,
+                };
+                (input, origin)
+            }
+            input => (input, origin),
         };
         let skip_check = self.breaks(BreakMode::NoAttemptDedupe);
         let now = self.now;
@@ -456,6 +492,25 @@ impl Shard {
         let events = &batch.appends[0].events;
         let last_seq = events.last().expect("a commit has events").seq;
         let closing = events.iter().find_map(|e| outcome_of(&e.kind));
+        let mut accepted = Vec::new();
+        let mut completed = Vec::new();
+        for e in events {
+            match &e.kind {
+                EventKind::UpdateAccepted { update_id, .. } => accepted.push(update_id.clone()),
+                EventKind::UpdateCompleted {
+                    update_id,
+                    result,
+                    failure,
+                } => completed.push((
+                    update_id.clone(),
+                    match failure {
+                        Some(f) => Err(f.clone()),
+                        None => Ok(result.clone()),
+                    },
+                )),
+                _ => {}
+            }
+        }
         let token = self.token();
         self.commits.insert(token, CommitFor::Run(run));
         let mut origin = Some(origin);
@@ -508,6 +563,8 @@ impl Shard {
             last_seq,
             closing,
             deferred: Vec::new(),
+            accepted,
+            completed,
         });
         self.actions.push_back(Action::Commit { token, batch });
     }
@@ -547,6 +604,7 @@ impl Shard {
                 for (origin, answer) in entry.deferred {
                     self.answer(origin, answer, cause);
                 }
+                self.updates_completed(run, entry.completed, cause);
                 if let Some(outcome) = entry.closing {
                     self.run_closed(run, outcome, cause);
                 }
@@ -576,6 +634,10 @@ impl Shard {
                 for (origin, _) in entry.deferred {
                     self.answer(origin, retry.clone(), None);
                 }
+                // Accepted by a commit that failed: their clients try again.
+                for reply in self.take_update_waiters(run, |id| entry.accepted.contains(id)) {
+                    self.reply(reply, retry.clone(), None);
+                }
             }
         }
         self.after_commit(run);
@@ -592,8 +654,11 @@ impl Shard {
         }
         let drained = std::mem::take(&mut slot.drained);
         let closed = slot.closed;
-        for (_, origin) in drained {
-            self.describe_now(run, origin);
+        for (op, origin) in drained {
+            match op {
+                RunOp::Query { name, args } => self.query_ready(run, name, args, origin),
+                _ => self.describe_now(run, origin),
+            }
         }
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
@@ -619,6 +684,7 @@ impl Shard {
         if let Some(slot) = self.runs.get_mut(&run) {
             slot.closed = true;
         }
+        self.updates_end(run, Answer::Refused(Refusal::RunClosed(run)));
         self.workflows.unbind_async(run);
         if let Some(waiters) = self.results.remove(&run) {
             for reply in waiters.into_values() {
@@ -682,6 +748,13 @@ impl Shard {
             reason: reason.clone(),
         };
         self.set_marker(run, Some(info));
+        self.updates_end(
+            run,
+            Answer::Refused(Refusal::Parked {
+                run,
+                reason: reason.clone(),
+            }),
+        );
         let slot = self.slot(run);
         slot.phase = Phase::Parked(reason.clone());
         slot.parked_next = next;
@@ -899,8 +972,9 @@ impl Shard {
             if over == 0 {
                 break;
             }
-            let idle =
-                self.runs.get(&run).is_some_and(RunSlot::idle) && !self.results.contains_key(&run);
+            let idle = self.runs.get(&run).is_some_and(RunSlot::idle)
+                && !self.results.contains_key(&run)
+                && !self.updates.contains_key(&run);
             if idle {
                 self.forget(run);
                 over -= 1;

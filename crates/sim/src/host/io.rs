@@ -228,7 +228,9 @@ fn op_name(op: &keel_core::driver::RunOp) -> &'static str {
             Input::Signal { .. } => "Signal",
             Input::CancelRequested { .. } => "CancelRequested",
             Input::Terminate { .. } => "Terminate",
+            Input::Update { .. } => "Update",
         },
+        RunOp::Query { .. } => "Query",
         RunOp::Result => "Result",
         RunOp::Describe => "Describe",
         RunOp::Resume => "Resume",
@@ -248,5 +250,8 @@ fn answer_name(a: &keel_core::driver::Answer) -> String {
         Answer::Outcome(..) => "outcome".into(),
         Answer::Described(_) => "described".into(),
         Answer::Resumed(_) => "resumed".into(),
+        Answer::Queried(_) => "queried".into(),
+        Answer::Updated(Ok(_)) => "updated".into(),
+        Answer::Updated(Err(f)) => format!("update failed ({f})"),
     }
 }
