@@ -43,8 +43,8 @@ pub(crate) struct SimArgs {
     store: StoreKind,
     /// Run a deliberately broken driver (proof that the checks can fail):
     /// no-attempt-dedupe, effect-before-commit, lose-unsynced-ack,
-    /// skip-close-policy, redeliver-same-epoch. Stops at the first
-    /// violating seed.
+    /// skip-close-policy, redeliver-same-epoch, query-speculative. Stops at
+    /// the first violating seed.
     #[arg(long = "break", value_parser = parse_break)]
     break_mode: Option<BreakMode>,
     /// Run only these instances of the default mix (indices, as a shrunk

@@ -33,6 +33,7 @@ pub fn detected_as(mode: BreakMode) -> &'static [ViolationKind] {
         ],
         BreakMode::SkipClosePolicy => &[ViolationKind::NotFinished, ViolationKind::IntentLeftOver],
         BreakMode::RedeliverSameEpoch => &[ViolationKind::EpochReused],
+        BreakMode::QuerySpeculative => &[ViolationKind::WrongAnswer],
     }
 }
 

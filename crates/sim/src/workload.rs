@@ -42,7 +42,27 @@ pub enum ClientOpKind {
         /// Deduplication id.
         command_id: Option<CommandId>,
     },
+    /// An update, retried with the same id until answered; every answer
+    /// must be the outcome durable for that id.
+    Update {
+        /// Handler name.
+        name: String,
+        /// Encoded arguments.
+        payload: Payload,
+        /// The update's id.
+        update_id: CommandId,
+    },
+    /// A query of a `u64` value that only grows as updates complete: the
+    /// answer must never exceed what the durable history supports
+    /// ([`UPDATE_SUM_QUERY`]).
+    Query {
+        /// Handler name.
+        name: String,
+    },
 }
+
+/// The query of the `updates` shape: the sum of its completed updates.
+pub const UPDATE_SUM_QUERY: &str = "sum";
 
 /// One client request, sent at `at_ms` of virtual time (or once the start is
 /// acknowledged, if that is later).
@@ -339,6 +359,11 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_guarded,
     },
+    Shape {
+        name: "updates",
+        weight: 2,
+        build: plan_updates,
+    },
 ];
 
 /// The resilience profile of the `guarded` shape: a retry policy of its
@@ -407,6 +432,7 @@ pub fn register_default(sim: Simulation) -> Simulation {
         .register_workflow::<HeartbeatsWf>()
         .register_workflow::<TimeoutsWf>()
         .register_workflow::<GuardedWf>()
+        .register_workflow::<UpdatesWf>()
         .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
         .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
         .mock_fallback::<Flaky, _>(|input| input.value + 100)
@@ -611,6 +637,44 @@ fn plan_conditions(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     p
 }
 
+fn plan_updates(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let count = rng.random_range(1..=3u32);
+    let mut p = plan(rng, instance, UpdatesWf::NAME, encode(&count));
+    let start = p.start_at_ms;
+    let update = |p: &mut WorkflowPlan, at_ms: u64, amount: u64, id: String| {
+        p.ops.push(ClientOp {
+            at_ms,
+            kind: ClientOpKind::Update {
+                name: "add".into(),
+                payload: encode(&amount),
+                update_id: CommandId::new(id),
+            },
+        })
+    };
+    for i in 0..count {
+        let at = start + rng.random_range(1..=800);
+        let amount = rng.random_range(1..100u64);
+        let id = format!("{instance}/add/{i}");
+        update(&mut p, at, amount, id.clone());
+        if rng.random_bool(0.5) {
+            // The same update again: the first outcome, committed once.
+            update(&mut p, at + rng.random_range(0..400), amount, id);
+        }
+    }
+    // Refused by the validator: nothing is written.
+    let at = start + rng.random_range(1..=800);
+    update(&mut p, at, 0, format!("{instance}/add/zero"));
+    for _ in 0..2 {
+        p.ops.push(ClientOp {
+            at_ms: start + rng.random_range(1..=1200),
+            kind: ClientOpKind::Query {
+                name: UPDATE_SUM_QUERY.into(),
+            },
+        });
+    }
+    p
+}
+
 fn plan_async(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     let values: Vec<u64> = (0..rng.random_range(1..=3))
         .map(|_| rng.random_range(0..1000))
@@ -718,6 +782,47 @@ impl Workflow for SequentialWf {
             v = ctx.activity::<Transform>(v).await?;
         }
         Ok(v)
+    }
+}
+
+/// `sim.updates`: accepts `count` updates named `add` (validated: the
+/// amount is not 0), each of which transforms its amount in an activity
+/// and adds it to a sum the query `sum` reads; returns the sum.
+#[derive(Debug)]
+pub struct UpdatesWf;
+
+impl Workflow for UpdatesWf {
+    const NAME: &'static str = "sim.updates";
+    type Input = u32;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, count: u32) -> Result<u64, WorkflowError> {
+        use std::cell::Cell;
+        use std::rc::Rc;
+        let sum = Rc::new(Cell::new(0u64));
+        let done = Rc::new(Cell::new(0u32));
+        let view = sum.clone();
+        ctx.on_query(UPDATE_SUM_QUERY, move |_: ()| view.get());
+        let (handler_ctx, add, counted) = (ctx.clone(), sum.clone(), done.clone());
+        ctx.on_update(
+            "add",
+            |amount: &u64| match amount {
+                0 => Err("zero is not an amount".to_string()),
+                _ => Ok(()),
+            },
+            move |amount: u64| {
+                let (ctx, add, counted) = (handler_ctx.clone(), add.clone(), counted.clone());
+                async move {
+                    let y = ctx.activity::<Transform>(amount).await?;
+                    add.set(add.get() + y);
+                    counted.set(counted.get() + 1);
+                    Ok(y)
+                }
+            },
+        );
+        let finished = done.clone();
+        ctx.condition(move || finished.get() >= count).await;
+        Ok(sum.get())
     }
 }
 

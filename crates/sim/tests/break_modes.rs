@@ -66,6 +66,11 @@ fn redeliver_same_epoch_is_found() {
 }
 
 #[test]
+fn query_speculative_is_found() {
+    check(BreakMode::QuerySpeculative);
+}
+
+#[test]
 fn a_failing_seed_shrinks_to_a_smaller_reproduction_that_still_fails() {
     let mode = BreakMode::SkipClosePolicy;
     let (seed, report) = first_failing(mode).expect("found");

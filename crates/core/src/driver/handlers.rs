@@ -25,8 +25,9 @@ impl Shard {
     /// A query on a run whose machine is in memory: answered once its
     /// commits in flight are durable.
     pub(super) fn query_ready(&mut self, run: RunId, name: String, args: Payload, origin: Origin) {
+        let speculate = self.breaks(super::BreakMode::QuerySpeculative);
         let slot = self.slot(run);
-        if !slot.drained_now() {
+        if !slot.drained_now() && !speculate {
             slot.wait_drained(RunOp::Query { name, args }, origin);
             return;
         }

@@ -675,16 +675,20 @@ pub enum BreakMode {
     /// A lease that ended is redelivered under the same epoch: the copy it
     /// should fence keeps its lease.
     RedeliverSameEpoch,
+    /// A query is answered while the run's commits are in flight: it can
+    /// show state that is not durable yet.
+    QuerySpeculative,
 }
 
 impl BreakMode {
     /// Every mode.
-    pub const ALL: [BreakMode; 5] = [
+    pub const ALL: [BreakMode; 6] = [
         BreakMode::NoAttemptDedupe,
         BreakMode::EffectBeforeCommit,
         BreakMode::LoseUnsyncedAck,
         BreakMode::SkipClosePolicy,
         BreakMode::RedeliverSameEpoch,
+        BreakMode::QuerySpeculative,
     ];
 
     /// The `--break` name.
@@ -695,6 +699,7 @@ impl BreakMode {
             BreakMode::LoseUnsyncedAck => "lose-unsynced-ack",
             BreakMode::SkipClosePolicy => "skip-close-policy",
             BreakMode::RedeliverSameEpoch => "redeliver-same-epoch",
+            BreakMode::QuerySpeculative => "query-speculative",
         }
     }
 }

@@ -13,7 +13,10 @@ use keel_core::driver::{Answer, Refusal, Request, RequestId, ReusePolicy, ShardI
 /// How long a simulated client waits before asking again after the engine
 /// answered that its store does not accept writes.
 const UNAVAILABLE_PAUSE_MS: u64 = 250;
-use keel_storage::{CommandId, InstanceId, Outcome, Payload, RunId};
+use std::collections::BTreeMap;
+
+use keel_core::HandlerError;
+use keel_storage::{CommandId, EventKind, Failure, InstanceId, Outcome, Payload, RunId};
 use rand::RngExt;
 
 use super::{
@@ -108,6 +111,21 @@ impl World<'_> {
                     reason: reason.clone(),
                     command_id: command_id.clone(),
                 },
+                ClientOpKind::Update {
+                    name,
+                    payload,
+                    update_id,
+                } => Request::Update {
+                    target: instance,
+                    name: name.clone(),
+                    args: payload.clone(),
+                    update_id: update_id.clone(),
+                },
+                ClientOpKind::Query { name } => Request::Query {
+                    target: instance,
+                    name: name.clone(),
+                    args: Payload::encode(&()).expect("unit encodes"),
+                },
             },
         }
     }
@@ -141,10 +159,18 @@ impl World<'_> {
                 format!("client {plan} {op:?}: answered unavailable, but the store never stopped");
             self.violation(ViolationKind::WrongAnswer, detail);
         }
-        let done = match op {
-            OpRef::Result => self.result_answered(plan, try_no, &answer),
-            OpRef::Describe => self.describe_answered(plan, &answer),
-            OpRef::Start | OpRef::Planned(_) => match &answer {
+        let planned = match op {
+            OpRef::Planned(i) => Some(self.setup.workload.plans()[plan].ops[i].kind.clone()),
+            _ => None,
+        };
+        let done = match (op, planned) {
+            (_, Some(ClientOpKind::Update { update_id, .. })) => {
+                self.update_answered(plan, &update_id, &answer)
+            }
+            (_, Some(ClientOpKind::Query { .. })) => self.query_answered(plan, &answer),
+            (OpRef::Result, _) => self.result_answered(plan, try_no, &answer),
+            (OpRef::Describe, _) => self.describe_answered(plan, &answer),
+            (OpRef::Start | OpRef::Planned(_), _) => match &answer {
                 Answer::Committed
                 | Answer::Started(_)
                 | Answer::Existing(_)
@@ -274,6 +300,102 @@ impl World<'_> {
         }
         self.clients[plan].described = true;
         Some(true)
+    }
+
+    /// The durable outcomes of the updates of `plan`'s instance, by id
+    /// (every run of its chain).
+    fn durable_updates(&self, plan: usize) -> BTreeMap<CommandId, Result<Payload, Failure>> {
+        let instance = &self.setup.workload.plans()[plan].instance;
+        let reader = self.store.reader();
+        let mut out = BTreeMap::new();
+        let mut next = reader.resolve(instance).ok().flatten();
+        let mut seen = 0;
+        // The instance names its latest run; earlier runs of a chain are
+        // reached through `previous_run`.
+        while let (Some(run), true) = (next, seen < 64) {
+            seen += 1;
+            next = None;
+            for e in reader.history(run).unwrap_or_default() {
+                match e.kind {
+                    EventKind::UpdateCompleted {
+                        update_id,
+                        result,
+                        failure,
+                    } => {
+                        out.insert(update_id, failure.map_or(Ok(result), Err));
+                    }
+                    EventKind::WorkflowStarted { previous_run, .. } => next = previous_run,
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
+    /// An answer to an update: a value or failure must be the one durable
+    /// for its id; a rejection must have written nothing for it.
+    fn update_answered(&mut self, plan: usize, id: &CommandId, answer: &Answer) -> Option<bool> {
+        let durable = self.durable_updates(plan).remove(id);
+        match answer {
+            Answer::Updated(outcome) => {
+                if durable.as_ref() != Some(outcome) {
+                    let detail = format!("update {id}: answered {outcome:?}, durable {durable:?}");
+                    self.violation(ViolationKind::WrongAnswer, detail);
+                    return None;
+                }
+                Some(true)
+            }
+            Answer::Refused(Refusal::Handler(HandlerError::Rejected { .. })) => {
+                if durable.is_some() {
+                    let detail = format!("update {id}: rejected, but completed as {durable:?}");
+                    self.violation(ViolationKind::WrongAnswer, detail);
+                    return None;
+                }
+                Some(true)
+            }
+            // Sent again after the workflow finished (a client retry).
+            Answer::Refused(Refusal::RunClosed(_)) => Some(true),
+            Answer::Retry(_)
+            | Answer::Refused(Refusal::Shutdown)
+            | Answer::Refused(Refusal::Unavailable(_)) => Some(false),
+            other => {
+                let detail = format!("update {id}: unexpected answer {other:?}");
+                self.violation(ViolationKind::WrongAnswer, detail);
+                None
+            }
+        }
+    }
+
+    /// An answer to the `sum` query: never more than the durable updates
+    /// add up to (a query sees committed state only).
+    fn query_answered(&mut self, plan: usize, answer: &Answer) -> Option<bool> {
+        match answer {
+            Answer::Queried(v) => {
+                let answered: u64 = v.decode().unwrap_or(u64::MAX);
+                let durable: u64 = self
+                    .durable_updates(plan)
+                    .values()
+                    .filter_map(|o| o.as_ref().ok()?.decode::<u64>().ok())
+                    .sum();
+                if answered > durable {
+                    let detail = format!(
+                        "query of {}: answered {answered}, durable updates add up to {durable}",
+                        self.setup.workload.plans()[plan].instance
+                    );
+                    self.violation(ViolationKind::WrongAnswer, detail);
+                    return None;
+                }
+                Some(true)
+            }
+            Answer::Retry(_)
+            | Answer::Refused(Refusal::Shutdown)
+            | Answer::Refused(Refusal::Unavailable(_)) => Some(false),
+            other => {
+                let detail = format!("query: unexpected answer {other:?}");
+                self.violation(ViolationKind::WrongAnswer, detail);
+                None
+            }
+        }
     }
 
     fn violation(&mut self, kind: ViolationKind, detail: String) {
