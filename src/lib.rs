@@ -4,3 +4,4 @@
 
 pub mod import;
 pub mod seeds;
+pub mod shapes;

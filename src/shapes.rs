@@ -1,0 +1,112 @@
+//! Workflows of the shapes the seeds do not cover, kept so that their
+//! golden histories (`tests/data/histories/shapes/`) replay on every
+//! build: a scope with two coroutines, an update with a query, and a
+//! version marker.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use keel::{Workflow, WorkflowContext, WorkflowError, WorkflowRegistry};
+
+use crate::seeds::{MyActivity1, MyActivity2, MyActivity3};
+
+/// A scope with two coroutines, one of which calls two activities in turn.
+#[derive(Debug)]
+pub struct ScopeShape;
+impl Workflow for ScopeShape {
+    const NAME: &'static str = "shapes.scope";
+    type Input = ();
+    type Output = Vec<String>;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<Vec<String>, WorkflowError> {
+        let out = Rc::new(RefCell::new(Vec::new()));
+        let scope = ctx.scope();
+        let (c1, o1) = (ctx.clone(), out.clone());
+        scope.spawn(async move {
+            let v = c1.activity::<MyActivity1>(()).await?;
+            o1.borrow_mut().push(v);
+            Ok(())
+        });
+        let (c2, o2) = (ctx.clone(), out.clone());
+        scope.spawn(async move {
+            let a = c2.activity::<MyActivity2>(()).await?;
+            let b = c2.activity::<MyActivity3>(()).await?;
+            o2.borrow_mut().extend([a, b]);
+            Ok(())
+        });
+        scope
+            .await_completion(std::future::pending::<()>())
+            .await
+            .map_err(WorkflowError::msg)?;
+        let mut v = out.borrow().clone();
+        v.sort();
+        Ok(v)
+    }
+}
+
+/// A counter changed by the update `add` (validated: positive), read by
+/// the query `count`; finishes on the signal `done`.
+#[derive(Debug)]
+pub struct UpdateShape;
+impl Workflow for UpdateShape {
+    const NAME: &'static str = "shapes.update";
+    type Input = ();
+    type Output = u64;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<u64, WorkflowError> {
+        let count = Rc::new(RefCell::new(0u64));
+        let view = count.clone();
+        ctx.on_query("count", move |_: ()| *view.borrow());
+        let (add, actx) = (count.clone(), ctx.clone());
+        ctx.on_update(
+            "add",
+            |n: &u64| match n {
+                0 => Err("add a positive number".to_string()),
+                _ => Ok(()),
+            },
+            move |n: u64| {
+                let (add, ctx) = (add.clone(), actx.clone());
+                async move {
+                    // The handler awaits an activity: accepted and
+                    // completed are separate commits.
+                    ctx.activity::<MyActivity1>(()).await?;
+                    *add.borrow_mut() += n;
+                    Ok(*add.borrow())
+                }
+            },
+        );
+        let _: () = ctx.wait_signal("done").await?;
+        let n = *count.borrow();
+        Ok(n)
+    }
+}
+
+/// A change shipped with `patched`: runs that recorded the marker call the
+/// second activity instead of the first.
+#[derive(Debug)]
+pub struct VersionShape;
+impl Workflow for VersionShape {
+    const NAME: &'static str = "shapes.version";
+    type Input = ();
+    type Output = String;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<String, WorkflowError> {
+        let v = if ctx.patched("second-activity") {
+            ctx.activity::<MyActivity2>(()).await?
+        } else {
+            ctx.activity::<MyActivity1>(()).await?
+        };
+        let version = ctx.version("third-step", 1, 2);
+        let w = match version {
+            2 => ctx.activity::<MyActivity3>(()).await?,
+            _ => String::new(),
+        };
+        Ok(format!("{v} {w} (v{version})"))
+    }
+}
+
+/// Every shape workflow, plus the seed workflows.
+pub fn workflows() -> WorkflowRegistry {
+    let mut r = crate::seeds::workflows();
+    r.register::<ScopeShape>()
+        .register::<UpdateShape>()
+        .register::<VersionShape>();
+    r
+}

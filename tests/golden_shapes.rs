@@ -1,0 +1,137 @@
+//! Goal: a history of every workflow shape recorded by an earlier build
+//! keeps replaying with the current code (issue "The rest of the workflow
+//! surface", item 10): barrier, nested barrier, select, children, scope,
+//! update with query, version markers. A change to the engine or to these
+//! workflows that would park such runs fails CI.
+//!
+//! Method: the bundles in `tests/data/histories/shapes/` were written by a
+//! real engine running `keel_e2e::shapes` (run with `KEEL_BLESS=1` to
+//! write them again, after an intended change). Each is replayed with the
+//! current registry and must replay to its recorded end; each must also
+//! still hold the events of the shape it is named after, so a bundle
+//! cannot silently stop covering its shape.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use keel::replay::{Bundle, Replayer};
+use keel::storage::EventKind;
+use keel::Engine;
+use keel_e2e::{seeds, shapes};
+
+/// Bundle name, and the event every bundle of that shape must hold.
+const SHAPES: &[(&str, &str)] = &[
+    ("barrier", "ActivityScheduled"),
+    ("nested-barrier", "ActivityScheduled"),
+    ("select", "SelectionWinnerRecorded"),
+    ("children", "ChildCompleted"),
+    ("child", "ActivityCompleted"),
+    ("scope", "ActivityCompleted"),
+    ("update", "UpdateCompleted"),
+    ("version-marker", "VersionMarker"),
+];
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/histories/shapes")
+}
+
+fn blessing() -> bool {
+    std::env::var("KEEL_BLESS").is_ok_and(|v| v == "1")
+}
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Runs every shape on a real engine and writes its bundle.
+async fn bless() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let engine = Engine::builder()
+        .data_dir(tmp.path().join("data"))
+        .workflows(&shapes::workflows())
+        .activities(seeds::activities())
+        .build()?;
+    let c = engine.client();
+    c.start::<seeds::ParallelWorkflow>("barrier", &()).await?;
+    c.start::<seeds::NestedWorkflow>("nested-barrier", &())
+        .await?;
+    c.start::<seeds::ResolveInRealTime>("select", &"fast-1".to_string())
+        .await?;
+    c.start::<seeds::ParentWorkflow>("children", &()).await?;
+    c.start::<shapes::ScopeShape>("scope", &()).await?;
+    c.start::<shapes::VersionShape>("version-marker", &())
+        .await?;
+    c.start::<shapes::UpdateShape>("update", &()).await?;
+    let n: u64 = c.update("update", "add", &2u64, Some("add-2")).await?;
+    assert_eq!(n, 2);
+    let n: u64 = c.update("update", "add", &3u64, Some("add-3")).await?;
+    assert_eq!(n, 5);
+    c.signal("update", "done", &(), None).await?;
+    for id in [
+        "barrier",
+        "nested-barrier",
+        "select",
+        "children",
+        "scope",
+        "version-marker",
+        "update",
+    ] {
+        tokio::time::timeout(WAIT, c.outcome(id)).await??;
+    }
+    std::fs::create_dir_all(dir())?;
+    let store = engine.store();
+    for (name, _) in SHAPES {
+        let bundle = if *name == "child" {
+            // The first child of `children`: a run started by a parent.
+            let parent = Bundle::from_store(store.as_ref(), "children")?;
+            let child = parent
+                .events
+                .iter()
+                .find_map(|e| match &e.kind {
+                    EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
+                    _ => None,
+                })
+                .expect("children schedules children");
+            Bundle::from_store(store.as_ref(), &child.to_string())?
+        } else {
+            Bundle::from_store(store.as_ref(), name)?
+        };
+        bundle.write(dir().join(format!("{name}.bundle")))?;
+    }
+    engine.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_shape_history_replays_and_still_holds_its_shape() -> anyhow::Result<()> {
+    if blessing() {
+        bless().await?;
+    }
+    let replayer = Replayer::new(shapes::workflows());
+    let mut failures = Vec::new();
+    for (name, must_hold) in SHAPES {
+        let path = dir().join(format!("{name}.bundle"));
+        let bundle = match Bundle::read(&path) {
+            Ok(b) => b,
+            Err(e) => {
+                failures.push(format!("{name}: {e} (KEEL_BLESS=1 writes it)"));
+                continue;
+            }
+        };
+        if !bundle.events.iter().any(|e| e.kind.name() == *must_hold) {
+            failures.push(format!("{name}: holds no {must_hold} event"));
+        }
+        let closed = bundle.events.last().is_some_and(|e| e.kind.closes_run());
+        if !closed {
+            failures.push(format!("{name}: the recorded run did not finish"));
+        }
+        let report = replayer.replay_bundle(&bundle);
+        if !report.outcome.is_ok() {
+            failures.push(format!("{name}: {}", report.outcome));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "shape histories:\n{}",
+        failures.join("\n")
+    );
+    Ok(())
+}
