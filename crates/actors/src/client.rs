@@ -345,6 +345,7 @@ fn refused(r: Refusal) -> EngineError {
         Refusal::Shutdown => EngineError::Shutdown,
         Refusal::Unavailable(why) => EngineError::StoreUnavailable(why),
         Refusal::Handler(e) => EngineError::Handler(e),
+        r @ Refusal::UpdateInEarlierRun { .. } => EngineError::Refused(r.to_string()),
     }
 }
 

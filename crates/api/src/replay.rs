@@ -637,6 +637,7 @@ mod tests {
             continued_from: None,
             random_seed: 1,
             previous_run: None,
+            carried: Default::default(),
         };
         let reg = registry::<V1>();
         let (mut m, mut events) = RunMachine::start(&reg, spec, Timestamp(1)).unwrap();

@@ -186,6 +186,7 @@ fn started_event(run: RunId, instance: String, at: u64) -> Event {
             continued_from: None,
             random_seed: 7,
             previous_run: None,
+            carried: Default::default(),
         },
     }
 }

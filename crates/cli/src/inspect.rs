@@ -262,9 +262,21 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
         K::WorkflowCancelled { reason } | K::WorkflowTerminated { reason } => {
             vec![("reason", text(reason))]
         }
-        K::WorkflowContinuedAsNew { new_run_id, input } => vec![
+        K::WorkflowContinuedAsNew {
+            new_run_id,
+            input,
+            carried,
+        } => vec![
             ("new_run", text(new_run_id)),
             ("input", Field::Payload(input)),
+            (
+                "carried_signals",
+                Field::Number(carried.signals.len() as u64),
+            ),
+            (
+                "carried_commands",
+                Field::Number(carried.commands.len() as u64),
+            ),
         ],
         K::ActivityScheduled {
             execution_id,

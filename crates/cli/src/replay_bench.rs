@@ -124,6 +124,7 @@ pub fn write_run(
         continued_from: None,
         random_seed: run_no,
         previous_run: None,
+        carried: Default::default(),
     };
     let mut now = Timestamp(1_700_000_000_000);
     let (mut machine, first) = RunMachine::start(registry, spec, now)

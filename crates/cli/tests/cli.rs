@@ -622,6 +622,7 @@ fn started(instance: &InstanceId, run: RunId, ty: &str, parent: Option<ParentRef
         continued_from: None,
         random_seed: 7,
         previous_run: None,
+        carried: Default::default(),
     }
 }
 

@@ -121,6 +121,10 @@ pub(crate) struct Core {
     pub error: Option<MachineError>,
     pub open: BTreeMap<Step, OpenWait>,
     pub seen_commands: HashSet<CommandId>,
+    /// The same, in the order committed (what continue-as-new carries).
+    seen_order: VecDeque<CommandId>,
+    /// Command ids an earlier run of the instance committed.
+    pub carried_commands: HashSet<CommandId>,
     pub closed: bool,
     /// The scope coroutine being polled (scope step, coroutine index).
     pub current_owner: Option<(Step, u32)>,
@@ -177,6 +181,8 @@ impl Core {
             error: None,
             open: BTreeMap::new(),
             seen_commands: HashSet::new(),
+            seen_order: VecDeque::new(),
+            carried_commands: HashSet::new(),
             closed: false,
             current_owner: None,
             tearing_down: false,
@@ -185,6 +191,43 @@ impl Core {
             historical: false,
             versions: BTreeMap::new(),
             updates: BTreeMap::new(),
+        }
+    }
+
+    /// Records a committed command id (a signal's, a cancellation's, an
+    /// update's).
+    pub(crate) fn see_command(&mut self, c: CommandId) {
+        if self.seen_commands.insert(c.clone()) {
+            self.seen_order.push_back(c);
+            if self.seen_order.len() > keel_storage::CARRIED_COMMANDS_MAX {
+                // Still deduplicated in this run; no longer carried.
+                self.seen_order.pop_front();
+            }
+        }
+    }
+
+    /// What continue-as-new hands to the next run: unread signals (by
+    /// name, in arrival order) and the newest command ids.
+    pub(crate) fn carried(&self) -> keel_storage::Carried {
+        let signals = self
+            .signals
+            .iter()
+            .flat_map(|(name, q)| {
+                q.iter().map(|payload| keel_storage::CarriedSignal {
+                    name: name.clone(),
+                    payload: payload.clone(),
+                })
+            })
+            .take(keel_storage::CARRIED_SIGNALS_MAX)
+            .collect();
+        let unread: usize = self.signals.values().map(VecDeque::len).sum();
+        if unread > keel_storage::CARRIED_SIGNALS_MAX {
+            tracing::warn!(run_id = %self.run_id, unread, limit = keel_storage::CARRIED_SIGNALS_MAX,
+                "continue-as-new carries only the first unread signals; read them before continuing");
+        }
+        keel_storage::Carried {
+            signals,
+            commands: self.seen_order.iter().cloned().collect(),
         }
     }
 

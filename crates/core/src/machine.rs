@@ -13,8 +13,8 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use keel_storage::{
-    AttemptNo, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, ParentRef, Payload,
-    RunId, Seq, Step, Timestamp,
+    AttemptNo, Carried, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, ParentRef,
+    Payload, RunId, Seq, Step, Timestamp,
 };
 
 use crate::context::{Spawn, WorkflowContext};
@@ -112,6 +112,8 @@ pub struct StartSpec {
     /// The instance's run this one follows (see
     /// `EventKind::WorkflowStarted::previous_run`).
     pub previous_run: Option<RunId>,
+    /// What the run this one continues handed over.
+    pub carried: Carried,
 }
 
 impl StartSpec {
@@ -138,6 +140,7 @@ impl StartSpec {
         new_run_id: RunId,
         input: Payload,
         parent: Option<ParentRef>,
+        carried: Carried,
     ) -> StartSpec {
         StartSpec {
             run_id: new_run_id,
@@ -149,6 +152,7 @@ impl StartSpec {
             continued_from: Some(from),
             random_seed: Self::seed_for(new_run_id),
             previous_run: Some(from),
+            carried,
         }
     }
 
@@ -170,6 +174,7 @@ impl StartSpec {
             continued_from: None,
             random_seed: Self::seed_for(child_run_id),
             previous_run: None,
+            carried: Carried::default(),
         }
     }
 
@@ -186,6 +191,7 @@ impl StartSpec {
                 continued_from,
                 random_seed,
                 previous_run,
+                carried,
             } => Some(StartSpec {
                 run_id,
                 instance_id,
@@ -196,6 +202,7 @@ impl StartSpec {
                 continued_from,
                 random_seed,
                 previous_run,
+                carried,
             }),
             _ => None,
         }
@@ -306,6 +313,9 @@ pub enum UpdateStatus {
     Accepted,
     /// Completed with this value or failure.
     Completed(Result<Payload, Failure>),
+    /// Accepted by an earlier run of the instance, which continued as new:
+    /// its outcome is in that run's history.
+    EarlierRun,
 }
 
 impl Input {
@@ -478,6 +488,7 @@ impl RunMachine {
             continued_from: spec.continued_from,
             random_seed: spec.random_seed,
             previous_run: spec.previous_run,
+            carried: spec.carried,
         };
         let mut m = Self::empty(registry, &kind)?;
         let event = {
@@ -602,16 +613,22 @@ impl RunMachine {
                 _ => Verdict::Accept,
             },
             Input::Terminate { .. } => Verdict::Accept,
-            Input::Update { update_id, .. } => match core.updates.contains_key(update_id) {
-                true => Verdict::Duplicate,
-                false => Verdict::Accept,
-            },
+            Input::Update { update_id, .. } => {
+                match core.updates.contains_key(update_id)
+                    || core.carried_commands.contains(update_id)
+                {
+                    true => Verdict::Duplicate,
+                    false => Verdict::Accept,
+                }
+            }
         }
     }
 
     /// Where the update `update_id` stands in this run.
     pub fn update_status(&self, update_id: &CommandId) -> UpdateStatus {
-        match self.core.borrow().updates.get(update_id) {
+        let core = self.core.borrow();
+        match core.updates.get(update_id) {
+            None if core.carried_commands.contains(update_id) => UpdateStatus::EarlierRun,
             None => UpdateStatus::New,
             Some(None) => UpdateStatus::Accepted,
             Some(Some(r)) => UpdateStatus::Completed(r.clone()),
@@ -764,7 +781,18 @@ impl RunMachine {
         {
             let mut core = self.core.borrow_mut();
             match &event.kind {
-                EventKind::WorkflowStarted { .. } => {}
+                EventKind::WorkflowStarted { carried, .. } => {
+                    for s in &carried.signals {
+                        core.signals
+                            .entry(s.name.clone())
+                            .or_default()
+                            .push_back(s.payload.clone());
+                    }
+                    for c in &carried.commands {
+                        core.see_command(c.clone());
+                        core.carried_commands.insert(c.clone());
+                    }
+                }
                 EventKind::ActivityCompleted { step, result, .. } => {
                     core.resolve(*step, Resolution::Value(result.clone()))
                 }
@@ -814,13 +842,13 @@ impl RunMachine {
                         .or_default()
                         .push_back(payload.clone());
                     if let Some(c) = command_id {
-                        core.seen_commands.insert(c.clone());
+                        core.see_command(c.clone());
                     }
                 }
                 EventKind::WorkflowCancelRequested { reason, command_id } => {
                     core.cancel_requested = Some(reason.clone());
                     if let Some(c) = command_id {
-                        core.seen_commands.insert(c.clone());
+                        core.see_command(c.clone());
                     }
                 }
                 EventKind::WorkflowTerminated { .. } => {
@@ -833,6 +861,7 @@ impl RunMachine {
                     payload,
                 } => {
                     core.updates.insert(update_id.clone(), None);
+                    core.see_command(update_id.clone());
                     let handler = self.handlers.borrow().update(name);
                     match handler {
                         Ok((_, run)) => {
@@ -931,6 +960,7 @@ impl RunMachine {
                     EventKind::WorkflowContinuedAsNew {
                         new_run_id: RunId::from_u64_pair(a, b),
                         input,
+                        carried: core.carried(),
                     }
                 }
             };

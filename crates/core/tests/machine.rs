@@ -70,6 +70,7 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
         continued_from: None,
         random_seed: 7,
         previous_run: None,
+        carried: Default::default(),
     };
     RunMachine::start(&registry(), spec, Timestamp(1000)).unwrap()
 }

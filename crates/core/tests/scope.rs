@@ -116,6 +116,7 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
         continued_from: None,
         random_seed: 1,
         previous_run: None,
+        carried: Default::default(),
     };
     RunMachine::start(&registry(), spec, Timestamp(0)).unwrap()
 }

@@ -544,6 +544,7 @@ mod tests {
                 continued_from: None,
                 random_seed: 0,
                 previous_run: None,
+                carried: Default::default(),
             },
         }
     }

@@ -32,6 +32,7 @@ fn started(run: RunId, instance: String) -> Event {
             continued_from: None,
             random_seed: 7,
             previous_run: None,
+            carried: Default::default(),
         },
     }
 }

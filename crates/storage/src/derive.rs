@@ -720,7 +720,11 @@ fn derive_event(
             Outcome::Terminated(reason.clone()),
             event.at,
         )?,
-        EventKind::WorkflowContinuedAsNew { new_run_id, input } => {
+        EventKind::WorkflowContinuedAsNew {
+            new_run_id,
+            input,
+            carried,
+        } => {
             close(
                 out,
                 run,
@@ -736,6 +740,7 @@ fn derive_event(
                 new_run_id: *new_run_id,
                 input: input.clone(),
                 parent: m.parent.clone(),
+                carried: carried.clone(),
             };
             out.put(
                 Cf::Outbox,

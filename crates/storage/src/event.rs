@@ -331,6 +331,43 @@ pub struct Event {
     pub kind: EventKind,
 }
 
+/// Most unread signals a run hands to the run that continues it.
+pub const CARRIED_SIGNALS_MAX: usize = 1024;
+
+/// Most command ids a run hands to the run that continues it (the newest).
+pub const CARRIED_COMMANDS_MAX: usize = 4096;
+
+/// What a run that continues as new hands to the next run of its
+/// instance, recorded in both runs' histories.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct Carried {
+    /// Signals committed and not read yet, per name in arrival order (at
+    /// most [`CARRIED_SIGNALS_MAX`]).
+    #[serde(default)]
+    pub signals: Vec<CarriedSignal>,
+    /// Command ids of signals, cancellations and updates the chain has
+    /// committed, oldest first (at most [`CARRIED_COMMANDS_MAX`]): a retry
+    /// reaching the next run is still a duplicate.
+    #[serde(default)]
+    pub commands: Vec<CommandId>,
+}
+
+impl Carried {
+    /// True when nothing is carried.
+    pub fn is_empty(&self) -> bool {
+        self.signals.is_empty() && self.commands.is_empty()
+    }
+}
+
+/// An unread signal handed to the next run.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct CarriedSignal {
+    /// The signal's name.
+    pub name: String,
+    /// Its payload.
+    pub payload: Payload,
+}
+
 /// Every kind of history event. Variants are only ever added at the end.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
 pub enum EventKind {
@@ -358,6 +395,9 @@ pub enum EventKind {
         /// an instance that moved on meanwhile.
         #[serde(default)]
         previous_run: Option<RunId>,
+        /// What the run this one continues handed over.
+        #[serde(default)]
+        carried: Carried,
     },
     /// The workflow returned a value.
     WorkflowCompleted {
@@ -392,6 +432,9 @@ pub enum EventKind {
         new_run_id: RunId,
         /// Its input.
         input: Payload,
+        /// What the new run takes over: unread signals, command ids seen.
+        #[serde(default)]
+        carried: Carried,
     },
     /// An activity execution was scheduled (its first attempt is implied).
     ActivityScheduled {

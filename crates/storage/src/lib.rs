@@ -30,9 +30,9 @@ pub mod wal;
 pub use derive::{AppendAck, CommitAck, CommitBatch, Intent, IntentKey, RunAppend};
 pub use error::{Error, Result};
 pub use event::{
-    ActivityOptions, Backoff, DurableKey, Event, EventClass, EventKind, Failure, FailureKind,
-    GroupEntry, GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload,
-    RetrySettings, SelectKey,
+    ActivityOptions, Backoff, Carried, CarriedSignal, DurableKey, Event, EventClass, EventKind,
+    Failure, FailureKind, GroupEntry, GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy,
+    ParentRef, Payload, RetrySettings, SelectKey, CARRIED_COMMANDS_MAX, CARRIED_SIGNALS_MAX,
 };
 pub use health::{StoreHealth, WriteFault};
 pub use ids::{

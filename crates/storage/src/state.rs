@@ -177,6 +177,9 @@ pub enum OutboxMessage {
         /// run reports to it.
         #[serde(default)]
         parent: Option<ParentRef>,
+        /// What the closed run hands over.
+        #[serde(default)]
+        carried: crate::event::Carried,
     },
 }
 

@@ -141,13 +141,15 @@ fn kind() -> impl Strategy<Value = EventKind> {
                     continued_from: from,
                     random_seed: seed,
                     previous_run: previous,
+                    carried: Default::default(),
                 }
             }),
         payload().prop_map(|result| EventKind::WorkflowCompleted { result }),
         failure().prop_map(|failure| EventKind::WorkflowFailed { failure }),
         (run_id(), payload()).prop_map(|(new_run_id, input)| EventKind::WorkflowContinuedAsNew {
             new_run_id,
-            input
+            input,
+            carried: Default::default(),
         }),
         (
             run_id(),

@@ -581,6 +581,7 @@ fn child_start_and_result_flow_through_the_outbox() {
                     continued_from: None,
                     random_seed: 1,
                     previous_run: None,
+                    carried: Default::default(),
                 }],
             )
             .unwrap();

@@ -16,9 +16,9 @@ use std::path::PathBuf;
 use keel_storage::codec::{self, RecordKind, EVENT_VERSION};
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::{
-    ActivityOptions, AttemptNo, Backoff, CommandId, Event, EventKind, Failure, FailureKind,
-    GroupEntry, InstanceId, Jitter, OperationKind, ParentClosePolicy, ParentRef, Payload,
-    RetrySettings, RunId, SelectKey, Seq, Step, Timestamp,
+    ActivityOptions, AttemptNo, Backoff, Carried, CarriedSignal, CommandId, Event, EventKind,
+    Failure, FailureKind, GroupEntry, InstanceId, Jitter, OperationKind, ParentClosePolicy,
+    ParentRef, Payload, RetrySettings, RunId, SelectKey, Seq, Step, Timestamp,
 };
 
 /// Number of `EventKind` variants; `ordinal` must map onto `0..VARIANTS`.
@@ -83,6 +83,16 @@ fn failure() -> Failure {
     }
 }
 
+fn carried() -> Carried {
+    Carried {
+        signals: vec![CarriedSignal {
+            name: "approve".into(),
+            payload: payload("unread"),
+        }],
+        commands: vec![CommandId::new("signal-0")],
+    }
+}
+
 fn group() -> Vec<GroupEntry> {
     vec![
         GroupEntry {
@@ -117,6 +127,7 @@ fn samples() -> Vec<Event> {
             continued_from: Some(other_run()),
             random_seed: 0xdead_beef_cafe_f00d,
             previous_run: Some(other_run()),
+            carried: carried(),
         },
         EventKind::WorkflowCompleted {
             result: payload("result"),
@@ -135,6 +146,7 @@ fn samples() -> Vec<Event> {
         EventKind::WorkflowContinuedAsNew {
             new_run_id: other_run(),
             input: payload("next"),
+            carried: carried(),
         },
         EventKind::ActivityScheduled {
             step: Step(5),
@@ -316,10 +328,13 @@ fn as_v1(e: Event) -> Option<Event> {
 }
 
 /// What a sample looked like in event version 2: `UpdateCompleted`
-/// without its failure.
+/// without its failure, starts and continue-as-new without what is carried.
 fn as_v2(mut e: Event) -> Event {
-    if let EventKind::UpdateCompleted { failure, .. } = &mut e.kind {
-        *failure = None;
+    match &mut e.kind {
+        EventKind::UpdateCompleted { failure, .. } => *failure = None,
+        EventKind::WorkflowStarted { carried, .. }
+        | EventKind::WorkflowContinuedAsNew { carried, .. } => *carried = Carried::default(),
+        _ => {}
     }
     e
 }
@@ -429,7 +444,8 @@ fn every_earlier_version_still_decodes() {
 
 #[test]
 fn version_2_still_decodes() {
-    // Version 2's files were written before `UpdateCompleted::failure`.
+    // Version 2's files were written before `UpdateCompleted::failure` and
+    // `carried`.
     let mut failures = Vec::new();
     for sample in samples() {
         let old = as_v2(sample);

@@ -368,6 +368,7 @@ fn runs_of_one_instance_started_in_the_same_millisecond_verify_clean() {
                     EventKind::WorkflowContinuedAsNew {
                         new_run_id: new,
                         input: keel_storage::Payload::default(),
+                        carried: Default::default(),
                     },
                 ),
             ],

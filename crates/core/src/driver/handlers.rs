@@ -119,6 +119,14 @@ impl Shard {
                 self.wait_update(run, update_id.clone(), origin);
                 None
             }
+            UpdateStatus::EarlierRun => {
+                let r = Refusal::UpdateInEarlierRun {
+                    update_id: update_id.clone(),
+                    run,
+                };
+                self.answer_when_durable(run, origin, Answer::Refused(r));
+                None
+            }
             UpdateStatus::New => match machine.validate_update(name, payload) {
                 Ok(()) => Some(input),
                 Err(e) => {

@@ -348,6 +348,19 @@ pub enum Refusal {
     /// a handler that panicked or tried to write.
     #[error(transparent)]
     Handler(crate::handlers::HandlerError),
+    /// The update was applied by an earlier run of the instance, which
+    /// continued as new to `run`: not applied again (its outcome is in the
+    /// earlier run's history).
+    #[error(
+        "update {update_id} was applied by an earlier run of this instance, which continued as \
+         new to run {run}; its outcome is in that run's history"
+    )]
+    UpdateInEarlierRun {
+        /// The update.
+        update_id: CommandId,
+        /// The run it reached now.
+        run: RunId,
+    },
 }
 
 /// The answer to a request or a message: one vocabulary for everything a
@@ -466,7 +479,7 @@ pub enum Message {
     /// hand it `then` in the same commit (a pending cancellation).
     Start {
         /// The run.
-        spec: StartSpec,
+        spec: Box<StartSpec>,
         /// An input for the new run, committed with its start.
         then: Option<Input>,
         /// Who waits for the answer.
@@ -1115,7 +1128,7 @@ impl Shard {
     fn message(&mut self, m: Message) {
         match m {
             Message::ToRun { run, op, reply } => self.run_op(run, op, Origin::Reply(reply)),
-            Message::Start { spec, then, reply } => self.start_internal(spec, then, reply),
+            Message::Start { spec, then, reply } => self.start_internal(*spec, then, reply),
             Message::Answer { token, answer } => self.peer_answer(token, answer),
         }
     }

@@ -191,6 +191,7 @@ impl Shard {
                 new_run_id,
                 input,
                 parent,
+                carried,
             } => {
                 let spec = StartSpec::continuation(
                     from,
@@ -199,6 +200,7 @@ impl Shard {
                     new_run_id,
                     input,
                     parent,
+                    carried,
                 );
                 self.start_message(spec, None, reply, cause);
             }
@@ -215,7 +217,11 @@ impl Shard {
         let to = shard_of(spec.run_id, self.config.shards);
         self.actions.push_back(super::Action::Send {
             to,
-            message: Message::Start { spec, then, reply },
+            message: Message::Start {
+                spec: Box::new(spec),
+                then,
+                reply,
+            },
             cause,
         });
     }

@@ -91,6 +91,7 @@ impl Shard {
                     continued_from: None,
                     random_seed,
                     previous_run: None,
+                    carried: Default::default(),
                 };
                 let job = StartJob {
                     spec,
@@ -377,6 +378,7 @@ impl Shard {
                 continued_from: spec.continued_from,
                 random_seed: spec.random_seed,
                 previous_run: spec.previous_run,
+                carried: spec.carried,
             },
         };
         let reason = err.to_string();

@@ -38,6 +38,7 @@ pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
         continued_from: None,
         random_seed: 7,
         previous_run: None,
+        carried: Default::default(),
     }
 }
 
