@@ -60,12 +60,77 @@ impl Workflow for Relay {
 
 const RESULT_WAIT: Duration = Duration::from_secs(10);
 
+/// Collects two "add" signals.
+struct Collector;
+impl Workflow for Collector {
+    const NAME: &'static str = "collector";
+    type Input = ();
+    type Output = Vec<u32>;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<Vec<u32>, WorkflowError> {
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.push(ctx.wait_signal::<u32>("add").await?);
+        }
+        Ok(got)
+    }
+}
+
 fn engine(dir: &std::path::Path) -> anyhow::Result<Engine> {
     Ok(Engine::builder()
         .data_dir(dir.join("data"))
         .register_workflow::<Counter>()
         .register_workflow::<Relay>()
+        .register_workflow::<Collector>()
         .build()?)
+}
+
+/// Goal: signal-with-start starts an instance with the signal in its
+/// first commit, signals it once it runs, and a retry by command id does
+/// neither twice (item 9). Method: the real engine, restarted between the
+/// first and the second signal; the first run's history is read from the
+/// store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signal_with_start_starts_or_signals_once() -> anyhow::Result<()> {
+    use keel::storage::EventKind;
+    use keel::SignalWithStart;
+    let dir = tempfile::tempdir()?;
+    let run = {
+        let engine = engine(dir.path())?;
+        let c = engine.client();
+        let first = c
+            .signal_with_start::<Collector, _>("col", &(), "add", &1u32, Some("add-1"))
+            .await?;
+        let SignalWithStart::Started(run) = first else {
+            panic!("a new instance is started, got {first:?}");
+        };
+        // A retry: neither a second run nor a second signal.
+        let again = c
+            .signal_with_start::<Collector, _>("col", &(), "add", &1u32, Some("add-1"))
+            .await?;
+        assert!(
+            again == SignalWithStart::Signalled || again == SignalWithStart::Started(run),
+            "{again:?}"
+        );
+        let history = engine.store().history(run)?;
+        assert!(
+            matches!(history[1].kind, EventKind::SignalReceived { .. }),
+            "the signal is committed with the start: {:?}",
+            history[1].kind
+        );
+        engine.shutdown().await;
+        run
+    };
+    let engine = engine(dir.path())?;
+    let c = engine.client();
+    let second = c
+        .signal_with_start::<Collector, _>("col", &(), "add", &2u32, Some("add-2"))
+        .await?;
+    assert_eq!(second, SignalWithStart::Signalled);
+    let got = tokio::time::timeout(RESULT_WAIT, c.result::<Collector>("col")).await??;
+    assert_eq!(got, [1, 2]);
+    assert_eq!(c.describe("col").await?.run_id, run, "one run");
+    engine.shutdown().await;
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,6 +14,7 @@ use actix::Addr;
 use futures::channel::oneshot;
 use keel_core::driver::{
     Answer, Refusal, Request, RequestId, Resumed, ReusePolicy, RunDescription, ShardInput,
+    StartSignal,
 };
 use keel_core::Workflow;
 use keel_storage::{CommandId, Failure, InstanceId, Outcome, Payload, RunId, PAYLOAD_BYTES_MAX};
@@ -133,6 +134,16 @@ pub enum EngineError {
     /// for progress that cannot happen. Nothing was written.
     #[error("the store does not accept writes: {0}")]
     StoreUnavailable(String),
+}
+
+/// What `signal_with_start` did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalWithStart {
+    /// A new run started with the signal (or the same request had started
+    /// it before).
+    Started(RunId),
+    /// The instance had an open run; it got the signal.
+    Signalled,
 }
 
 /// What `start` did.
@@ -372,6 +383,62 @@ impl Client {
         command_id: Option<CommandId>,
         reuse: ReusePolicy,
     ) -> Result<StartOutcome, EngineError> {
+        match self
+            .start_request(workflow_type, instance, input, command_id, reuse, None)
+            .await?
+        {
+            Answer::Started(run) => Ok(StartOutcome::Started(run)),
+            Answer::Existing(run) => Ok(StartOutcome::Existing(run)),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Signal-with-start: sends the signal `name` to the instance's open
+    /// run, or starts workflow `W` with `input` and commits the signal in
+    /// the same commit as its start, so the workflow sees it from its
+    /// first step. `command_id` deduplicates the signal (and the start):
+    /// a retry neither starts a second run nor signals twice.
+    pub async fn signal_with_start<W: Workflow, T: Serialize>(
+        &self,
+        instance: &str,
+        input: &W::Input,
+        name: &str,
+        payload: &T,
+        command_id: Option<&str>,
+    ) -> Result<SignalWithStart, EngineError> {
+        let input = Payload::encode(input).map_err(|e| EngineError::Encode(e.to_string()))?;
+        let payload = Payload::encode(payload).map_err(|e| EngineError::Encode(e.to_string()))?;
+        check_size(&payload)?;
+        let signal = StartSignal {
+            name: name.to_string(),
+            payload,
+            command_id: command_id.map(CommandId::new),
+        };
+        let start_id = command_id.map(|c| CommandId::new(format!("{c}/start")));
+        let reuse = ReusePolicy::default();
+        match self
+            .start_request(W::NAME, instance, input, start_id, reuse, Some(signal))
+            .await?
+        {
+            Answer::Started(run) => Ok(SignalWithStart::Started(run)),
+            // The start was done before (by command id): so was its signal.
+            Answer::Existing(run) => Ok(SignalWithStart::Started(run)),
+            Answer::Committed | Answer::Duplicate => Ok(SignalWithStart::Signalled),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn start_request(
+        &self,
+        workflow_type: &str,
+        instance: &str,
+        input: Payload,
+        command_id: Option<CommandId>,
+        reuse: ReusePolicy,
+        signal: Option<StartSignal>,
+    ) -> Result<Answer, EngineError> {
         check_size(&input)?;
         // The run lives on the shard that resolves the instance's name, so
         // this start and later requests naming the instance meet there.
@@ -390,13 +457,9 @@ impl Client {
             command_id,
             reuse,
             random_seed: self.core.random(),
+            signal,
         };
-        match self.core.call(request).await? {
-            Answer::Started(run) => Ok(StartOutcome::Started(run)),
-            Answer::Existing(run) => Ok(StartOutcome::Existing(run)),
-            Answer::Refused(r) => Err(refused(r)),
-            other => Err(unexpected(other)),
-        }
+        self.core.call(request).await
     }
 
     /// Sends a signal to the instance's current run (or a run by id);

@@ -50,7 +50,7 @@ pub use replay::{Bundle, ReplayOutcome, Replayer};
 
 pub use keel_actors::{
     AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, Resumed,
-    ReusePolicy, RunDescription, StartOutcome,
+    ReusePolicy, RunDescription, SignalWithStart, StartOutcome,
 };
 pub use keel_core::concurrency::{
     All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,

@@ -90,6 +90,9 @@ pub struct WorkflowPlan {
     /// Whether the workflow ignores cancellation (so a stray cancel cannot
     /// change its outcome and the simulator may send one).
     pub ignores_cancel: bool,
+    /// A signal sent with the start (signal-with-start): committed with
+    /// the run's start, or to the open run.
+    pub start_signal: Option<ClientOpKind>,
 }
 
 /// The instances a simulation runs.
@@ -120,6 +123,7 @@ impl Workload {
                 start_at_ms: at_ms,
                 ops: Vec::new(),
                 ignores_cancel: false,
+                start_signal: None,
             }),
             Err(e) => self.fail(format!("input of {instance} does not encode: {e}")),
         }
@@ -448,6 +452,7 @@ fn plan(rng: &mut ChaCha8Rng, instance: &str, workflow_type: &str, input: Payloa
         start_at_ms: rng.random_range(0..500),
         ops: Vec::new(),
         ignores_cancel: true,
+        start_signal: None,
     }
 }
 
@@ -471,6 +476,16 @@ fn plan_signals(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
         let payload = encode(&rng.random_range(1u64..100));
         let at_ms = p.start_at_ms + rng.random_range(0..1500);
         let sends = if rng.random_bool(0.5) { 2 } else { 1 };
+        if k == 0 && rng.random_bool(0.5) {
+            // Signal-with-start: the first signal rides on the start (and
+            // its retries).
+            p.start_signal = Some(ClientOpKind::Signal {
+                name: "add".into(),
+                payload: payload.clone(),
+                command_id: command_id.clone(),
+            });
+            continue;
+        }
         for extra in 0..sends {
             // A second send with the same command id: a client retry that
             // the engine must deduplicate.

@@ -200,6 +200,9 @@ pub enum Request {
         reuse: ReusePolicy,
         /// The run's seed (drawn by the host).
         random_seed: u64,
+        /// Signal-with-start: this signal is committed with the new run's
+        /// start, or sent to the instance's open run if it has one.
+        signal: Option<StartSignal>,
     },
     /// A signal to the instance's current run (or a run by id).
     Signal {
@@ -263,6 +266,17 @@ pub enum Request {
         /// The update's id: a repeat gets the first outcome.
         update_id: CommandId,
     },
+}
+
+/// The signal of a signal-with-start ([`Request::Start`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StartSignal {
+    /// The signal's name.
+    pub name: String,
+    /// Its payload.
+    pub payload: Payload,
+    /// Deduplicates the signal.
+    pub command_id: Option<CommandId>,
 }
 
 impl Request {

@@ -69,6 +69,7 @@ impl Shard {
                 command_id,
                 reuse,
                 random_seed,
+                signal,
             } => {
                 let Some(w) = self.workflows.get(&workflow_type) else {
                     let r = Refusal::UnknownWorkflowType(workflow_type);
@@ -93,9 +94,14 @@ impl Shard {
                     previous_run: None,
                     carried: Default::default(),
                 };
+                let then = signal.map(|s| Input::Signal {
+                    name: s.name,
+                    payload: s.payload,
+                    command_id: s.command_id,
+                });
                 let job = StartJob {
                     spec,
-                    then: None,
+                    then,
                     reuse: Some(reuse),
                     reply,
                     decisions: 0,
@@ -252,7 +258,7 @@ impl Shard {
                     return self.reply(job.reply, Answer::Existing(run), None);
                 }
                 if !st.run.status.is_closed() {
-                    return self.reply(job.reply, Answer::Existing(current), None);
+                    return self.existing(job, current);
                 }
                 if job.reuse.is_some()
                     && job.spec.command_id.is_some()
@@ -265,7 +271,8 @@ impl Shard {
                 match (job.reuse, &st.run.outcome) {
                     // A chain that continued as new is still running.
                     (Some(_), Some(Outcome::ContinuedAsNew(next))) => {
-                        return self.reply(job.reply, Answer::Existing(*next), None);
+                        let next = *next;
+                        return self.existing(job, next);
                     }
                     (Some(reuse), _) => {
                         let refuse = match reuse {
@@ -305,6 +312,26 @@ impl Shard {
             job.spec.previous_run = previous;
         }
         self.create(job);
+    }
+
+    /// A client's start found the instance running as `run`: that run
+    /// answers it. A signal-with-start's signal goes to the instance
+    /// instead (resolved again, so it follows a continue-as-new).
+    fn existing(&mut self, job: StartJob, run: RunId) {
+        match (job.reuse, job.then) {
+            (Some(_), Some(signal @ Input::Signal { .. })) => {
+                let target = job.spec.instance_id.to_string();
+                let op = RunOp::Input(signal);
+                self.read(
+                    ReadQuery::Resolve(target),
+                    ReadFor::Resolve {
+                        op,
+                        reply: job.reply,
+                    },
+                );
+            }
+            _ => self.reply(job.reply, Answer::Existing(run), None),
+        }
     }
 
     /// Starts the run: its first activation's events (and `then`'s) in one

@@ -8,7 +8,9 @@
 //! durable, so every outcome and description answered is checked against
 //! the synced store, and a request no answer ever reaches is a violation.
 
-use keel_core::driver::{Answer, Refusal, Request, RequestId, ReusePolicy, ShardInput};
+use keel_core::driver::{
+    Answer, Refusal, Request, RequestId, ReusePolicy, ShardInput, StartSignal,
+};
 
 /// How long a simulated client waits before asking again after the engine
 /// answered that its store does not accept writes.
@@ -89,6 +91,18 @@ impl World<'_> {
                     // a second run.
                     reuse: ReusePolicy::RejectDuplicate,
                     random_seed: h.rotate_left(17),
+                    signal: match &p.start_signal {
+                        Some(ClientOpKind::Signal {
+                            name,
+                            payload,
+                            command_id,
+                        }) => Some(StartSignal {
+                            name: name.clone(),
+                            payload: payload.clone(),
+                            command_id: command_id.clone(),
+                        }),
+                        _ => None,
+                    },
                 }
             }
             OpRef::Result => Request::Result {
