@@ -147,3 +147,75 @@ async fn the_next_run_takes_over_unread_signals_and_command_ids() -> anyhow::Res
     e.shutdown().await;
     Ok(())
 }
+
+/// Returns at once; continues as new once when its input is true.
+struct Quick;
+impl Workflow for Quick {
+    const NAME: &'static str = "quick";
+    type Input = bool;
+    type Output = ();
+    async fn run(_: WorkflowContext, again: bool) -> Result<(), WorkflowError> {
+        if again {
+            return Err(WorkflowError::continue_as_new(&false));
+        }
+        Ok(())
+    }
+}
+
+/// Goal: a start retried with its command id is answered with the run it
+/// started, even after that run continued as new, closed, and the
+/// instance was started again by another command (item 3); before, only
+/// the instance's current run was compared. Method: the real engine with
+/// the reuse policy that allows duplicates (so a wrongly deduplicated
+/// start would make a new run), restarted before the retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_start_finds_its_run_behind_later_runs() -> anyhow::Result<()> {
+    use keel::{CommandId, Payload, ReusePolicy, StartOutcome};
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let start = |e: &Engine, command: &str, again: bool| {
+        let c = e.client();
+        let command = CommandId::new(command);
+        async move {
+            let input = Payload::encode(&again)?;
+            let reuse = ReusePolicy::AllowDuplicate;
+            anyhow::Ok(
+                c.start_raw(Quick::NAME, "q", input, Some(command), reuse)
+                    .await?,
+            )
+        }
+    };
+    let quick = |dir: &std::path::Path| -> anyhow::Result<Engine> {
+        Ok(Engine::builder()
+            .data_dir(dir)
+            .register_workflow::<Quick>()
+            .build()?)
+    };
+    let (first, second) = {
+        let e = quick(&data)?;
+        let StartOutcome::Started(first) = start(&e, "start-1", true).await? else {
+            panic!("a new instance starts");
+        };
+        e.client().outcome("q").await?;
+        let StartOutcome::Started(second) = start(&e, "start-2", false).await? else {
+            panic!("a closed instance starts again under AllowDuplicate");
+        };
+        e.client().outcome("q").await?;
+        e.shutdown().await;
+        (first, second)
+    };
+    let e = quick(&data)?;
+    assert_eq!(
+        start(&e, "start-1", true).await?,
+        StartOutcome::Existing(first)
+    );
+    assert_eq!(
+        start(&e, "start-2", false).await?,
+        StartOutcome::Existing(second)
+    );
+    // first, its continuation, second: no fourth run.
+    let runs = e.store().runs(&keel::storage::RunFilter::default())?;
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    e.shutdown().await;
+    Ok(())
+}

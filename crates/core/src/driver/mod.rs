@@ -53,7 +53,7 @@ use crate::workflow::WorkflowRegistry;
 
 pub use attempts::{FAILURE_MESSAGE_BYTES_MAX, PROFILE_DEADLINE_MS_DEFAULT};
 pub use describe::{AttemptView, ChildView, MachineView, RunDescription};
-pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult};
+pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX};
 
 use attempts::Attempts;
 use due::{Due, DueQueue};

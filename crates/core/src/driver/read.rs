@@ -50,9 +50,16 @@ pub struct InstanceState {
     pub instance: InstanceMeta,
     /// Its current run.
     pub run: RunMeta,
-    /// The command id its start carried.
-    pub start_command: Option<CommandId>,
+    /// The instance's runs, newest first (the current one, then each
+    /// run's `previous_run`), at most [`START_DEDUPE_RUNS_MAX`], with the
+    /// command id each one's start carried: a retried start is answered
+    /// with the run it started, even after later runs.
+    pub starts: Vec<(RunId, Option<CommandId>)>,
 }
+
+/// How many runs of an instance, newest first, a start's command id is
+/// compared with.
+pub const START_DEDUPE_RUNS_MAX: usize = 32;
 
 /// What `describe` reads of a run.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,17 +114,31 @@ impl ReadQuery {
                     Some(i) => match store.run_meta(i.current_run)? {
                         None => None,
                         Some(run) => {
-                            let mut start_command = None;
-                            store.for_each_event(run.run_id, Seq::FIRST, &mut |e| {
-                                if let EventKind::WorkflowStarted { command_id, .. } = e.kind {
-                                    start_command = command_id;
+                            let mut starts = Vec::new();
+                            let mut next = Some(run.run_id);
+                            while let Some(r) = next.take() {
+                                if starts.len() >= START_DEDUPE_RUNS_MAX {
+                                    break;
                                 }
-                                false
-                            })?;
+                                let mut command = None;
+                                store.for_each_event(r, Seq::FIRST, &mut |e| {
+                                    if let EventKind::WorkflowStarted {
+                                        command_id,
+                                        previous_run,
+                                        ..
+                                    } = e.kind
+                                    {
+                                        command = command_id;
+                                        next = previous_run;
+                                    }
+                                    false
+                                })?;
+                                starts.push((r, command));
+                            }
                             Some(InstanceState {
                                 instance: i,
                                 run,
-                                start_command,
+                                starts,
                             })
                         }
                     },

@@ -257,16 +257,19 @@ impl Shard {
                     // Delivered again after it committed.
                     return self.reply(job.reply, Answer::Existing(run), None);
                 }
+                // A retried start is the run it started, open or closed,
+                // whatever ran after it (signal-with-start: its signal was
+                // committed with that start).
+                let same = job.spec.command_id.as_ref().and_then(|c| {
+                    st.starts
+                        .iter()
+                        .find(|(_, started_by)| started_by.as_ref() == Some(c))
+                });
+                if let (Some(_), Some(&(started, _))) = (job.reuse, same) {
+                    return self.reply(job.reply, Answer::Existing(started), None);
+                }
                 if !st.run.status.is_closed() {
                     return self.existing(job, current);
-                }
-                if job.reuse.is_some()
-                    && job.spec.command_id.is_some()
-                    && st.start_command == job.spec.command_id
-                {
-                    // A retried start of a run that has since closed is the
-                    // same start, whatever the reuse policy.
-                    return self.reply(job.reply, Answer::Existing(current), None);
                 }
                 match (job.reuse, &st.run.outcome) {
                     // A chain that continued as new is still running.
