@@ -322,6 +322,13 @@ fn check_size(p: &Payload) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Encodes a payload a request carries, refused over the size limit.
+fn encode_checked<T: Serialize>(value: &T) -> Result<Payload, EngineError> {
+    let p = Payload::encode(value).map_err(|e| EngineError::Encode(e.to_string()))?;
+    check_size(&p)?;
+    Ok(p)
+}
+
 /// The error for an answer no call expects.
 fn unexpected(answer: Answer) -> EngineError {
     EngineError::Refused(format!("unexpected answer {answer:?}"))
@@ -408,8 +415,7 @@ impl Client {
         command_id: Option<&str>,
     ) -> Result<SignalWithStart, EngineError> {
         let input = Payload::encode(input).map_err(|e| EngineError::Encode(e.to_string()))?;
-        let payload = Payload::encode(payload).map_err(|e| EngineError::Encode(e.to_string()))?;
-        check_size(&payload)?;
+        let payload = encode_checked(payload)?;
         let signal = StartSignal {
             name: name.to_string(),
             payload,
@@ -471,8 +477,7 @@ impl Client {
         payload: &T,
         command_id: Option<&str>,
     ) -> Result<(), EngineError> {
-        let payload = Payload::encode(payload).map_err(|e| EngineError::Encode(e.to_string()))?;
-        check_size(&payload)?;
+        let payload = encode_checked(payload)?;
         let request = Request::Signal {
             target: instance.to_string(),
             name: name.to_string(),
@@ -575,8 +580,7 @@ impl Client {
         name: &str,
         args: &A,
     ) -> Result<R, EngineError> {
-        let args = Payload::encode(args).map_err(|e| EngineError::Encode(e.to_string()))?;
-        check_size(&args)?;
+        let args = encode_checked(args)?;
         let request = Request::Query {
             target: instance.to_string(),
             name: name.to_string(),
@@ -606,8 +610,7 @@ impl Client {
         args: &A,
         update_id: Option<&str>,
     ) -> Result<R, EngineError> {
-        let args = Payload::encode(args).map_err(|e| EngineError::Encode(e.to_string()))?;
-        check_size(&args)?;
+        let args = encode_checked(args)?;
         let update_id = match update_id {
             Some(id) => CommandId::new(id),
             None => CommandId::new(format!(

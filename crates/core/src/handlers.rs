@@ -94,33 +94,28 @@ impl Handlers {
         self.queries.len() + self.updates.len()
     }
 
-    fn names<V>(map: &BTreeMap<String, V>) -> String {
-        if map.is_empty() {
-            return "none".into();
-        }
-        map.keys().cloned().collect::<Vec<_>>().join(", ")
+    /// The handler `name` of `map`, or the error listing what there is.
+    fn lookup<V: Clone>(
+        map: &BTreeMap<String, V>,
+        kind: &'static str,
+        name: &str,
+    ) -> Result<V, HandlerError> {
+        map.get(name).cloned().ok_or_else(|| HandlerError::Unknown {
+            kind,
+            name: name.into(),
+            known: match map.is_empty() {
+                true => "none".into(),
+                false => map.keys().cloned().collect::<Vec<_>>().join(", "),
+            },
+        })
     }
 
     pub(crate) fn query(&self, name: &str) -> Result<QueryFn, HandlerError> {
-        self.queries
-            .get(name)
-            .cloned()
-            .ok_or_else(|| HandlerError::Unknown {
-                kind: "query",
-                name: name.into(),
-                known: Self::names(&self.queries),
-            })
+        Self::lookup(&self.queries, "query", name)
     }
 
     pub(crate) fn update(&self, name: &str) -> Result<(ValidateFn, UpdateFn), HandlerError> {
-        self.updates
-            .get(name)
-            .cloned()
-            .ok_or_else(|| HandlerError::Unknown {
-                kind: "update",
-                name: name.into(),
-                known: Self::names(&self.updates),
-            })
+        Self::lookup(&self.updates, "update", name)
     }
 }
 

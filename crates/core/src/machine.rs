@@ -639,22 +639,12 @@ impl RunMachine {
     /// means the update may be accepted. Writes nothing.
     pub fn validate_update(&mut self, name: &str, args: &Payload) -> Result<(), HandlerError> {
         let (validate, _) = self.handlers.borrow().update(name)?;
-        let before = self.core.borrow().untouched();
-        let r = call_read_only("update validator", name, || validate(args));
-        let changed = self.core.borrow_mut().restore(before);
-        let failed = |detail: String| HandlerError::Failed {
-            kind: "update validator",
-            name: name.into(),
-            detail,
-        };
-        match r {
-            Err(panicked) => Err(failed(panicked)),
-            Ok(_) if changed => Err(failed(READ_ONLY_BROKEN.into())),
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(detail)) if is_bad_arguments(&detail) => {
+        match self.read_only("update validator", name, || validate(args))? {
+            Ok(()) => Ok(()),
+            Err(detail) if is_bad_arguments(&detail) => {
                 Err(classify("update validator", name, detail))
             }
-            Ok(Err(reason)) => Err(HandlerError::Rejected {
+            Err(reason) => Err(HandlerError::Rejected {
                 name: name.into(),
                 reason,
             }),
@@ -666,19 +656,31 @@ impl RunMachine {
     /// what it changed is undone.
     pub fn query(&mut self, name: &str, args: &Payload) -> Result<Payload, HandlerError> {
         let handler = self.handlers.borrow().query(name)?;
+        self.read_only("query", name, || handler(args))?
+            .map_err(|detail| classify("query", name, detail))
+    }
+
+    /// Calls a handler that must not change workflow state: a panic, or a
+    /// change (undone), is `HandlerError::Failed`; otherwise its own
+    /// result.
+    fn read_only<T>(
+        &mut self,
+        kind: &'static str,
+        name: &str,
+        f: impl FnOnce() -> Result<T, String>,
+    ) -> Result<Result<T, String>, HandlerError> {
         let before = self.core.borrow().untouched();
-        let r = call_read_only("query", name, || handler(args));
+        let r = call_read_only(kind, name, f);
         let changed = self.core.borrow_mut().restore(before);
         let failed = |detail: String| HandlerError::Failed {
-            kind: "query",
+            kind,
             name: name.into(),
             detail,
         };
         match r {
             Err(panicked) => Err(failed(panicked)),
             Ok(_) if changed => Err(failed(READ_ONLY_BROKEN.into())),
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(detail)) => Err(classify("query", name, detail)),
+            Ok(r) => Ok(r),
         }
     }
 
