@@ -488,9 +488,21 @@ impl Client {
     }
 
     /// Requests cooperative cancellation; workflow code observes it. A
-    /// closed run answers [`EngineError::RunClosed`].
+    /// closed run answers [`EngineError::RunClosed`]. The request carries
+    /// a fresh command id, so this call's own retries are deduplicated;
+    /// give one with [`Client::cancel_with`] to deduplicate yours.
     pub async fn cancel(&self, instance: &str, reason: &str) -> Result<(), EngineError> {
-        self.cancel_with(instance, reason, None).await
+        let id = self.fresh_command_id("cancel");
+        self.cancel_with(instance, reason, Some(&id)).await
+    }
+
+    /// A command id for a request the caller gave none.
+    fn fresh_command_id(&self, what: &str) -> String {
+        format!(
+            "{what}-{:016x}{:016x}",
+            self.core.random(),
+            self.core.random()
+        )
     }
 
     /// [`Client::cancel`] with a command id that deduplicates retries.
@@ -613,11 +625,7 @@ impl Client {
         let args = encode_checked(args)?;
         let update_id = match update_id {
             Some(id) => CommandId::new(id),
-            None => CommandId::new(format!(
-                "update-{:016x}{:016x}",
-                self.core.random(),
-                self.core.random()
-            )),
+            None => CommandId::new(self.fresh_command_id("update")),
         };
         let request = Request::Update {
             target: instance.to_string(),
