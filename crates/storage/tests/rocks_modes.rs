@@ -404,3 +404,48 @@ fn second_writer_in_another_process_is_locked_out() {
     // After the other process exits, the lock is free.
     RocksStore::open(dir.path(), Durability::Sync).unwrap();
 }
+
+#[test]
+fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
+    // Goal: a directory written by the previous release (schema 2) still
+    // opens: inspection is refused with a typed error saying an engine's
+    // open migrates it, and a read-write open re-derives its state and
+    // records the current schema, losing nothing. Method: a populated
+    // directory whose store metadata is rewritten to schema 2.
+    let dir = tempfile::tempdir().unwrap();
+    let (store, a, b) = populated(dir.path());
+    let before = (
+        store.run_meta(a.run).unwrap(),
+        store.run_meta(b.run).unwrap(),
+        store.history(b.run).unwrap(),
+    );
+    store.close().unwrap();
+    let old = StoreMeta {
+        format: "keel".into(),
+        schema_version: SCHEMA_VERSION - 1,
+        created_by: "keel 0.1.0 (schema 2)".into(),
+    };
+    write_store_meta(
+        dir.path(),
+        codec::encode(RecordKind::StoreMeta, &old).unwrap(),
+    );
+    let err = RocksStore::open_read_only(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, Error::SchemaVersion { found, expected }
+            if found == SCHEMA_VERSION - 1 && expected == SCHEMA_VERSION),
+        "{err}"
+    );
+    assert!(err.to_string().contains("migrates"), "{err}");
+
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let after = (
+        store.run_meta(a.run).unwrap(),
+        store.run_meta(b.run).unwrap(),
+        store.history(b.run).unwrap(),
+    );
+    assert_eq!(after, before);
+    store.close().unwrap();
+    // Migrated: inspection opens it now.
+    let store = RocksStore::open_read_only(dir.path()).unwrap();
+    assert_eq!(store.history(b.run).unwrap(), before.2);
+}
