@@ -53,9 +53,28 @@ impl Workflow for Mixed {
     }
 }
 
+/// Reads "tick" signals until the engine suggests continuing as new, then
+/// continues with the history length it saw.
+struct Ticker;
+impl Workflow for Ticker {
+    const NAME: &'static str = "ticker";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        loop {
+            let _: u32 = ctx.wait_signal("tick").await?;
+            if ctx.continue_as_new_suggested() {
+                return Err(WorkflowError::continue_as_new(&ctx.history_len()));
+            }
+        }
+    }
+}
+
 fn registry() -> WorkflowRegistry {
     let mut r = WorkflowRegistry::new();
-    r.register::<FanOut>().register::<Mixed>();
+    r.register::<FanOut>()
+        .register::<Mixed>()
+        .register::<Ticker>();
     r
 }
 
@@ -227,4 +246,39 @@ proptest! {
             prop_assert_eq!(replayed.unwrap().next_seq().0 as usize, b + 1);
         }
     }
+}
+
+#[test]
+fn continue_as_new_is_suggested_at_its_threshold_and_replays() {
+    // Goal: `continue_as_new_suggested` turns true exactly when the history
+    // reaches CONTINUE_AS_NEW_SUGGESTED_EVENTS, and a run that continues
+    // there replays. Method: feed signals by hand until the code continues.
+    let (mut m, mut history) = start::<Ticker>(&());
+    let mut now = 1000;
+    let closing = loop {
+        now += 1;
+        let tick = Input::Signal {
+            name: "tick".into(),
+            payload: Payload::encode(&1u32).unwrap(),
+            command_id: None,
+        };
+        let events = m.handle(tick, Timestamp(now)).unwrap();
+        history.extend(events.iter().cloned());
+        if let Some(e) = events.iter().find(|e| e.kind.closes_run()) {
+            break e.clone();
+        }
+        assert!(history.len() < 20_000, "never suggested");
+    };
+    let threshold = keel_core::CONTINUE_AS_NEW_SUGGESTED_EVENTS;
+    match closing.kind {
+        EventKind::WorkflowContinuedAsNew { input, carried, .. } => {
+            assert_eq!(input.decode::<u64>().unwrap(), threshold);
+            assert!(carried.signals.is_empty());
+        }
+        other => panic!("expected a continue-as-new, got {other:?}"),
+    }
+    // Started, then threshold - 1 signals; the closing event follows.
+    assert_eq!(history.len() as u64, threshold + 1);
+    let replayed = RunMachine::replay(&registry(), history).unwrap();
+    assert!(replayed.is_closed());
 }
