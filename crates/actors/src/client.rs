@@ -329,6 +329,13 @@ fn encode_checked<T: Serialize>(value: &T) -> Result<Payload, EngineError> {
     Ok(p)
 }
 
+/// Decodes a value the engine returned (a result, a query's or an
+/// update's value).
+fn decode_value<R: DeserializeOwned>(p: &Payload) -> Result<R, EngineError> {
+    p.decode()
+        .map_err(|e| EngineError::ResultDecode(e.to_string()))
+}
+
 /// The error for an answer no call expects.
 fn unexpected(answer: Answer) -> EngineError {
     EngineError::Refused(format!("unexpected answer {answer:?}"))
@@ -557,9 +564,7 @@ impl Client {
     /// Waits for workflow `W`'s result.
     pub async fn result<W: Workflow>(&self, instance: &str) -> Result<W::Output, EngineError> {
         match self.outcome(instance).await? {
-            Outcome::Completed(p) => p
-                .decode()
-                .map_err(|e| EngineError::ResultDecode(e.to_string())),
+            Outcome::Completed(p) => decode_value(&p),
             Outcome::Failed(f) => Err(EngineError::WorkflowFailed(f)),
             Outcome::Cancelled(r) => Err(EngineError::WorkflowCancelled(r)),
             Outcome::Terminated(r) => Err(EngineError::WorkflowTerminated(r)),
@@ -599,9 +604,7 @@ impl Client {
             args,
         };
         match self.core.call(request).await? {
-            Answer::Queried(v) => v
-                .decode()
-                .map_err(|e| EngineError::ResultDecode(e.to_string())),
+            Answer::Queried(v) => decode_value(&v),
             Answer::Refused(r) => Err(refused(r)),
             other => Err(unexpected(other)),
         }
@@ -634,9 +637,7 @@ impl Client {
             update_id,
         };
         match self.core.call(request).await? {
-            Answer::Updated(Ok(v)) => v
-                .decode()
-                .map_err(|e| EngineError::ResultDecode(e.to_string())),
+            Answer::Updated(Ok(v)) => decode_value(&v),
             Answer::Updated(Err(f)) => Err(EngineError::UpdateFailed(f)),
             Answer::Refused(r) => Err(refused(r)),
             other => Err(unexpected(other)),
