@@ -108,10 +108,7 @@ async fn main() -> anyhow::Result<()> {
     let store = keel::storage::RocksStore::open_read_only(&data)?;
     let mut registry = WorkflowRegistry::new();
     registry.register::<OrderV2>();
-    let filter = RunFilter {
-        status: Some(RunStatus::Running),
-        ..RunFilter::default()
-    };
+    let filter = RunFilter::all().status(RunStatus::Running);
     let summary = Replayer::new(registry).replay_store(&store, &filter, &mut |_| {})?;
     anyhow::ensure!(
         summary.is_ok(),

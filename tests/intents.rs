@@ -115,10 +115,7 @@ async fn closed(store: &dyn Store, run: RunId) -> anyhow::Result<RunStatus> {
 /// Waits until every run closed and no intent row is left.
 async fn settled(store: &dyn Store) -> anyhow::Result<()> {
     for _ in 0..400 {
-        let open = store.runs(&RunFilter {
-            status: Some(RunStatus::Running),
-            ..Default::default()
-        })?;
+        let open = store.runs(&RunFilter::all().status(RunStatus::Running))?;
         if open.is_empty()
             && store.outbox(10)?.is_empty()
             && store.tasks(10)?.is_empty()

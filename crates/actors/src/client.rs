@@ -17,7 +17,11 @@ use keel_core::driver::{
     StartSignal,
 };
 use keel_core::Workflow;
-use keel_storage::{CommandId, Failure, InstanceId, Outcome, Payload, RunId, PAYLOAD_BYTES_MAX};
+use keel_storage::search;
+use keel_storage::{
+    CommandId, Failure, InstanceId, Outcome, PageToken, Payload, RunFilter, RunId, RunPage,
+    SearchValue, PAYLOAD_BYTES_MAX,
+};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -134,6 +138,73 @@ pub enum EngineError {
     /// for progress that cannot happen. Nothing was written.
     #[error("the store does not accept writes: {0}")]
     StoreUnavailable(String),
+    /// Memo fields or search attributes that are not valid or over a
+    /// limit. Nothing was written.
+    #[error(transparent)]
+    Metadata(#[from] keel_storage::MetadataError),
+    /// A list filter or page token that does not check. Nothing was read.
+    #[error("{0}")]
+    BadFilter(String),
+}
+
+/// How to start a run: a command id that deduplicates the start, the
+/// reuse policy, and the memo and search attributes it starts with (the
+/// start's commit indexes them, so `list` finds the run at once).
+#[derive(Clone, Debug, Default)]
+pub struct StartOptions {
+    command_id: Option<CommandId>,
+    reuse: ReusePolicy,
+    memo: Vec<(String, Payload)>,
+    search_attributes: Vec<(String, Payload)>,
+    encode_error: Option<String>,
+}
+
+impl StartOptions {
+    /// Default options: no command id, the default reuse policy, no memo,
+    /// no search attributes.
+    pub fn new() -> Self {
+        StartOptions::default()
+    }
+
+    /// A retry with the same command id is the same start, even after its
+    /// run closed.
+    pub fn command_id(mut self, id: impl Into<String>) -> Self {
+        self.command_id = Some(CommandId::new(id));
+        self
+    }
+
+    /// What to do when the instance's last run is closed.
+    pub fn reuse(mut self, reuse: ReusePolicy) -> Self {
+        self.reuse = reuse;
+        self
+    }
+
+    /// A memo field to start with.
+    pub fn memo<T: Serialize + ?Sized>(mut self, name: &str, value: &T) -> Self {
+        match Payload::encode(value) {
+            Ok(p) => self.memo.push((name.to_string(), p)),
+            Err(e) => self.encode_error = Some(format!("memo {name:?}: {e}")),
+        }
+        self
+    }
+
+    /// A search attribute to start with.
+    pub fn search_attribute(mut self, name: &str, value: impl Into<SearchValue>) -> Self {
+        self.search_attributes
+            .push((name.to_string(), value.into().to_payload()));
+        self
+    }
+
+    /// Checks the memo and search attributes with the store's rules.
+    fn check(&self) -> Result<(), EngineError> {
+        if let Some(e) = &self.encode_error {
+            return Err(EngineError::Encode(e.clone()));
+        }
+        let (mut attrs, mut memo) = (Vec::new(), Vec::new());
+        search::upsert_attributes(&mut attrs, &self.search_attributes)?;
+        search::upsert_memo(&mut memo, &self.memo)?;
+        Ok(())
+    }
 }
 
 /// What `signal_with_start` did.
@@ -370,6 +441,7 @@ fn refused(r: Refusal) -> EngineError {
         Refusal::Shutdown => EngineError::Shutdown,
         Refusal::Unavailable(why) => EngineError::StoreUnavailable(why),
         Refusal::Handler(e) => EngineError::Handler(e),
+        Refusal::BadFilter(why) => EngineError::BadFilter(why),
         r @ Refusal::UpdateInEarlierRun { .. } => EngineError::Refused(r.to_string()),
     }
 }
@@ -387,6 +459,19 @@ impl Client {
             .await
     }
 
+    /// Starts workflow `W` as `instance` with options: a command id, the
+    /// reuse policy, memo and search attributes.
+    pub async fn start_with<W: Workflow>(
+        &self,
+        instance: &str,
+        input: &W::Input,
+        options: StartOptions,
+    ) -> Result<StartOutcome, EngineError> {
+        let payload = Payload::encode(input).map_err(|e| EngineError::Encode(e.to_string()))?;
+        self.start_raw_with(W::NAME, instance, payload, options)
+            .await
+    }
+
     /// Starts a workflow by type name with a serialized input. A retry with
     /// the same `command_id` is the same start, even after its run closed.
     pub async fn start_raw(
@@ -397,8 +482,26 @@ impl Client {
         command_id: Option<CommandId>,
         reuse: ReusePolicy,
     ) -> Result<StartOutcome, EngineError> {
+        let options = StartOptions {
+            command_id,
+            reuse,
+            ..StartOptions::default()
+        };
+        self.start_raw_with(workflow_type, instance, input, options)
+            .await
+    }
+
+    /// [`Client::start_raw`] with [`StartOptions`].
+    pub async fn start_raw_with(
+        &self,
+        workflow_type: &str,
+        instance: &str,
+        input: Payload,
+        options: StartOptions,
+    ) -> Result<StartOutcome, EngineError> {
+        options.check()?;
         match self
-            .start_request(workflow_type, instance, input, command_id, reuse, None)
+            .start_request(workflow_type, instance, input, options, None)
             .await?
         {
             Answer::Started(run) => Ok(StartOutcome::Started(run)),
@@ -428,10 +531,12 @@ impl Client {
             payload,
             command_id: command_id.map(CommandId::new),
         };
-        let start_id = command_id.map(|c| CommandId::new(format!("{c}/start")));
-        let reuse = ReusePolicy::default();
+        let options = StartOptions {
+            command_id: command_id.map(|c| CommandId::new(format!("{c}/start"))),
+            ..StartOptions::default()
+        };
         match self
-            .start_request(W::NAME, instance, input, start_id, reuse, Some(signal))
+            .start_request(W::NAME, instance, input, options, Some(signal))
             .await?
         {
             Answer::Started(run) => Ok(SignalWithStart::Started(run)),
@@ -448,8 +553,7 @@ impl Client {
         workflow_type: &str,
         instance: &str,
         input: Payload,
-        command_id: Option<CommandId>,
-        reuse: ReusePolicy,
+        options: StartOptions,
         signal: Option<StartSignal>,
     ) -> Result<Answer, EngineError> {
         check_size(&input)?;
@@ -467,10 +571,12 @@ impl Client {
             workflow_type: workflow_type.to_string(),
             instance: InstanceId::new(instance),
             input,
-            command_id,
-            reuse,
+            command_id: options.command_id,
+            reuse: options.reuse,
             random_seed: self.core.random(),
             signal,
+            memo: options.memo,
+            search_attributes: options.search_attributes,
         };
         self.core.call(request).await
     }
@@ -582,6 +688,32 @@ impl Client {
         };
         match self.core.call(request).await? {
             Answer::Described(d) => Ok(*d),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// One page of the runs `filter` matches, newest first, at most
+    /// `page_size` (up to `LIST_PAGE_RUNS_MAX`); pass the page's `next`
+    /// token as `after` for the page that follows. Read through the index
+    /// each commit writes (never by reading histories): a run is listed by
+    /// a value once the commit that set it is durable.
+    pub async fn list(
+        &self,
+        filter: &RunFilter,
+        page_size: usize,
+        after: Option<&PageToken>,
+    ) -> Result<RunPage, EngineError> {
+        filter
+            .check()
+            .map_err(|e| EngineError::BadFilter(e.to_string()))?;
+        let request = Request::List {
+            filter: filter.clone(),
+            page_size,
+            after: after.cloned(),
+        };
+        match self.core.call(request).await? {
+            Answer::Listed(page) => Ok(page),
             Answer::Refused(r) => Err(refused(r)),
             other => Err(unexpected(other)),
         }

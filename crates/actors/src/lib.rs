@@ -16,7 +16,7 @@ mod readers;
 mod shard;
 
 pub use client::{
-    Client, EngineError, SignalWithStart, StartOutcome, CLIENT_RETRIES_MAX,
+    Client, EngineError, SignalWithStart, StartOptions, StartOutcome, CLIENT_RETRIES_MAX,
     CONTINUE_AS_NEW_FOLLOWS_MAX,
 };
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};

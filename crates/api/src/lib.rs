@@ -50,7 +50,7 @@ pub use replay::{Bundle, ReplayOutcome, Replayer};
 
 pub use keel_actors::{
     AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, Resumed,
-    ReusePolicy, RunDescription, SignalWithStart, StartOutcome,
+    ReusePolicy, RunDescription, SignalWithStart, StartOptions, StartOutcome,
 };
 pub use keel_core::concurrency::{
     All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,
@@ -62,9 +62,10 @@ pub use keel_core::{
 };
 pub use keel_core::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
 pub use keel_storage::{
-    AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind,
-    GroupEntry, InstanceId, Jitter, OperationKind, Outcome, ParentClosePolicy, Payload, RunId,
-    RunStatus, SelectKey, Seq, Step, StoreHealth, Timestamp, WriteFault,
+    AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind, Field,
+    FilterError, GroupEntry, InstanceId, Jitter, MetadataError, Op, OperationKind, Outcome,
+    PageToken, ParentClosePolicy, Payload, RunFilter, RunId, RunMeta, RunPage, RunStatus,
+    SearchValue, SelectKey, Seq, Step, StoreHealth, Timestamp, WriteFault,
 };
 
 /// The storage layer, for inspection tools (`keel` CLI) and custom stores.

@@ -638,6 +638,8 @@ mod tests {
             random_seed: 1,
             previous_run: None,
             carried: Default::default(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
         };
         let reg = registry::<V1>();
         let (mut m, mut events) = RunMachine::start(&reg, spec, Timestamp(1)).unwrap();
@@ -672,6 +674,8 @@ mod tests {
             closed_at: None,
             outcome: None,
             cancel_requested: false,
+            search_attributes: Vec::new(),
+            memo: Vec::new(),
         };
         (meta, events)
     }

@@ -187,6 +187,8 @@ fn started_event(run: RunId, instance: String, at: u64) -> Event {
             random_seed: 7,
             previous_run: None,
             carried: Default::default(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
         },
     }
 }

@@ -16,8 +16,8 @@ use keel::replay::{Bundle, Replayer};
 use keel::{format_group, WorkflowRegistry};
 use keel_storage::history::{children, pending_steps};
 use keel_storage::{
-    Event, EventKind, GroupPath, Outcome, Payload, RocksStore, RunFilter, RunMeta, RunStatus, Seq,
-    Store,
+    Event, EventKind, GroupPath, ListError, Outcome, PageToken, Payload, RocksStore, RunFilter,
+    RunMeta, RunStatus, SearchValue, Seq, Store,
 };
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -49,9 +49,22 @@ pub struct ListArgs {
     /// Only runs of this workflow type.
     #[arg(long = "type")]
     pub workflow_type: Option<String>,
+    /// Only runs that match: conditions joined by `and`, each `field op
+    /// value` with op one of = != < <= > >=; fields `status`, `type`,
+    /// `instance`, `start_time`, `close_time` or a search attribute, e.g.
+    /// `customer = "c-42" and status = running`.
+    #[arg(long = "where", value_name = "FILTER")]
+    pub filter: Option<String>,
     /// At most this many runs.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// One page of this many runs (the token of the next page is printed
+    /// on stderr).
+    #[arg(long)]
+    pub page_size: Option<usize>,
+    /// The page after this token (from a `--page-size` listing).
+    #[arg(long, value_name = "TOKEN")]
+    pub after: Option<String>,
     /// One JSON object per run, one per line.
     #[arg(long)]
     pub json: bool,
@@ -147,18 +160,34 @@ pub(crate) fn resolve(store: &dyn Store, data: &Path, id: &str) -> anyhow::Resul
 // ---------------------------------------------------------------- list
 
 pub(crate) fn list(args: ListArgs) -> anyhow::Result<ExitCode> {
+    let mut filter = match &args.filter {
+        Some(text) => RunFilter::parse(text).map_err(|e| bad_input(format!("--where: {e}")))?,
+        None => RunFilter::all(),
+    };
+    if let Some(s) = args.status {
+        filter = filter.status(s);
+    }
+    if let Some(t) = &args.workflow_type {
+        filter = filter.workflow_type(t);
+    }
     let store = open(&args.data)?;
-    let mut runs = store.runs(&RunFilter {
-        status: args.status,
-        workflow_type: args.workflow_type.clone(),
-        limit: None,
-    })?;
-    runs.sort_by(|a, b| {
-        b.started_at
-            .cmp(&a.started_at)
-            .then_with(|| a.instance_id.cmp(&b.instance_id))
-    });
-    runs.truncate(args.limit.unwrap_or(usize::MAX));
+    let paged = args.page_size.is_some() || args.after.is_some();
+    let (runs, next) = if paged {
+        let after = args.after.clone().map(PageToken);
+        let size = args.page_size.unwrap_or(100);
+        let page = store
+            .list(&filter, size, after.as_ref())
+            .map_err(|e| match e {
+                ListError::Store(e) => anyhow::Error::new(e),
+                other => bad_input(other.to_string()),
+            })?;
+        (page.runs, page.next)
+    } else {
+        if let Some(n) = args.limit {
+            filter = filter.limit(n);
+        }
+        (store.runs(&filter)?, None)
+    };
     let mut parked = Vec::with_capacity(runs.len());
     for m in &runs {
         parked.push(store.parked(m.run_id)?);
@@ -177,13 +206,22 @@ pub(crate) fn list(args: ListArgs) -> anyhow::Result<ExitCode> {
                     "closed_at": m.closed_at.map(|t| t.0),
                     "parent_run_id": m.parent.as_ref().map(|p| p.run_id.to_string()),
                     "parked": p.as_ref().map(|p| p.kind.clone()),
+                    "search_attributes": attributes_json(&m.search_attributes),
+                    "memo": memo_json(&m.memo),
                 });
                 writeln!(out, "{v}")?;
             }
             return Ok(());
         }
         let mut t = Table::new(&[
-            "INSTANCE", "RUN", "TYPE", "STATUS", "EVENTS", "STARTED", "CLOSED",
+            "INSTANCE",
+            "RUN",
+            "TYPE",
+            "STATUS",
+            "EVENTS",
+            "STARTED",
+            "CLOSED",
+            "ATTRIBUTES",
         ]);
         for (m, p) in runs.iter().zip(&parked) {
             let status = match p {
@@ -198,12 +236,56 @@ pub(crate) fn list(args: ListArgs) -> anyhow::Result<ExitCode> {
                 (m.next_seq.0 - 1).to_string(),
                 time(m.started_at),
                 m.closed_at.map_or("-".into(), time),
+                attributes_text(&m.search_attributes),
             ]);
         }
         t.write(out, "")
     })?;
-    eprintln!("{} runs", runs.len());
+    match next {
+        Some(token) => eprintln!("{} runs; next page: --after {token}", runs.len()),
+        None => eprintln!("{} runs", runs.len()),
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Search attributes as `name=value` pairs for a table cell.
+fn attributes_text(attrs: &[(String, SearchValue)]) -> String {
+    if attrs.is_empty() {
+        return "-".into();
+    }
+    let text: Vec<String> = attrs
+        .iter()
+        .map(|(n, v)| format!("{n}={}", v.plain()))
+        .collect();
+    text.join(" ")
+}
+
+/// Search attributes as a JSON object of plain values (times as RFC 3339).
+pub(crate) fn attributes_json(attrs: &[(String, SearchValue)]) -> Value {
+    let map = attrs
+        .iter()
+        .map(|(n, v)| {
+            let value = match v {
+                SearchValue::Keyword(s) => json!(s),
+                SearchValue::Int(i) => json!(i),
+                SearchValue::Double(d) => json!(d),
+                SearchValue::Bool(b) => json!(b),
+                SearchValue::Time(t) => json!(t.to_rfc3339()),
+            };
+            (n.clone(), value)
+        })
+        .collect();
+    Value::Object(map)
+}
+
+/// Memo fields as a JSON object of their values (as `show` decodes
+/// payloads).
+pub(crate) fn memo_json(memo: &[(String, Payload)]) -> Value {
+    let map = memo
+        .iter()
+        .map(|(n, p)| (n.clone(), payload_json(p)))
+        .collect();
+    Value::Object(map)
 }
 
 // ---------------------------------------------------------------- show

@@ -125,6 +125,8 @@ pub fn write_run(
         random_seed: run_no,
         previous_run: None,
         carried: Default::default(),
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
     };
     let mut now = Timestamp(1_700_000_000_000);
     let (mut machine, first) = RunMachine::start(registry, spec, now)

@@ -107,9 +107,9 @@ fn ok_line(r: &RunReport) -> String {
 
 fn replay_all(args: &ReplayArgs, replayer: &Replayer) -> anyhow::Result<ReplaySummary> {
     let store = open(&args.data)?;
-    let filter = RunFilter {
-        status: (!args.include_closed).then_some(RunStatus::Running),
-        ..Default::default()
+    let filter = match args.include_closed {
+        true => RunFilter::all(),
+        false => RunFilter::all().status(RunStatus::Running),
     };
     let runs = store.runs(&filter)?;
     let bar = progress(runs.len() as u64, "replay");

@@ -623,6 +623,8 @@ fn started(instance: &InstanceId, run: RunId, ty: &str, parent: Option<ParentRef
         random_seed: 7,
         previous_run: None,
         carried: Default::default(),
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
     }
 }
 

@@ -130,8 +130,10 @@ pub(crate) struct Core {
     pub current_owner: Option<(Step, u32)>,
     /// Set while the machine is being dropped: scopes must not issue.
     pub tearing_down: bool,
-    /// Memo fields, latest value per name.
-    pub memo: BTreeMap<String, Payload>,
+    /// Memo fields, sorted by name (as the store keeps them).
+    pub memo: Vec<(String, Payload)>,
+    /// Search attributes, sorted by name (as the store keeps them).
+    pub search_attributes: Vec<(String, keel_storage::SearchValue)>,
     /// Children whose cancellation was issued (at most once each).
     pub child_cancelled: std::collections::BTreeSet<Step>,
     /// True while the machine rebuilds the run from its committed history
@@ -186,7 +188,8 @@ impl Core {
             closed: false,
             current_owner: None,
             tearing_down: false,
-            memo: BTreeMap::new(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
             child_cancelled: Default::default(),
             historical: false,
             versions: BTreeMap::new(),
@@ -228,6 +231,10 @@ impl Core {
         keel_storage::Carried {
             signals,
             commands: self.seen_order.iter().cloned().collect(),
+            memo: self.memo.clone(),
+            search_attributes: keel_storage::search::attributes_as_payloads(
+                &self.search_attributes,
+            ),
         }
     }
 

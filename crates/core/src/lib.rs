@@ -24,6 +24,7 @@ pub mod driver;
 pub mod executor;
 pub mod handlers;
 pub mod machine;
+mod metadata;
 pub mod retry;
 pub mod scope;
 pub mod workflow;

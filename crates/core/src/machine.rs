@@ -12,6 +12,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use keel_storage::search;
 use keel_storage::{
     AttemptNo, Carried, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, ParentRef,
     Payload, RunId, Seq, Step, Timestamp,
@@ -114,9 +115,31 @@ pub struct StartSpec {
     pub previous_run: Option<RunId>,
     /// What the run this one continues handed over.
     pub carried: Carried,
+    /// Memo fields given at start (see `EventKind::WorkflowStarted`).
+    pub memo: Vec<(String, Payload)>,
+    /// Search attributes given at start.
+    pub search_attributes: Vec<(String, Payload)>,
 }
 
 impl StartSpec {
+    /// The `WorkflowStarted` event that records this start.
+    pub fn into_event_kind(self) -> EventKind {
+        EventKind::WorkflowStarted {
+            instance_id: self.instance_id,
+            run_id: self.run_id,
+            workflow_type: self.workflow_type,
+            input: self.input,
+            command_id: self.command_id,
+            parent: self.parent,
+            continued_from: self.continued_from,
+            random_seed: self.random_seed,
+            previous_run: self.previous_run,
+            carried: self.carried,
+            memo: self.memo,
+            search_attributes: self.search_attributes,
+        }
+    }
+
     /// The seed of a run whose id was itself drawn deterministically (a
     /// child, a continuation): derived from the id, so every host and every
     /// redelivery starts it the same way without drawing randomness.
@@ -153,6 +176,8 @@ impl StartSpec {
             random_seed: Self::seed_for(new_run_id),
             previous_run: Some(from),
             carried,
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
         }
     }
 
@@ -175,6 +200,8 @@ impl StartSpec {
             random_seed: Self::seed_for(child_run_id),
             previous_run: None,
             carried: Carried::default(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
         }
     }
 
@@ -192,6 +219,8 @@ impl StartSpec {
                 random_seed,
                 previous_run,
                 carried,
+                memo,
+                search_attributes,
             } => Some(StartSpec {
                 run_id,
                 instance_id,
@@ -203,6 +232,8 @@ impl StartSpec {
                 random_seed,
                 previous_run,
                 carried,
+                memo,
+                search_attributes,
             }),
             _ => None,
         }
@@ -478,18 +509,7 @@ impl RunMachine {
         spec: StartSpec,
         now: Timestamp,
     ) -> Result<(Self, Vec<Event>), MachineError> {
-        let kind = EventKind::WorkflowStarted {
-            instance_id: spec.instance_id,
-            run_id: spec.run_id,
-            workflow_type: spec.workflow_type,
-            input: spec.input,
-            command_id: spec.command_id,
-            parent: spec.parent,
-            continued_from: spec.continued_from,
-            random_seed: spec.random_seed,
-            previous_run: spec.previous_run,
-            carried: spec.carried,
-        };
+        let kind = spec.into_event_kind();
         let mut m = Self::empty(registry, &kind)?;
         let event = {
             let mut core = m.core.borrow_mut();
@@ -783,7 +803,27 @@ impl RunMachine {
         {
             let mut core = self.core.borrow_mut();
             match &event.kind {
-                EventKind::WorkflowStarted { carried, .. } => {
+                EventKind::WorkflowStarted {
+                    carried,
+                    memo,
+                    search_attributes,
+                    ..
+                } => {
+                    // What the store derives for the run, from the same
+                    // functions; the commit refuses what does not check.
+                    for (attrs, fields) in [
+                        (&carried.search_attributes, &carried.memo),
+                        (search_attributes, memo),
+                    ] {
+                        let core = &mut *core;
+                        let checked = search::upsert_attributes(&mut core.search_attributes, attrs)
+                            .and_then(|()| search::upsert_memo(&mut core.memo, fields));
+                        if let Err(e) = checked {
+                            return Err(MachineError::InputDecode(format!(
+                                "memo or search attributes at start: {e}"
+                            )));
+                        }
+                    }
                     for s in &carried.signals {
                         core.signals
                             .entry(s.name.clone())

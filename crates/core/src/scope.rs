@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::rc::{Rc, Weak};
 use std::task::{Context, Poll, Waker};
 
-use keel_storage::{EventKind, Failure, FailureKind, Payload, Step};
+use keel_storage::{EventKind, Failure, FailureKind, Step};
 use serde::Serialize;
 
 use crate::context::WorkflowContext;
@@ -236,29 +236,6 @@ impl WorkflowContext {
             senders: 1,
         }));
         (Sender { chan: chan.clone() }, Receiver { chan })
-    }
-
-    /// Records memo fields (visible in `describe`); a command with an event.
-    pub fn upsert_memo<T: Serialize>(&self, name: &str, value: &T) -> Result<(), Failure> {
-        let p = Payload::encode(value).map_err(|e| {
-            Failure::new(
-                FailureKind::Application,
-                format!("memo does not encode: {e}"),
-                false,
-            )
-        })?;
-        let mut core = self.core.borrow_mut();
-        if let crate::core::Issued::Diverged = core.issue(EventKind::MemoUpserted {
-            fields: vec![(name.to_string(), p.clone())],
-        }) {
-            return Err(Failure::new(
-                FailureKind::Application,
-                "history diverged",
-                false,
-            ));
-        }
-        core.memo.insert(name.to_string(), p);
-        Ok(())
     }
 }
 

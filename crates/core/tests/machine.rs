@@ -90,6 +90,8 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
         random_seed: 7,
         previous_run: None,
         carried: Default::default(),
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
     };
     RunMachine::start(&registry(), spec, Timestamp(1000)).unwrap()
 }

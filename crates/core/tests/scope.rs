@@ -117,6 +117,8 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
         random_seed: 1,
         previous_run: None,
         carried: Default::default(),
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
     };
     RunMachine::start(&registry(), spec, Timestamp(0)).unwrap()
 }

@@ -545,6 +545,8 @@ mod tests {
                 random_seed: 0,
                 previous_run: None,
                 carried: Default::default(),
+                memo: Vec::new(),
+                search_attributes: Vec::new(),
             },
         }
     }

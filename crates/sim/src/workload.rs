@@ -93,6 +93,9 @@ pub struct WorkflowPlan {
     /// A signal sent with the start (signal-with-start): committed with
     /// the run's start, or to the open run.
     pub start_signal: Option<ClientOpKind>,
+    /// Search attributes the run starts with (each a `SearchValue`
+    /// payload).
+    pub search_attributes: Vec<(String, Payload)>,
 }
 
 /// The instances a simulation runs.
@@ -124,6 +127,7 @@ impl Workload {
                 ops: Vec::new(),
                 ignores_cancel: false,
                 start_signal: None,
+                search_attributes: Vec::new(),
             }),
             Err(e) => self.fail(format!("input of {instance} does not encode: {e}")),
         }
@@ -453,6 +457,7 @@ fn plan(rng: &mut ChaCha8Rng, instance: &str, workflow_type: &str, input: Payloa
         ops: Vec::new(),
         ignores_cancel: true,
         start_signal: None,
+        search_attributes: Vec::new(),
     }
 }
 

@@ -33,6 +33,8 @@ fn started(run: RunId, instance: String) -> Event {
             random_seed: 7,
             previous_run: None,
             carried: Default::default(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
         },
     }
 }

@@ -22,13 +22,16 @@ pub const HEADER_BYTES: usize = 8;
 /// Current schema version of history events. Version 2 added
 /// `ChildCancelRequested`, `WorkflowStarted::previous_run`,
 /// `ActivityAttemptFailed::heartbeat` and `RetrySettings::backoff_mode`;
-/// version 3 added `UpdateCompleted::failure`; older records decode
-/// unchanged (the new fields default).
-pub const EVENT_VERSION: u16 = 3;
+/// version 3 added `UpdateCompleted::failure`; version 4 added
+/// `WorkflowStarted::memo` and `search_attributes` and the memo and search
+/// attributes of `Carried`; older records decode unchanged (the new fields
+/// default).
+pub const EVENT_VERSION: u16 = 4;
 /// Current schema version of every derived-state record. Version 2 added
 /// the cancellation and continue-as-new intents to the outbox, the
-/// `children` records and `TaskEntry::heartbeat`.
-pub const STATE_VERSION: u16 = 2;
+/// `children` records and `TaskEntry::heartbeat`; version 3 added the
+/// memo and search attributes of `RunMeta`.
+pub const STATE_VERSION: u16 = 3;
 
 /// What a record holds; stored in the envelope so a record read from the
 /// wrong place is refused rather than misread.
@@ -279,7 +282,7 @@ mod tests {
         let err = decode::<(String, u32)>(RecordKind::Run, &newer).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "Run record has schema version 9, this build reads up to 2"
+            "Run record has schema version 9, this build reads up to 3"
         );
         // Trailing bytes with a valid checksum: refused.
         let mut longer = bytes.clone();

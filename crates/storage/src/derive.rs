@@ -13,6 +13,7 @@ use crate::event::{Event, EventKind, Outcome, ParentClosePolicy, ParentRef};
 use crate::ids::{RunId, Seq, Step, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::{KvRead, KvWrite, Overlay, Writes};
+use crate::search;
 use crate::state::{
     ChildEntry, DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry,
     TimerEntry,
@@ -321,6 +322,13 @@ pub fn read_record<T: serde::de::DeserializeOwned>(
     }
 }
 
+/// Warns once a count crosses [`LIMIT_WARN_PERCENT`] of its limit.
+fn warn_near(run: RunId, what: &str, value: usize, max: usize) {
+    if value * 100 > max * LIMIT_WARN_PERCENT {
+        warn!(run_id = %run, value, max, "{what} above {LIMIT_WARN_PERCENT}% of the limit");
+    }
+}
+
 fn check_limits(run: RunId, events: &[Event], prev_len: u64) -> Result<()> {
     for e in events {
         for p in e.kind.payloads() {
@@ -433,20 +441,19 @@ pub fn apply_append_checked(
     let mut meta = meta.expect("the first event of a new run is WorkflowStarted");
     meta.next_seq = last.seq.next();
     meta.updated_at = last.at;
-    if let Some(o) = &old {
-        if o.status != meta.status {
-            out.delete(
-                Cf::Index,
-                keys::index_key(o.status.code(), &o.workflow_type, run),
-            );
+    // The index entries of the run move in the commit that moves the run.
+    match &old {
+        Some(o) if search::same_index_keys(o, &meta) => {}
+        _ => {
+            let before = old.as_ref().map(search::index_keys).unwrap_or_default();
+            let after = search::index_keys(&meta);
+            for k in before.iter().filter(|k| !after.contains(k)) {
+                out.delete(Cf::Index, k.clone());
+            }
+            for k in after.into_iter().filter(|k| !before.contains(k)) {
+                out.put(Cf::Index, k, Vec::new());
+            }
         }
-    }
-    if old.as_ref().map(|o| o.status) != Some(meta.status) {
-        out.put(
-            Cf::Index,
-            keys::index_key(meta.status.code(), &meta.workflow_type, run),
-            Vec::new(),
-        );
     }
     out.put(Cf::Runs, keys::run_key(run), enc(RecordKind::Run, &meta)?);
     Ok(AppendAck {
@@ -603,6 +610,9 @@ fn derive_event(
         parent,
         continued_from,
         previous_run,
+        carried,
+        memo,
+        search_attributes,
         ..
     } = &event.kind
     {
@@ -669,7 +679,7 @@ fn derive_event(
         if let Some(p) = parent {
             out.delete(Cf::Outbox, keys::outbox_start_key(p.run_id, p.step));
         }
-        *meta = Some(RunMeta {
+        let mut started = RunMeta {
             run_id: run,
             instance_id: instance_id.clone(),
             workflow_type: workflow_type.clone(),
@@ -681,7 +691,18 @@ fn derive_event(
             closed_at: None,
             outcome: None,
             cancel_requested: false,
-        });
+            search_attributes: Vec::new(),
+            memo: Vec::new(),
+        };
+        let metadata = |source| Error::Metadata { run, source };
+        for (attrs, fields) in [
+            (&carried.search_attributes, &carried.memo),
+            (search_attributes, memo),
+        ] {
+            search::upsert_attributes(&mut started.search_attributes, attrs).map_err(metadata)?;
+            search::upsert_memo(&mut started.memo, fields).map_err(metadata)?;
+        }
+        *meta = Some(started);
         return Ok(());
     }
     let m = meta.as_mut().ok_or(Error::UnknownRun { run })?;
@@ -928,11 +949,28 @@ fn derive_event(
         | EventKind::UpdateCompleted { .. }
         | EventKind::SideEffectRecorded { .. }
         | EventKind::SelectionWinnerRecorded { .. }
-        | EventKind::SelectionOperationCancelled { .. }
-        | EventKind::VersionMarker { .. }
-        | EventKind::MemoUpserted { .. }
-        | EventKind::SearchAttributesUpserted { .. }
-        | EventKind::ScopeCancelled { .. } => {}
+        | EventKind::SelectionOperationCancelled { .. } => {}
+        EventKind::MemoUpserted { fields } => {
+            search::upsert_memo(&mut m.memo, fields)
+                .map_err(|source| Error::Metadata { run, source })?;
+            warn_near(
+                run,
+                "memo bytes",
+                search::memo_bytes(&m.memo),
+                search::MEMO_BYTES_MAX,
+            );
+        }
+        EventKind::SearchAttributesUpserted { attributes } => {
+            search::upsert_attributes(&mut m.search_attributes, attributes)
+                .map_err(|source| Error::Metadata { run, source })?;
+            warn_near(
+                run,
+                "search attributes",
+                m.search_attributes.len(),
+                search::SEARCH_ATTRIBUTES_PER_RUN_MAX,
+            );
+        }
+        EventKind::VersionMarker { .. } | EventKind::ScopeCancelled { .. } => {}
     }
     Ok(())
 }

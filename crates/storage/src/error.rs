@@ -154,6 +154,19 @@ pub enum Error {
         /// The limit.
         max: u64,
     },
+    /// Memo fields or search attributes the commit would write are not
+    /// valid or over a limit; nothing was written.
+    #[error("run {run}: {source}")]
+    Metadata {
+        /// The run.
+        run: RunId,
+        /// What is wrong.
+        source: crate::search::MetadataError,
+    },
+    /// A filter for listing runs that does not check (see
+    /// [`crate::search::RunFilter::check`]).
+    #[error("{0}")]
+    InvalidFilter(String),
     /// A malformed commit (a programmer error in the caller, reported rather
     /// than asserted because it crosses the store's API).
     #[error("invalid commit for run {run}: {detail}")]

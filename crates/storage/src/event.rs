@@ -350,12 +350,22 @@ pub struct Carried {
     /// reaching the next run is still a duplicate.
     #[serde(default)]
     pub commands: Vec<CommandId>,
+    /// The run's memo fields when it closed.
+    #[serde(default)]
+    pub memo: Vec<(String, Payload)>,
+    /// The run's search attributes when it closed (each value encoded as
+    /// [`EventKind::SearchAttributesUpserted`] holds it).
+    #[serde(default)]
+    pub search_attributes: Vec<(String, Payload)>,
 }
 
 impl Carried {
     /// True when nothing is carried.
     pub fn is_empty(&self) -> bool {
-        self.signals.is_empty() && self.commands.is_empty()
+        self.signals.is_empty()
+            && self.commands.is_empty()
+            && self.memo.is_empty()
+            && self.search_attributes.is_empty()
     }
 }
 
@@ -398,6 +408,14 @@ pub enum EventKind {
         /// What the run this one continues handed over.
         #[serde(default)]
         carried: Carried,
+        /// Memo fields given at start (over those carried), as
+        /// [`EventKind::MemoUpserted`] holds them.
+        #[serde(default)]
+        memo: Vec<(String, Payload)>,
+        /// Search attributes given at start (over those carried), as
+        /// [`EventKind::SearchAttributesUpserted`] holds them.
+        #[serde(default)]
+        search_attributes: Vec<(String, Payload)>,
     },
     /// The workflow returned a value.
     WorkflowCompleted {
@@ -622,12 +640,15 @@ pub enum EventKind {
         /// The version chosen.
         version: u32,
     },
-    /// Memo fields were upserted.
+    /// Memo fields were upserted (not indexed; shown by `describe` and
+    /// `list`). An empty payload removes the field.
     MemoUpserted {
         /// Field name and value pairs.
         fields: Vec<(String, Payload)>,
     },
-    /// Search attributes were upserted.
+    /// Search attributes were upserted: indexed, so `list` finds runs by
+    /// them. Each value is a [`crate::search::SearchValue`] encoded as a
+    /// payload; an empty payload removes the attribute.
     SearchAttributesUpserted {
         /// Attribute name and value pairs.
         attributes: Vec<(String, Payload)>,
@@ -901,8 +922,19 @@ impl EventKind {
     /// Every payload the event carries, for the size limit.
     pub fn payloads(&self) -> Vec<&Payload> {
         match self {
-            EventKind::WorkflowStarted { input, .. }
-            | EventKind::WorkflowContinuedAsNew { input, .. }
+            EventKind::WorkflowStarted {
+                input,
+                memo,
+                search_attributes,
+                carried,
+                ..
+            } => std::iter::once(input)
+                .chain(memo.iter().map(|(_, p)| p))
+                .chain(search_attributes.iter().map(|(_, p)| p))
+                .chain(carried.memo.iter().map(|(_, p)| p))
+                .chain(carried.search_attributes.iter().map(|(_, p)| p))
+                .collect(),
+            EventKind::WorkflowContinuedAsNew { input, .. }
             | EventKind::ActivityScheduled { input, .. }
             | EventKind::ChildScheduled { input, .. } => vec![input],
             EventKind::WorkflowCompleted { result }

@@ -233,6 +233,125 @@ impl Timestamp {
     pub fn plus_ms(self, ms: u64) -> Timestamp {
         Timestamp(self.0.saturating_add(ms))
     }
+
+    /// UTC RFC 3339 with milliseconds: `2026-12-01T22:18:06.000Z`.
+    pub fn to_rfc3339(self) -> String {
+        let ms = self.0 % 1000;
+        let secs = self.0 / 1000;
+        let (days, rem) = (secs / 86_400, secs % 86_400);
+        let (y, m, d) = civil_from_days(days as i64);
+        format!(
+            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+            rem / 3600,
+            rem % 3600 / 60,
+            rem % 60
+        )
+    }
+
+    /// Parses RFC 3339 (`2026-12-01T22:18:06Z`, with optional fraction of
+    /// a second and a `Z` or `+hh:mm`/`-hh:mm` offset) or a plain date
+    /// (`2026-12-01`, midnight UTC). `None` for anything else, or a time
+    /// before the epoch.
+    pub fn parse_rfc3339(text: &str) -> Option<Timestamp> {
+        let b = text.trim().as_bytes();
+        let num = |r: std::ops::Range<usize>| -> Option<i64> {
+            let s = b.get(r)?;
+            if s.is_empty() || !s.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            std::str::from_utf8(s).ok()?.parse().ok()
+        };
+        let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+        if b.get(4) != Some(&b'-') || b.get(7) != Some(&b'-') || !(1..=12).contains(&mo) {
+            return None;
+        }
+        if d < 1 || d > days_in_month(y, mo as u32) as i64 {
+            return None;
+        }
+        let mut secs = days_from_civil(y, mo as u32, d as u32) * 86_400;
+        let mut ms = 0i64;
+        if b.len() > 10 {
+            if !matches!(b[10], b'T' | b't' | b' ') || b.get(13) != Some(&b':') {
+                return None;
+            }
+            let (h, mi) = (num(11..13)?, num(14..16)?);
+            if b.get(16) != Some(&b':') {
+                return None;
+            }
+            let s = num(17..19)?;
+            if h > 23 || mi > 59 || s > 60 {
+                return None;
+            }
+            secs += h * 3600 + mi * 60 + s.min(59);
+            let mut i = 19;
+            if b.get(i) == Some(&b'.') {
+                i += 1;
+                let start = i;
+                while b.get(i).is_some_and(u8::is_ascii_digit) {
+                    i += 1;
+                }
+                if i == start {
+                    return None;
+                }
+                let frac = &text.trim()[start..i.min(start + 3)];
+                ms = frac.parse::<i64>().ok()? * 10i64.pow(3 - frac.len() as u32);
+            }
+            match b.get(i) {
+                Some(b'Z' | b'z') if i + 1 == b.len() => {}
+                Some(sign @ (b'+' | b'-')) if i + 6 == b.len() && b[i + 3] == b':' => {
+                    let (oh, om) = (num(i + 1..i + 3)?, num(i + 4..i + 6)?);
+                    if oh > 23 || om > 59 {
+                        return None;
+                    }
+                    let offset = oh * 3600 + om * 60;
+                    secs += if *sign == b'+' { -offset } else { offset };
+                }
+                _ => return None,
+            }
+        }
+        let total = secs.checked_mul(1000)?.checked_add(ms)?;
+        u64::try_from(total).ok().map(Timestamp)
+    }
+}
+
+fn is_leap(y: i64) -> bool {
+    y % 4 == 0 && (y % 100 != 0 || y % 400 == 0)
+}
+
+fn days_in_month(y: i64, m: u32) -> u32 {
+    match m {
+        2 if is_leap(y) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// (year, month, day) in the proleptic Gregorian calendar to days since
+/// 1970-01-01 (Howard Hinnant's `days_from_civil`).
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (m as i64 + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian
+/// calendar (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
 }
 
 impl fmt::Display for Timestamp {

@@ -26,7 +26,8 @@ pub enum Cf {
     Outbox,
     /// `run ‖ step` → the pending attempt of an activity execution.
     Tasks,
-    /// `status ‖ type ‖ 0 ‖ run` → empty: runs by status and type.
+    /// Runs by status, type, instance, start and close time and search
+    /// attribute values (layout in [`crate::search`]) → empty.
     Index,
     /// `parent run ‖ step` → the child a run started and has not heard
     /// back from: what its close policy applies to.
@@ -221,16 +222,6 @@ pub fn outbox_cancel_key(child: RunId) -> Vec<u8> {
 pub fn outbox_continue_key(new_run: RunId) -> Vec<u8> {
     let mut k = vec![b'N'];
     k.extend_from_slice(new_run.as_bytes());
-    k
-}
-
-/// `status ‖ type ‖ 0 ‖ run`.
-pub fn index_key(status: u8, workflow_type: &str, run: RunId) -> Vec<u8> {
-    let mut k = Vec::with_capacity(18 + workflow_type.len());
-    k.push(status);
-    k.extend_from_slice(workflow_type.as_bytes());
-    k.push(0);
-    k.extend_from_slice(run.as_bytes());
     k
 }
 

@@ -22,6 +22,7 @@ pub mod keys;
 pub mod kv;
 pub mod mem;
 pub mod rocks;
+pub mod search;
 pub mod state;
 pub mod store;
 pub mod verify;
@@ -41,17 +42,21 @@ pub use ids::{
 };
 pub use mem::{CrashMode, MemStore, SyncedView};
 pub use rocks::{LossReport, OpenMode, RocksStore};
+pub use search::{
+    Condition, Field, FilterError, ListError, MetadataError, Op, PageToken, RunFilter, RunPage,
+    SearchValue,
+};
 pub use state::{
     ChildEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, StoreMeta, TaskEntry,
     TimerEntry,
 };
-pub use store::{CommitHandle, Durability, RunFilter, Store};
+pub use store::{CommitHandle, Durability, Store};
 pub use verify::{VerifyReport, Violation};
 
 /// Schema version of a data directory; opening another version fails with
 /// [`Error::SchemaVersion`] naming both, except that a read-write open
 /// migrates an older directory (see `rocks::migrate`).
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// Largest payload (input, result, signal, side effect value) in bytes.
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;

@@ -95,6 +95,13 @@ pub struct RunMeta {
     pub outcome: Option<Outcome>,
     /// Whether cancellation was requested.
     pub cancel_requested: bool,
+    /// Its search attributes, sorted by name (indexed: see
+    /// [`crate::search`]).
+    #[serde(default)]
+    pub search_attributes: Vec<(String, crate::search::SearchValue)>,
+    /// Its memo fields, sorted by name.
+    #[serde(default)]
+    pub memo: Vec<(String, Payload)>,
 }
 
 /// An instance's current run.

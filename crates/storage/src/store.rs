@@ -17,8 +17,9 @@ use crate::event::{DurableKey, Event};
 use crate::ids::{InstanceId, RunId, Seq, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::KvRead;
+use crate::search::{self, ListError, PageToken, RunFilter, RunPage};
 use crate::state::{
-    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry, TimerEntry,
+    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, TaskEntry, TimerEntry,
 };
 use crate::verify::{self, VerifyReport};
 
@@ -83,17 +84,6 @@ impl Future for CommitHandle {
                 .map(|r| r.unwrap_or(Err(Error::Closed))),
         }
     }
-}
-
-/// Filter for [`Store::runs`].
-#[derive(Clone, Debug, Default)]
-pub struct RunFilter {
-    /// Only runs in this status.
-    pub status: Option<RunStatus>,
-    /// Only runs of this workflow type.
-    pub workflow_type: Option<String>,
-    /// At most this many runs.
-    pub limit: Option<usize>,
 }
 
 /// A keel store: one atomic commit path plus reads.
@@ -286,48 +276,41 @@ pub trait Store: Send + Sync + 'static {
         )
     }
 
-    /// Runs by status and type (through the index when a status is given).
+    /// One page of the runs `filter` matches, newest first within the
+    /// index it uses, at most `page_size`; `after` is the token the page
+    /// before handed out. Read through the index the commits write, never
+    /// by reading histories (see [`crate::search`]).
+    fn list(
+        &self,
+        filter: &RunFilter,
+        page_size: usize,
+        after: Option<&PageToken>,
+    ) -> std::result::Result<RunPage, ListError> {
+        search::list(self.view(), filter, page_size, after)
+    }
+
+    /// Every run `filter` matches, up to its `limit`, page by page.
     fn runs(&self, filter: &RunFilter) -> Result<Vec<RunMeta>> {
         let limit = filter.limit.unwrap_or(usize::MAX);
-        match filter.status {
-            Some(status) => {
-                let mut prefix = vec![status.code()];
-                if let Some(t) = &filter.workflow_type {
-                    prefix.extend_from_slice(t.as_bytes());
-                    prefix.push(0);
+        let mut out = Vec::new();
+        let mut after = None;
+        while out.len() < limit {
+            let want = (limit - out.len()).min(search::LIST_PAGE_RUNS_MAX);
+            let page = match self.list(filter, want, after.as_ref()) {
+                Ok(page) => page,
+                Err(ListError::Store(e)) => return Err(e),
+                Err(e) => {
+                    return Err(Error::InvalidFilter(e.to_string()));
                 }
-                let mut ids = Vec::new();
-                self.view().scan(Cf::Index, &prefix, &prefix, &mut |k, _| {
-                    if k.len() >= 16 {
-                        if let Ok(u) = uuid::Uuid::from_slice(&k[k.len() - 16..]) {
-                            ids.push(RunId(u));
-                        }
-                    }
-                    ids.len() < limit
-                })?;
-                let mut out = Vec::with_capacity(ids.len());
-                for id in ids {
-                    if let Some(m) = self.run_meta(id)? {
-                        out.push(m);
-                    }
-                }
-                Ok(out)
-            }
-            None => {
-                let all: Vec<RunMeta> =
-                    scan_typed(self.view(), Cf::Runs, RecordKind::Run, &[], usize::MAX)?;
-                Ok(all
-                    .into_iter()
-                    .filter(|m| {
-                        filter
-                            .workflow_type
-                            .as_ref()
-                            .is_none_or(|t| &m.workflow_type == t)
-                    })
-                    .take(limit)
-                    .collect())
+            };
+            out.extend(page.runs);
+            match page.next {
+                Some(t) => after = Some(t),
+                None => break,
             }
         }
+        out.truncate(limit);
+        Ok(out)
     }
 
     /// Why a run is parked, if it is.

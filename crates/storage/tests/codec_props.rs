@@ -142,6 +142,8 @@ fn kind() -> impl Strategy<Value = EventKind> {
                     random_seed: seed,
                     previous_run: previous,
                     carried: Default::default(),
+                    memo: Vec::new(),
+                    search_attributes: Vec::new(),
                 }
             }),
         payload().prop_map(|result| EventKind::WorkflowCompleted { result }),

@@ -582,6 +582,8 @@ fn child_start_and_result_flow_through_the_outbox() {
                     random_seed: 1,
                     previous_run: None,
                     carried: Default::default(),
+                    memo: Vec::new(),
+                    search_attributes: Vec::new(),
                 }],
             )
             .unwrap();
@@ -642,35 +644,24 @@ fn runs_are_listed_by_status_and_type() {
             v.sort();
             v
         };
-        let status = |s| RunFilter {
-            status: Some(s),
-            ..RunFilter::default()
-        };
+        let status = |s| RunFilter::all().status(s);
         assert_eq!(ids(status(RunStatus::Running)), vec![a.run, c.run]);
         assert_eq!(ids(status(RunStatus::Completed)), vec![b.run]);
         assert_eq!(ids(status(RunStatus::Failed)), vec![d.run]);
         assert!(ids(status(RunStatus::Terminated)).is_empty());
         // The type is matched whole, not as a prefix ("checkout-extra").
         assert_eq!(
-            ids(RunFilter {
-                status: Some(RunStatus::Running),
-                workflow_type: Some("checkout".into()),
-                limit: None,
-            }),
+            ids(RunFilter::all()
+                .status(RunStatus::Running)
+                .workflow_type("checkout")),
             vec![a.run]
         );
-        assert!(ids(RunFilter {
-            status: Some(RunStatus::Failed),
-            workflow_type: Some("checkout".into()),
-            limit: None,
-        })
+        assert!(ids(RunFilter::all()
+            .status(RunStatus::Failed)
+            .workflow_type("checkout"))
         .is_empty());
         assert_eq!(
-            ids(RunFilter {
-                status: None,
-                workflow_type: Some("checkout".into()),
-                limit: None,
-            }),
+            ids(RunFilter::all().workflow_type("checkout")),
             vec![a.run, b.run]
         );
         assert_eq!(ids(RunFilter::default()).len(), 4);

@@ -18,7 +18,7 @@ use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::{
     ActivityOptions, AttemptNo, Backoff, Carried, CarriedSignal, CommandId, Event, EventKind,
     Failure, FailureKind, GroupEntry, InstanceId, Jitter, OperationKind, ParentClosePolicy,
-    ParentRef, Payload, RetrySettings, RunId, SelectKey, Seq, Step, Timestamp,
+    ParentRef, Payload, RetrySettings, RunId, SearchValue, SelectKey, Seq, Step, Timestamp,
 };
 
 /// Number of `EventKind` variants; `ordinal` must map onto `0..VARIANTS`.
@@ -90,6 +90,8 @@ fn carried() -> Carried {
             payload: payload("unread"),
         }],
         commands: vec![CommandId::new("signal-0")],
+        memo: vec![("owner".into(), payload("ann"))],
+        search_attributes: vec![("customer".into(), SearchValue::from("c-42").to_payload())],
     }
 }
 
@@ -128,6 +130,8 @@ fn samples() -> Vec<Event> {
             random_seed: 0xdead_beef_cafe_f00d,
             previous_run: Some(other_run()),
             carried: carried(),
+            memo: vec![("tier".into(), payload("gold"))],
+            search_attributes: vec![("amount".into(), SearchValue::Int(1250).to_payload())],
         },
         EventKind::WorkflowCompleted {
             result: payload("result"),
@@ -327,9 +331,34 @@ fn as_v1(e: Event) -> Option<Event> {
     Some(e)
 }
 
+/// What a sample looked like in event version 3: starts without memo and
+/// search attributes, nothing of either carried.
+fn as_v3(mut e: Event) -> Event {
+    match &mut e.kind {
+        EventKind::WorkflowStarted {
+            carried,
+            memo,
+            search_attributes,
+            ..
+        } => {
+            memo.clear();
+            search_attributes.clear();
+            carried.memo.clear();
+            carried.search_attributes.clear();
+        }
+        EventKind::WorkflowContinuedAsNew { carried, .. } => {
+            carried.memo.clear();
+            carried.search_attributes.clear();
+        }
+        _ => {}
+    }
+    e
+}
+
 /// What a sample looked like in event version 2: `UpdateCompleted`
 /// without its failure, starts and continue-as-new without what is carried.
-fn as_v2(mut e: Event) -> Event {
+fn as_v2(e: Event) -> Event {
+    let mut e = as_v3(e);
     match &mut e.kind {
         EventKind::UpdateCompleted { failure, .. } => *failure = None,
         EventKind::WorkflowStarted { carried, .. }
@@ -457,6 +486,26 @@ fn version_2_still_decodes() {
             Ok(decoded) if decoded == old => {}
             Ok(decoded) => failures.push(format!("{name}: v2 decodes to {decoded:?}")),
             Err(e) => failures.push(format!("{name}: v2 does not decode: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn version_3_still_decodes() {
+    // Version 3's files were written before memo and search attributes at
+    // start and in what continue-as-new carries.
+    let mut failures = Vec::new();
+    for sample in samples() {
+        let old = as_v3(sample);
+        let name = old.kind.name();
+        let path = golden_dir_of(3).join(format!("{name}.bin"));
+        let bytes = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{name}: cannot read {}: {e}", path.display()));
+        match codec::decode::<Event>(RecordKind::Event, &bytes) {
+            Ok(decoded) if decoded == old => {}
+            Ok(decoded) => failures.push(format!("{name}: v3 decodes to {decoded:?}")),
+            Err(e) => failures.push(format!("{name}: v3 does not decode: {e}")),
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

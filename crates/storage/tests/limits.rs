@@ -98,7 +98,24 @@ fn every_payload_of_an_event_is_limited() {
             );
         }
         assert_eq!(dump(store), before);
-        b.commit(store, vec![memo(max()), update(max())]).unwrap();
+        // A memo is limited as a whole, far below one payload's limit: the
+        // run record that carries it is rewritten by every commit.
+        let err = b.commit(store, vec![memo(max())]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Metadata {
+                    source: keel_storage::MetadataError::MemoTooLarge(_),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(dump(store), before);
+        // Exactly at the limit: names and values, "small" + 1 + "big" + 8183.
+        let memo_max = Payload::from_bytes(vec![3; keel_storage::search::MEMO_BYTES_MAX - 9]);
+        b.commit(store, vec![memo(memo_max), update(max())])
+            .unwrap();
         b.commit(store, vec![with_details(max())]).unwrap();
         assert!(store.verify().unwrap().ok);
     });

@@ -3,10 +3,8 @@
 //! history, its open steps, its children) and from its own memory (the
 //! machine's signal waits and scopes, the attempts it supervises).
 
-use std::collections::BTreeMap;
-
 use keel_storage::history::{pending_steps, PendingStep};
-use keel_storage::{Error as StoreError, EventKind, ParkInfo, RunId, RunStatus, Step, Timestamp};
+use keel_storage::{Error as StoreError, ParkInfo, RunId, RunStatus, Step, Timestamp};
 use serde::Serialize;
 
 use super::{Answer, ReadResult, Refusal, ReplyTo, Shard};
@@ -99,6 +97,8 @@ pub struct RunDescription {
     pub parked: Option<ParkInfo>,
     /// Memo fields (latest value of each, as JSON text), e.g. progress.
     pub memo: Vec<(String, String)>,
+    /// Search attributes, sorted by name: what `list` finds the run by.
+    pub search_attributes: Vec<(String, keel_storage::SearchValue)>,
     /// Whether the engine's store accepts writes, as this run's shard last
     /// learned it: a run waiting on a stopped store makes no progress.
     pub store_health: keel_storage::StoreHealth,
@@ -124,14 +124,11 @@ impl Shard {
             }
         };
         let meta = facts.meta;
-        let mut memo: BTreeMap<String, String> = BTreeMap::new();
-        for e in &facts.history {
-            if let EventKind::MemoUpserted { fields } = &e.kind {
-                for (k, v) in fields {
-                    memo.insert(k.clone(), v.preview(200));
-                }
-            }
-        }
+        let memo = meta
+            .memo
+            .iter()
+            .map(|(k, v)| (k.clone(), v.preview(200)))
+            .collect();
         let closed = meta.status.is_closed();
         let description = RunDescription {
             run_id: run,
@@ -167,7 +164,8 @@ impl Shard {
                 .collect(),
             cancel_requested: meta.cancel_requested,
             parked: facts.parked,
-            memo: memo.into_iter().collect(),
+            memo,
+            search_attributes: meta.search_attributes.clone(),
             store_health: self.store_health.clone(),
         };
         self.reply(reply, Answer::Described(Box::new(description)), None);

@@ -203,6 +203,11 @@ pub enum Request {
         /// Signal-with-start: this signal is committed with the new run's
         /// start, or sent to the instance's open run if it has one.
         signal: Option<StartSignal>,
+        /// Memo fields to start with (an empty payload is no field).
+        memo: Vec<(String, Payload)>,
+        /// Search attributes to start with, each a `SearchValue` payload:
+        /// the start's commit indexes them.
+        search_attributes: Vec<(String, Payload)>,
     },
     /// A signal to the instance's current run (or a run by id).
     Signal {
@@ -266,6 +271,16 @@ pub enum Request {
         /// The update's id: a repeat gets the first outcome.
         update_id: CommandId,
     },
+    /// One page of the runs a filter matches, read through the store's
+    /// index (committed state only).
+    List {
+        /// Which runs.
+        filter: keel_storage::RunFilter,
+        /// At most this many (clamped to `LIST_PAGE_RUNS_MAX`).
+        page_size: usize,
+        /// The token the page before handed out.
+        after: Option<keel_storage::PageToken>,
+    },
 }
 
 /// The signal of a signal-with-start ([`Request::Start`]).
@@ -292,6 +307,8 @@ impl Request {
             | Request::Resume { target }
             | Request::Query { target, .. }
             | Request::Update { target, .. } => shard_of_target(target, shards),
+            // Any shard reads the index; the first one is as good as any.
+            Request::List { .. } => ShardId(0),
         }
     }
 }
@@ -362,6 +379,9 @@ pub enum Refusal {
     /// a handler that panicked or tried to write.
     #[error(transparent)]
     Handler(crate::handlers::HandlerError),
+    /// A list filter or page token that does not check; nothing was read.
+    #[error("{0}")]
+    BadFilter(String),
     /// The update was applied by an earlier run of the instance, which
     /// continued as new to `run`: not applied again (its outcome is in the
     /// earlier run's history).
@@ -405,6 +425,8 @@ pub enum Answer {
     Queried(Payload),
     /// An update's outcome: its handler's value or failure.
     Updated(Result<Payload, keel_storage::Failure>),
+    /// A page of runs.
+    Listed(keel_storage::RunPage),
 }
 
 /// What [`Request::Resume`] found.
@@ -814,6 +836,7 @@ enum ReadFor {
     Describe(RunId, Option<MachineView>, ReplyTo),
     Recover,
     RunIntents(RunId),
+    List(ReplyTo),
     QueryClosed {
         run: RunId,
         name: String,
@@ -1203,6 +1226,15 @@ impl Shard {
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
             ReadFor::Recover => self.recovered(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
+            ReadFor::List(reply) => {
+                let answer = match result {
+                    Ok(ReadResult::Listed(page)) => Answer::Listed(page),
+                    Ok(ReadResult::ListRefused(why)) => Answer::Refused(Refusal::BadFilter(why)),
+                    Ok(other) => unreachable!("a list read answers a list: {other:?}"),
+                    Err(e) => Answer::Retry(format!("index unreadable: {e}")),
+                };
+                self.reply(reply, answer, None);
+            }
             ReadFor::QueryClosed {
                 run,
                 name,

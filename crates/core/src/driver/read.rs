@@ -15,7 +15,7 @@ use keel_storage::{
 use super::{shard_of, ShardId};
 
 /// What to read.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum ReadQuery {
     /// A run's whole history (to activate it by replay).
     History(RunId),
@@ -41,6 +41,15 @@ pub enum ReadQuery {
     /// A run's intent rows, and the outbox messages addressed to it (to
     /// drive them again after the run is resumed).
     IntentsOf(RunId),
+    /// One page of the runs a filter matches (`Store::list`).
+    List {
+        /// Which runs.
+        filter: keel_storage::RunFilter,
+        /// At most this many.
+        page_size: usize,
+        /// The token the page before handed out.
+        after: Option<keel_storage::PageToken>,
+    },
 }
 
 /// An instance's current run as a start sees it.
@@ -99,6 +108,11 @@ pub enum ReadResult {
     Describe(Option<Box<DescribeFacts>>),
     /// See [`ReadQuery::Intents`] and [`ReadQuery::IntentsOf`].
     Intents(Vec<Intent>),
+    /// See [`ReadQuery::List`].
+    Listed(keel_storage::RunPage),
+    /// See [`ReadQuery::List`]: the filter or the page token does not
+    /// check; why.
+    ListRefused(String),
 }
 
 impl ReadQuery {
@@ -164,6 +178,15 @@ impl ReadQuery {
                 }
             }
             ReadQuery::RunMeta(run) => ReadResult::RunMeta(store.run_meta(*run)?),
+            ReadQuery::List {
+                filter,
+                page_size,
+                after,
+            } => match store.list(filter, *page_size, after.as_ref()) {
+                Ok(page) => ReadResult::Listed(page),
+                Err(keel_storage::ListError::Store(e)) => return Err(e),
+                Err(e) => ReadResult::ListRefused(e.to_string()),
+            },
             ReadQuery::Describe(run) => match store.run_meta(*run)? {
                 None => ReadResult::Describe(None),
                 Some(meta) => {

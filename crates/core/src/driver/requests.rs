@@ -11,8 +11,9 @@
 //! Every other request names an instance or a run; the receiving shard
 //! resolves it and hands the operation to the run's shard.
 
+use keel_storage::search;
 use keel_storage::{
-    CommitBatch, Error as StoreError, Event, EventKind, Outcome, ParkInfo, RunId, RunStatus, Seq,
+    CommitBatch, Error as StoreError, Event, Outcome, ParkInfo, RunId, RunStatus, Seq,
 };
 
 use super::{
@@ -51,7 +52,10 @@ impl Shard {
         let reply = ReplyTo::Client(id);
         let writes = !matches!(
             request,
-            Request::Result { .. } | Request::Describe { .. } | Request::Query { .. }
+            Request::Result { .. }
+                | Request::Describe { .. }
+                | Request::Query { .. }
+                | Request::List { .. }
         );
         if !self.store_health.is_healthy() && (writes || self.shut_down) {
             let refusal = Refusal::Unavailable(self.store_health.to_string());
@@ -70,12 +74,20 @@ impl Shard {
                 reuse,
                 random_seed,
                 signal,
+                memo,
+                search_attributes,
             } => {
                 let Some(w) = self.workflows.get(&workflow_type) else {
                     let r = Refusal::UnknownWorkflowType(workflow_type);
                     return self.reply(reply, Answer::Refused(r), None);
                 };
-                if let Err(detail) = w.check_input(&input) {
+                let checked = w.check_input(&input).and_then(|()| {
+                    let (mut attrs, mut fields) = (Vec::new(), Vec::new());
+                    search::upsert_attributes(&mut attrs, &search_attributes)
+                        .and_then(|()| search::upsert_memo(&mut fields, &memo))
+                        .map_err(|e| format!("memo or search attributes: {e}"))
+                });
+                if let Err(detail) = checked {
                     let r = Refusal::InvalidInput {
                         workflow_type,
                         detail,
@@ -93,6 +105,8 @@ impl Shard {
                     random_seed,
                     previous_run: None,
                     carried: Default::default(),
+                    memo,
+                    search_attributes,
                 };
                 let then = signal.map(|s| Input::Signal {
                     name: s.name,
@@ -137,6 +151,23 @@ impl Shard {
             Request::Describe { target } => (target, RunOp::Describe),
             Request::Resume { target } => (target, RunOp::Resume),
             Request::Query { target, name, args } => (target, RunOp::Query { name, args }),
+            Request::List {
+                filter,
+                page_size,
+                after,
+            } => {
+                if let Err(e) = filter.check() {
+                    let answer = Answer::Refused(Refusal::BadFilter(e.to_string()));
+                    return self.reply(reply, answer, None);
+                }
+                let query = ReadQuery::List {
+                    filter,
+                    page_size,
+                    after,
+                };
+                self.read(query, ReadFor::List(reply));
+                return;
+            }
             Request::Update {
                 target,
                 name,
@@ -398,18 +429,7 @@ impl Shard {
         let started = Event {
             seq: Seq::FIRST,
             at: self.now,
-            kind: EventKind::WorkflowStarted {
-                instance_id: spec.instance_id,
-                run_id: run,
-                workflow_type: spec.workflow_type,
-                input: spec.input,
-                command_id: spec.command_id,
-                parent: spec.parent,
-                continued_from: spec.continued_from,
-                random_seed: spec.random_seed,
-                previous_run: spec.previous_run,
-                carried: spec.carried,
-            },
+            kind: spec.into_event_kind(),
         };
         let reason = err.to_string();
         tracing::warn!(run_id = %run, kind = err.kind(), %reason, "run parked at its start");

@@ -103,6 +103,8 @@ impl World<'_> {
                         }),
                         _ => None,
                     },
+                    memo: Vec::new(),
+                    search_attributes: p.search_attributes.clone(),
                 }
             }
             OpRef::Result => Request::Result {

@@ -253,5 +253,6 @@ fn answer_name(a: &keel_core::driver::Answer) -> String {
         Answer::Queried(_) => "queried".into(),
         Answer::Updated(Ok(_)) => "updated".into(),
         Answer::Updated(Err(f)) => format!("update failed ({f})"),
+        Answer::Listed(page) => format!("listed ({} runs)", page.runs.len()),
     }
 }

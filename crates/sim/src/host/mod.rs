@@ -541,11 +541,11 @@ impl<'a> World<'a> {
             && self
                 .store
                 .store()
-                .runs(&keel_storage::RunFilter {
-                    status: Some(keel_storage::RunStatus::Running),
-                    limit: Some(1),
-                    ..keel_storage::RunFilter::default()
-                })
+                .runs(
+                    &keel_storage::RunFilter::all()
+                        .status(keel_storage::RunStatus::Running)
+                        .limit(1),
+                )
                 .is_ok_and(|r| r.is_empty())
     }
 

@@ -39,6 +39,8 @@ pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
         random_seed: 7,
         previous_run: None,
         carried: Default::default(),
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
     }
 }
 

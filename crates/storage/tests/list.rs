@@ -1,0 +1,314 @@
+// Goal: `Store::list` finds exactly the runs a filter matches, through the
+// index the commits write, page by page, on every store; the index follows
+// starts, closes, upserts and removals in the commit that makes them.
+// Method: a store of 80 runs (three types, instances with several runs,
+// open and closed in every way, search attributes of every kind, upserted
+// and removed later) built from a fixed seed; 400 random filters, each
+// listed whole and in random page sizes, compared with every run record
+// scanned directly and tested against the filter (an oracle that does not
+// use the index); `verify` (which rebuilds the index from the events) clean.
+
+mod common;
+
+use common::*;
+use keel_storage::keys::Cf;
+use keel_storage::search::{self, Field, Op};
+use keel_storage::{
+    codec, EventKind, ListError, PageToken, Payload, RunFilter, RunId, RunMeta, RunStatus,
+    SearchValue, Store, Timestamp,
+};
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+}
+
+const TYPES: [&str; 3] = ["checkout", "refund", "checkout-extra"];
+const CUSTOMERS: [&str; 4] = ["c-0", "c-1", "c-2", "c\u{0}3"];
+const T0: u64 = 1_800_000_000_000;
+
+fn attrs(pairs: &[(&str, SearchValue)]) -> EventKind {
+    EventKind::SearchAttributesUpserted {
+        attributes: pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_payload()))
+            .collect(),
+    }
+}
+
+fn value(rng: &mut Rng, name: &str) -> SearchValue {
+    match name {
+        "customer" => SearchValue::from(*rng.pick(&CUSTOMERS)),
+        "amount" => SearchValue::Int(rng.below(200) as i64 - 50),
+        "ratio" => SearchValue::Double((rng.below(100) as f64) / 10.0 - 2.5),
+        "vip" => SearchValue::Bool(rng.below(2) == 0),
+        _ => SearchValue::Time(Timestamp(T0 + rng.below(100_000))),
+    }
+}
+
+const NAMES: [&str; 5] = ["customer", "amount", "ratio", "vip", "due"];
+
+/// Builds the runs; returns nothing: the oracle reads the run records.
+fn populate(store: &dyn Store, rng: &mut Rng) {
+    let mut last_of_instance: Vec<Option<RunId>> = vec![None; 20];
+    for n in 0..80u64 {
+        let run = run_id(n + 1);
+        let mut instance_no = rng.below(20) as usize;
+        let busy = last_of_instance[instance_no]
+            .and_then(|r| store.run_meta(r).unwrap())
+            .is_some_and(|m| !m.status.is_closed());
+        if busy {
+            // An instance runs one run at a time: take a fresh one.
+            instance_no = last_of_instance.len();
+            last_of_instance.push(None);
+        }
+        let instance = format!("i-{instance_no}");
+        let workflow_type = *rng.pick(&TYPES);
+        // Start times collide now and then: the index orders by run id then.
+        let at = T0 + rng.below(40) * 1_000;
+        let mut b = RunBuilder::new(run, at);
+        let mut start = match last_of_instance[instance_no] {
+            Some(prev) => started_after(run, &instance, workflow_type, prev),
+            None => started(run, &instance, workflow_type),
+        };
+        if let EventKind::WorkflowStarted {
+            search_attributes, ..
+        } = &mut start
+        {
+            if rng.below(2) == 0 {
+                let name = *rng.pick(&NAMES);
+                search_attributes.push((name.to_string(), value(rng, name).to_payload()));
+            }
+        }
+        let keep_open = rng.below(3) == 0;
+        b.commit(store, vec![start]).unwrap();
+        for _ in 0..rng.below(3) {
+            let pairs: Vec<(&str, SearchValue)> = (0..1 + rng.below(2))
+                .map(|_| {
+                    let name = *rng.pick(&NAMES);
+                    (name, value(rng, name))
+                })
+                .collect();
+            b.commit(store, vec![attrs(&pairs)]).unwrap();
+        }
+        if rng.below(4) == 0 {
+            let name = rng.pick(&NAMES).to_string();
+            let removal = EventKind::SearchAttributesUpserted {
+                attributes: vec![(name, Payload::default())],
+            };
+            b.commit(store, vec![removal]).unwrap();
+        }
+        let close = match rng.below(3) {
+            0 => workflow_completed(),
+            1 => EventKind::WorkflowFailed {
+                failure: keel_storage::Failure::new(
+                    keel_storage::FailureKind::Application,
+                    "no",
+                    false,
+                ),
+            },
+            _ => EventKind::WorkflowTerminated {
+                reason: "ops".into(),
+            },
+        };
+        if keep_open {
+            last_of_instance[instance_no] = Some(run);
+            continue;
+        }
+        b.at += rng.below(50_000);
+        b.commit(store, vec![close]).unwrap();
+        last_of_instance[instance_no] = Some(run);
+    }
+}
+
+/// Every run record, read without the index.
+fn all_runs(store: &dyn Store) -> Vec<RunMeta> {
+    let mut out = Vec::new();
+    store
+        .view()
+        .scan(Cf::Runs, &[], &[], &mut |_, v| {
+            out.push(codec::decode(codec::RecordKind::Run, v).unwrap());
+            true
+        })
+        .unwrap();
+    out
+}
+
+fn random_filter(rng: &mut Rng) -> RunFilter {
+    let mut f = RunFilter::all();
+    let ops = [Op::Eq, Op::Ne, Op::Lt, Op::Le, Op::Gt, Op::Ge];
+    for _ in 0..rng.below(4) {
+        let time = Timestamp(T0 + rng.below(100_000));
+        f = match rng.below(7) {
+            0 => {
+                let op = *rng.pick(&[Op::Eq, Op::Eq, Op::Ne]);
+                f.and(Field::Status, op, rng.pick(&RunStatus::ALL).name())
+            }
+            1 => {
+                let op = *rng.pick(&[Op::Eq, Op::Eq, Op::Ne]);
+                f.and(Field::WorkflowType, op, *rng.pick(&TYPES))
+            }
+            2 => f.instance(&format!("i-{}", rng.below(20))),
+            3 => f.and(Field::StartTime, *rng.pick(&ops), time),
+            4 => f.and(Field::CloseTime, *rng.pick(&ops), time),
+            _ => {
+                let name = *rng.pick(&NAMES);
+                let op = if name == "vip" {
+                    *rng.pick(&[Op::Eq, Op::Ne])
+                } else {
+                    *rng.pick(&ops)
+                };
+                f.and(Field::Attribute(name.into()), op, value(rng, name))
+            }
+        };
+    }
+    f
+}
+
+fn ids(runs: &[RunMeta]) -> Vec<RunId> {
+    runs.iter().map(|m| m.run_id).collect()
+}
+
+#[test]
+fn list_matches_an_oracle_on_every_store() {
+    for_each_store(|store| {
+        let mut rng = Rng(0x5eed_1157);
+        populate(store, &mut rng);
+        assert!(store.verify().unwrap().ok, "{:?}", store.verify().unwrap());
+        let everything = all_runs(store);
+        assert_eq!(everything.len(), 80);
+        let mut nonempty = 0;
+        for round in 0..400 {
+            let filter = random_filter(&mut rng);
+            let plan = search::plan(&filter);
+            let whole = store.list(&filter, 1000, None).unwrap();
+            assert!(whole.next.is_none(), "{filter}: one page holds all");
+            let mut got = ids(&whole.runs);
+            let mut want: Vec<RunId> = everything
+                .iter()
+                .filter(|m| filter.matches(m))
+                .map(|m| m.run_id)
+                .collect();
+            // Newest first (ties by run id): by close time in the close-time
+            // index, by start time in the others but a range of attribute
+            // values, which orders by value.
+            let by_close = plan.index == "close time";
+            let key = |m: &RunMeta| {
+                let t = match by_close {
+                    true => m.closed_at.unwrap_or_default(),
+                    false => m.started_at,
+                };
+                (std::cmp::Reverse(t), m.run_id)
+            };
+            if plan.index != "attribute range" {
+                let mut sorted = whole.runs.clone();
+                sorted.sort_by_key(key);
+                assert_eq!(ids(&sorted), got, "{filter}: order");
+            }
+            got.sort();
+            want.sort();
+            assert_eq!(got, want, "round {round}: {filter} (index {})", plan.index);
+            nonempty += usize::from(!want.is_empty());
+            // Pages of a random size walk the same runs in the same order.
+            let size = 1 + rng.below(7) as usize;
+            let mut paged = Vec::new();
+            let mut after: Option<PageToken> = None;
+            loop {
+                let page = store.list(&filter, size, after.as_ref()).unwrap();
+                assert!(page.runs.len() <= size);
+                paged.extend(ids(&page.runs));
+                match page.next {
+                    Some(t) => after = Some(t),
+                    None => break,
+                }
+            }
+            assert_eq!(paged, ids(&whole.runs), "{filter}: pages of {size}");
+        }
+        assert!(nonempty > 100, "the filters find something: {nonempty}");
+        // `runs` honours its limit; a token from another filter is refused.
+        let all = RunFilter::all();
+        assert_eq!(store.runs(&all.clone().limit(7)).unwrap().len(), 7);
+        let page = store.list(&all, 3, None).unwrap();
+        let other = RunFilter::all().status(RunStatus::Running);
+        let err = store.list(&other, 3, page.next.as_ref()).unwrap_err();
+        assert!(matches!(err, ListError::BadToken(_)), "{err}");
+        let err = store
+            .list(&all, 3, Some(&PageToken("zz".into())))
+            .unwrap_err();
+        assert!(matches!(err, ListError::BadToken(_)), "{err}");
+    });
+}
+
+#[test]
+fn the_index_moves_in_the_commit_that_moves_the_run() {
+    // Goal: a value is found by its new value, not its old one, right after
+    // the commit that upserts it; a close moves the status; a removal
+    // drops the entry. Method: one run, listed after each commit.
+    for_each_store(|store| {
+        let mut b = RunBuilder::new(run_id(1), T0);
+        let mut start = started(b.run, "order-1", "checkout");
+        if let EventKind::WorkflowStarted {
+            search_attributes, ..
+        } = &mut start
+        {
+            search_attributes.push(("customer".into(), SearchValue::from("c-42").to_payload()));
+        }
+        b.commit(store, vec![start]).unwrap();
+        let found = |f: RunFilter| ids(&store.list(&f, 10, None).unwrap().runs);
+        let by = |name: &str, v: SearchValue| RunFilter::all().attribute(name, v);
+        assert_eq!(found(by("customer", "c-42".into())), vec![b.run]);
+        assert_eq!(
+            found(RunFilter::parse(r#"customer = "c-42" and status = running"#).unwrap()),
+            vec![b.run]
+        );
+        b.commit(store, vec![attrs(&[("customer", "c-43".into())])])
+            .unwrap();
+        assert!(found(by("customer", "c-42".into())).is_empty());
+        assert_eq!(found(by("customer", "c-43".into())), vec![b.run]);
+        b.commit(
+            store,
+            vec![EventKind::SearchAttributesUpserted {
+                attributes: vec![("customer".into(), Payload::default())],
+            }],
+        )
+        .unwrap();
+        assert!(found(by("customer", "c-43".into())).is_empty());
+        b.commit(store, vec![workflow_completed()]).unwrap();
+        let running = RunFilter::all().status(RunStatus::Running);
+        assert!(found(running).is_empty());
+        assert_eq!(
+            found(RunFilter::all().status(RunStatus::Completed)),
+            vec![b.run]
+        );
+        assert_eq!(
+            found(RunFilter::all().closed_after(Timestamp(T0))),
+            vec![b.run]
+        );
+        // A bad value in a commit is refused whole, naming the run.
+        let mut c = RunBuilder::new(run_id(2), T0);
+        c.commit(store, vec![started(c.run, "order-2", "checkout")])
+            .unwrap();
+        let before = dump(store);
+        let err = c
+            .commit(store, vec![attrs(&[("status", "x".into())])])
+            .unwrap_err();
+        assert!(matches!(err, keel_storage::Error::Metadata { .. }), "{err}");
+        assert_eq!(dump(store), before);
+        assert!(store.verify().unwrap().ok);
+    });
+}
