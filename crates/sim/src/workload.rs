@@ -59,6 +59,12 @@ pub enum ClientOpKind {
         /// Handler name.
         name: String,
     },
+    /// A list of the runs a filter matches: the page must hold exactly the
+    /// runs whose durable histories match it when it is read.
+    List {
+        /// The filter, as `keel list --where` takes it.
+        filter: String,
+    },
 }
 
 /// The query of the `updates` shape: the sum of its completed updates.
@@ -372,6 +378,11 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_updates,
     },
+    Shape {
+        name: "search",
+        weight: 2,
+        build: plan_search,
+    },
 ];
 
 /// The resilience profile of the `guarded` shape: a retry policy of its
@@ -441,6 +452,7 @@ pub fn register_default(sim: Simulation) -> Simulation {
         .register_workflow::<TimeoutsWf>()
         .register_workflow::<GuardedWf>()
         .register_workflow::<UpdatesWf>()
+        .register_workflow::<SearchWf>()
         .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
         .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
         .mock_fallback::<Flaky, _>(|input| input.value + 100)
@@ -695,6 +707,36 @@ fn plan_updates(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     p
 }
 
+fn plan_search(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = SearchIn {
+        value: rng.random_range(0..1000),
+        stages: rng.random_range(1..=3),
+        continue_once: rng.random_bool(0.5),
+    };
+    let mut p = plan(rng, instance, SearchWf::NAME, encode(&input));
+    p.search_attributes = vec![(
+        "customer".into(),
+        keel_storage::SearchValue::from(instance).to_payload(),
+    )];
+    let start = p.start_at_ms;
+    let filters = [
+        format!("customer = {instance:?}"),
+        format!("customer = {instance:?} and status = running"),
+        "stage >= 1 and type = sim.search".to_string(),
+        format!("done = true and customer != {instance:?}"),
+        "status = completed and type = sim.search".to_string(),
+    ];
+    for _ in 0..2 {
+        p.ops.push(ClientOp {
+            at_ms: start + rng.random_range(0..=1500),
+            kind: ClientOpKind::List {
+                filter: filters[rng.random_range(0..filters.len())].clone(),
+            },
+        });
+    }
+    p
+}
+
 fn plan_async(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     let values: Vec<u64> = (0..rng.random_range(1..=3))
         .map(|_| rng.random_range(0..1000))
@@ -843,6 +885,56 @@ impl Workflow for UpdatesWf {
         let finished = done.clone();
         ctx.condition(move || finished.get() >= count).await;
         Ok(sum.get())
+    }
+}
+
+/// Input of [`SearchWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SearchIn {
+    /// The value transformed at each stage.
+    pub value: u64,
+    /// Stages, each an activity.
+    pub stages: u32,
+    /// Continue as new once after the first stage (the next run must have
+    /// the search attributes and memo carried).
+    pub continue_once: bool,
+}
+
+/// `sim.search`: started with the search attribute `customer`; sets
+/// `stage` and a memo before each stage's activity, `done = true` at the
+/// end; may continue as new once, and then checks that what it set was
+/// carried.
+#[derive(Debug)]
+pub struct SearchWf;
+
+impl Workflow for SearchWf {
+    const NAME: &'static str = "sim.search";
+    type Input = SearchIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: SearchIn) -> Result<u64, WorkflowError> {
+        let carried = ctx.search_attributes();
+        // A bug, not a failure: the run parks, which the simulator reports.
+        assert!(
+            carried.iter().any(|(n, _)| n == "customer"),
+            "the customer attribute was lost"
+        );
+        let first = ctx.memo::<u32>("stage").unwrap_or(0);
+        let mut v = input.value;
+        for stage in first..input.stages {
+            ctx.upsert_search_attribute("stage", i64::from(stage) + 1)?;
+            ctx.upsert_memo("stage", &(stage + 1))?;
+            v = ctx.activity::<Transform>(v).await?;
+            if input.continue_once && stage == first && first == 0 && stage + 1 < input.stages {
+                return Err(WorkflowError::continue_as_new(&SearchIn {
+                    value: v,
+                    stages: input.stages,
+                    continue_once: false,
+                }));
+            }
+        }
+        ctx.upsert_search_attribute("done", true)?;
+        Ok(v)
     }
 }
 

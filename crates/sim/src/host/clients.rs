@@ -142,6 +142,12 @@ impl World<'_> {
                     name: name.clone(),
                     args: Payload::encode(&()).expect("unit encodes"),
                 },
+                ClientOpKind::List { filter } => Request::List {
+                    filter: keel_storage::RunFilter::parse(filter)
+                        .expect("the workload's filters parse"),
+                    page_size: keel_storage::search::LIST_PAGE_RUNS_MAX,
+                    after: None,
+                },
             },
         }
     }
@@ -184,6 +190,12 @@ impl World<'_> {
                 self.update_answered(plan, &update_id, &answer)
             }
             (_, Some(ClientOpKind::Query { .. })) => self.query_answered(plan, &answer),
+            // The page itself was checked when it was read (`io.rs`).
+            (_, Some(ClientOpKind::List { .. })) => match &answer {
+                Answer::Listed(_) => Some(true),
+                Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => Some(false),
+                _ => None,
+            },
             (OpRef::Result, _) => self.result_answered(plan, try_no, &answer),
             (OpRef::Describe, _) => self.describe_answered(plan, &answer),
             (OpRef::Start | OpRef::Planned(_), _) => match &answer {
@@ -414,7 +426,7 @@ impl World<'_> {
         }
     }
 
-    fn violation(&mut self, kind: ViolationKind, detail: String) {
+    pub(super) fn violation(&mut self, kind: ViolationKind, detail: String) {
         self.checker.violations.push(Violation {
             kind,
             at_ms: self.now,

@@ -2,7 +2,7 @@
 //! sync, messages between shards, replies to clients. Each effect is
 //! checked against the durable log before it happens.
 
-use keel_core::driver::{Action, Message, ShardId, ShardInput, Token};
+use keel_core::driver::{Action, Message, ReadQuery, ReadResult, ShardId, ShardInput, Token};
 use keel_storage::{CommitBatch, Error as StoreError};
 use rand::RngExt;
 
@@ -17,6 +17,11 @@ impl World<'_> {
                 // Readers see what is durable (RocksDB in Sync mode shows a
                 // commit once its fsync returned).
                 let result = query.perform(self.store.reader());
+                if let (ReadQuery::List { filter, .. }, Ok(ReadResult::Listed(page))) =
+                    (&query, &result)
+                {
+                    self.check_listed(filter, page);
+                }
                 let at = self.now + self.ms(0, 1);
                 self.input_at(at, inc, shard, ShardInput::Read { token, result });
             }
@@ -255,4 +260,110 @@ fn answer_name(a: &keel_core::driver::Answer) -> String {
         Answer::Updated(Err(f)) => format!("update failed ({f})"),
         Answer::Listed(page) => format!("listed ({} runs)", page.runs.len()),
     }
+}
+
+impl World<'_> {
+    /// A page of runs must hold exactly the runs whose durable histories
+    /// match the filter, folded here from the events (never from the
+    /// index or the run records the page was read through).
+    fn check_listed(&mut self, filter: &keel_storage::RunFilter, page: &keel_storage::RunPage) {
+        if page.next.is_some() {
+            return; // the simulator's runs fit one page; a partial one is not compared
+        }
+        let reader = self.store.reader();
+        let mut runs = Vec::new();
+        let scanned = reader
+            .view()
+            .scan(keel_storage::keys::Cf::Runs, &[], &[], &mut |k, _| {
+                runs.extend(keel_storage::keys::run_prefix(k));
+                true
+            });
+        if scanned.is_err() {
+            return;
+        }
+        let mut expected = Vec::new();
+        for run in runs {
+            let Ok(history) = reader.history(run) else {
+                return;
+            };
+            if let Some(meta) = folded_meta(&history) {
+                if filter.matches(&meta) {
+                    expected.push(run);
+                }
+            }
+        }
+        let mut listed: Vec<_> = page.runs.iter().map(|m| m.run_id).collect();
+        listed.sort();
+        expected.sort();
+        if listed != expected {
+            let detail = format!(
+                "list {filter}: listed {} runs, the durable histories match {}",
+                listed.len(),
+                expected.len()
+            );
+            self.violation(crate::check::ViolationKind::WrongAnswer, detail);
+        }
+    }
+}
+
+/// What a run's history says of the fields a filter tests.
+fn folded_meta(history: &[keel_storage::Event]) -> Option<keel_storage::RunMeta> {
+    use keel_storage::{search, EventKind as K, RunStatus};
+    let first = history.first()?;
+    let K::WorkflowStarted {
+        instance_id,
+        run_id,
+        workflow_type,
+        carried,
+        memo,
+        search_attributes,
+        ..
+    } = &first.kind
+    else {
+        return None;
+    };
+    let mut attrs = Vec::new();
+    let mut fields = Vec::new();
+    for (a, m) in [
+        (&carried.search_attributes, &carried.memo),
+        (search_attributes, memo),
+    ] {
+        search::upsert_attributes(&mut attrs, a).ok()?;
+        search::upsert_memo(&mut fields, m).ok()?;
+    }
+    let mut status = RunStatus::Running;
+    let mut closed_at = None;
+    for e in history {
+        let closed = match &e.kind {
+            K::SearchAttributesUpserted { attributes } => {
+                search::upsert_attributes(&mut attrs, attributes).ok()?;
+                None
+            }
+            K::WorkflowCompleted { .. } => Some(RunStatus::Completed),
+            K::WorkflowFailed { .. } => Some(RunStatus::Failed),
+            K::WorkflowCancelled { .. } => Some(RunStatus::Cancelled),
+            K::WorkflowTerminated { .. } => Some(RunStatus::Terminated),
+            K::WorkflowContinuedAsNew { .. } => Some(RunStatus::ContinuedAsNew),
+            _ => None,
+        };
+        if let Some(s) = closed {
+            status = s;
+            closed_at = Some(e.at);
+        }
+    }
+    Some(keel_storage::RunMeta {
+        run_id: *run_id,
+        instance_id: instance_id.clone(),
+        workflow_type: workflow_type.clone(),
+        status,
+        next_seq: keel_storage::Seq(history.len() as u64 + 1),
+        parent: None,
+        started_at: first.at,
+        updated_at: history.last().map_or(first.at, |e| e.at),
+        closed_at,
+        outcome: None,
+        cancel_requested: false,
+        search_attributes: attrs,
+        memo: fields,
+    })
 }
