@@ -102,11 +102,32 @@ impl Workflow for VersionShape {
     }
 }
 
+/// Search attributes and memo: given at start, upserted, removed.
+#[derive(Debug)]
+pub struct SearchShape;
+impl Workflow for SearchShape {
+    const NAME: &'static str = "shapes.search";
+    type Input = ();
+    type Output = String;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<String, WorkflowError> {
+        ctx.upsert_search_attributes([
+            ("stage", keel::SearchValue::from("paid")),
+            ("amount", keel::SearchValue::Int(1250)),
+        ])?;
+        ctx.upsert_memo("note", &"gift wrap")?;
+        let v = ctx.activity::<MyActivity1>(()).await?;
+        ctx.remove_search_attribute("amount")?;
+        ctx.upsert_search_attribute("stage", "shipped")?;
+        Ok(v)
+    }
+}
+
 /// Every shape workflow, plus the seed workflows.
 pub fn workflows() -> WorkflowRegistry {
     let mut r = crate::seeds::workflows();
     r.register::<ScopeShape>()
         .register::<UpdateShape>()
-        .register::<VersionShape>();
+        .register::<VersionShape>()
+        .register::<SearchShape>();
     r
 }

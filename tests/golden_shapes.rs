@@ -1,12 +1,13 @@
 //! Goal: a history of every workflow shape recorded by an earlier build
 //! keeps replaying with the current code (issue "The rest of the workflow
 //! surface", item 10): barrier, nested barrier, select, children, scope,
-//! update with query, version markers. A change to the engine or to these
+//! update with query, version markers, search attributes and memo. A change to the engine or to these
 //! workflows that would park such runs fails CI.
 //!
 //! Method: the bundles in `tests/data/histories/shapes/` were written by a
-//! real engine running `keel_e2e::shapes` (run with `KEEL_BLESS=1` to
-//! write them again, after an intended change). Each is replayed with the
+//! real engine running `keel_e2e::shapes` (`KEEL_BLESS=1` writes the
+//! bundles that are missing; delete one to record it again after an
+//! intended change). Each is replayed with the
 //! current registry and must replay to its recorded end; each must also
 //! still hold the events of the shape it is named after, so a bundle
 //! cannot silently stop covering its shape.
@@ -29,6 +30,7 @@ const SHAPES: &[(&str, &str)] = &[
     ("scope", "ActivityCompleted"),
     ("update", "UpdateCompleted"),
     ("version-marker", "VersionMarker"),
+    ("search", "SearchAttributesUpserted"),
 ];
 
 fn dir() -> PathBuf {
@@ -60,6 +62,9 @@ async fn bless() -> anyhow::Result<()> {
     c.start::<shapes::VersionShape>("version-marker", &())
         .await?;
     c.start::<shapes::UpdateShape>("update", &()).await?;
+    let options = keel::StartOptions::new().search_attribute("customer", "c-42");
+    c.start_with::<shapes::SearchShape>("search", &(), options)
+        .await?;
     let n: u64 = c.update("update", "add", &2u64, Some("add-2")).await?;
     assert_eq!(n, 2);
     let n: u64 = c.update("update", "add", &3u64, Some("add-3")).await?;
@@ -73,12 +78,19 @@ async fn bless() -> anyhow::Result<()> {
         "scope",
         "version-marker",
         "update",
+        "search",
     ] {
         tokio::time::timeout(WAIT, c.outcome(id)).await??;
     }
     std::fs::create_dir_all(dir())?;
     let store = engine.store();
     for (name, _) in SHAPES {
+        let path = dir().join(format!("{name}.bundle"));
+        if path.exists() {
+            // A bundle an earlier build recorded stays: it is what proves
+            // that this build still replays what that one wrote.
+            continue;
+        }
         let bundle = if *name == "child" {
             // The first child of `children`: a run started by a parent.
             let parent = Bundle::from_store(store.as_ref(), "children")?;
@@ -94,7 +106,7 @@ async fn bless() -> anyhow::Result<()> {
         } else {
             Bundle::from_store(store.as_ref(), name)?
         };
-        bundle.write(dir().join(format!("{name}.bundle")))?;
+        bundle.write(path)?;
     }
     engine.shutdown().await;
     Ok(())
