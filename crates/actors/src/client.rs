@@ -200,9 +200,7 @@ impl StartOptions {
         if let Some(e) = &self.encode_error {
             return Err(EngineError::Encode(e.clone()));
         }
-        let (mut attrs, mut memo) = (Vec::new(), Vec::new());
-        search::upsert_attributes(&mut attrs, &self.search_attributes)?;
-        search::upsert_memo(&mut memo, &self.memo)?;
+        search::start_metadata(None, &self.search_attributes, &self.memo)?;
         Ok(())
     }
 }

@@ -810,20 +810,15 @@ impl RunMachine {
                     ..
                 } => {
                     // What the store derives for the run, from the same
-                    // functions; the commit refuses what does not check.
-                    for (attrs, fields) in [
-                        (&carried.search_attributes, &carried.memo),
-                        (search_attributes, memo),
-                    ] {
-                        let core = &mut *core;
-                        let checked = search::upsert_attributes(&mut core.search_attributes, attrs)
-                            .and_then(|()| search::upsert_memo(&mut core.memo, fields));
-                        if let Err(e) = checked {
-                            return Err(MachineError::InputDecode(format!(
-                                "memo or search attributes at start: {e}"
-                            )));
-                        }
-                    }
+                    // function; the commit refuses what does not check.
+                    (core.search_attributes, core.memo) =
+                        search::start_metadata(Some(carried), search_attributes, memo).map_err(
+                            |e| {
+                                MachineError::InputDecode(format!(
+                                    "memo or search attributes at start: {e}"
+                                ))
+                            },
+                        )?;
                     for s in &carried.signals {
                         core.signals
                             .entry(s.name.clone())

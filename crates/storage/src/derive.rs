@@ -694,14 +694,9 @@ fn derive_event(
             search_attributes: Vec::new(),
             memo: Vec::new(),
         };
-        let metadata = |source| Error::Metadata { run, source };
-        for (attrs, fields) in [
-            (&carried.search_attributes, &carried.memo),
-            (search_attributes, memo),
-        ] {
-            search::upsert_attributes(&mut started.search_attributes, attrs).map_err(metadata)?;
-            search::upsert_memo(&mut started.memo, fields).map_err(metadata)?;
-        }
+        (started.search_attributes, started.memo) =
+            search::start_metadata(Some(carried), search_attributes, memo)
+                .map_err(|source| Error::Metadata { run, source })?;
         *meta = Some(started);
         return Ok(());
     }

@@ -36,7 +36,7 @@ use thiserror::Error;
 
 use crate::codec::{self, RecordKind};
 use crate::event::Payload;
-use crate::ids::{RunId, Timestamp};
+use crate::ids::Timestamp;
 use crate::keys::{prefix_end, Cf};
 use crate::kv::KvRead;
 use crate::state::{RunMeta, RunStatus};
@@ -349,6 +349,30 @@ pub fn upsert_memo(
         return Err(MetadataError::MemoTooLarge(bytes));
     }
     Ok(())
+}
+
+/// A run's search attributes, sorted by name.
+pub type Attributes = Vec<(String, SearchValue)>;
+/// A run's memo, sorted by name.
+pub type Memo = Vec<(String, Payload)>;
+
+/// What a run starts with: the attributes and memo carried from the run it
+/// continues (if any), overlaid by those its start gives (as
+/// `WorkflowStarted` holds them). The one place the commit, the machine,
+/// the driver and the client derive and check them.
+pub fn start_metadata(
+    carried: Option<&crate::event::Carried>,
+    search_attributes: &[(String, Payload)],
+    memo: &[(String, Payload)],
+) -> Result<(Attributes, Memo), MetadataError> {
+    let (mut attrs, mut fields) = (Vec::new(), Vec::new());
+    if let Some(c) = carried {
+        upsert_attributes(&mut attrs, &c.search_attributes)?;
+        upsert_memo(&mut fields, &c.memo)?;
+    }
+    upsert_attributes(&mut attrs, search_attributes)?;
+    upsert_memo(&mut fields, memo)?;
+    Ok((attrs, fields))
 }
 
 /// The bytes a memo takes against [`MEMO_BYTES_MAX`].
@@ -1296,11 +1320,6 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
         .collect()
-}
-
-/// The run ids a page holds, for callers that need only those.
-pub fn run_ids(page: &RunPage) -> Vec<RunId> {
-    page.runs.iter().map(|m| m.run_id).collect()
 }
 
 #[cfg(test)]

@@ -82,9 +82,8 @@ impl Shard {
                     return self.reply(reply, Answer::Refused(r), None);
                 };
                 let checked = w.check_input(&input).and_then(|()| {
-                    let (mut attrs, mut fields) = (Vec::new(), Vec::new());
-                    search::upsert_attributes(&mut attrs, &search_attributes)
-                        .and_then(|()| search::upsert_memo(&mut fields, &memo))
+                    search::start_metadata(None, &search_attributes, &memo)
+                        .map(drop)
                         .map_err(|e| format!("memo or search attributes: {e}"))
                 });
                 if let Err(detail) = checked {

@@ -322,15 +322,8 @@ fn folded_meta(history: &[keel_storage::Event]) -> Option<keel_storage::RunMeta>
     else {
         return None;
     };
-    let mut attrs = Vec::new();
-    let mut fields = Vec::new();
-    for (a, m) in [
-        (&carried.search_attributes, &carried.memo),
-        (search_attributes, memo),
-    ] {
-        search::upsert_attributes(&mut attrs, a).ok()?;
-        search::upsert_memo(&mut fields, m).ok()?;
-    }
+    let (mut attrs, fields) =
+        search::start_metadata(Some(carried), search_attributes, memo).ok()?;
     let mut status = RunStatus::Running;
     let mut closed_at = None;
     for e in history {
