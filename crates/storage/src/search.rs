@@ -1265,21 +1265,22 @@ pub fn list(
                     page.runs.push(meta);
                 }
             }
-            let full = page.runs.len() == page_size;
             last = Some(key);
-            if full {
-                ended = false;
+            if page.runs.len() == page_size {
                 break;
             }
         }
         let Some(last) = last else {
             return Ok(page);
         };
-        if page.runs.len() == page_size || examined >= LIST_SCAN_ENTRIES_MAX {
-            page.next = Some(PageToken(hex(&last)));
+        let full = page.runs.len() == page_size;
+        if ended && !full {
             return Ok(page);
         }
-        if ended {
+        if full || examined >= LIST_SCAN_ENTRIES_MAX {
+            // A full page may end exactly at the last match: the page
+            // after it is then empty, which costs one more read.
+            page.next = Some(PageToken(hex(&last)));
             return Ok(page);
         }
         from = last;
