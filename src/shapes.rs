@@ -122,12 +122,39 @@ impl Workflow for SearchShape {
     }
 }
 
+/// A message stream: reads three messages in offset order (one sent
+/// twice), continuing as new after the first so the next run reads on from
+/// the carried cursor; returns their sum.
+#[derive(Debug)]
+pub struct StreamShape;
+impl Workflow for StreamShape {
+    const NAME: &'static str = "shapes.stream";
+    /// Read so far and their sum.
+    type Input = (u64, u64);
+    type Output = u64;
+    async fn run(ctx: WorkflowContext, (read, mut sum): (u64, u64)) -> Result<u64, WorkflowError> {
+        let items = ctx.stream::<u64>("items");
+        if read == 1 {
+            // The second run: the cursor came with it.
+            assert_eq!(items.cursor(), 1, "the cursor was carried");
+        }
+        for n in read..3 {
+            sum += items.next().await?.value;
+            if n == 0 {
+                return Err(WorkflowError::continue_as_new(&(1u64, sum)));
+            }
+        }
+        Ok(sum)
+    }
+}
+
 /// Every shape workflow, plus the seed workflows.
 pub fn workflows() -> WorkflowRegistry {
     let mut r = crate::seeds::workflows();
     r.register::<ScopeShape>()
         .register::<UpdateShape>()
         .register::<VersionShape>()
-        .register::<SearchShape>();
+        .register::<SearchShape>()
+        .register::<StreamShape>();
     r
 }

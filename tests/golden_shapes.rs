@@ -1,7 +1,8 @@
 //! Goal: a history of every workflow shape recorded by an earlier build
 //! keeps replaying with the current code (issue "The rest of the workflow
 //! surface", item 10): barrier, nested barrier, select, children, scope,
-//! update with query, version markers, search attributes and memo. A change to the engine or to these
+//! update with query, version markers, search attributes and memo, a
+//! message stream read across continue-as-new. A change to the engine or to these
 //! workflows that would park such runs fails CI.
 //!
 //! Method: the bundles in `tests/data/histories/shapes/` were written by a
@@ -31,6 +32,7 @@ const SHAPES: &[(&str, &str)] = &[
     ("update", "UpdateCompleted"),
     ("version-marker", "VersionMarker"),
     ("search", "SearchAttributesUpserted"),
+    ("stream", "MessageReceived"),
 ];
 
 fn dir() -> PathBuf {
@@ -65,6 +67,17 @@ async fn bless() -> anyhow::Result<()> {
     let options = keel::StartOptions::new().search_attribute("customer", "c-42");
     c.start_with::<shapes::SearchShape>("search", &(), options)
         .await?;
+    // The first message makes the run continue as new; the rest go to the
+    // next run (the recorded one), which reads on from the carried cursor.
+    let first = c.start::<shapes::StreamShape>("stream", &(0, 0)).await?;
+    c.send_message("stream", "items", "item-0", &5u64).await?;
+    while c.describe("stream").await?.run_id == first.run_id() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for (i, v) in [(1u64, 7u64), (1, 7), (2, 11)] {
+        c.send_message("stream", "items", &format!("item-{i}"), &v)
+            .await?;
+    }
     let n: u64 = c.update("update", "add", &2u64, Some("add-2")).await?;
     assert_eq!(n, 2);
     let n: u64 = c.update("update", "add", &3u64, Some("add-3")).await?;
@@ -79,6 +92,7 @@ async fn bless() -> anyhow::Result<()> {
         "version-marker",
         "update",
         "search",
+        "stream",
     ] {
         tokio::time::timeout(WAIT, c.outcome(id)).await??;
     }

@@ -40,6 +40,7 @@ pub const CONTINUE_AS_NEW_FOLLOWS_MAX: u32 = 3;
 fn names_instance(request: &Request) -> bool {
     match request {
         Request::Signal { target, .. }
+        | Request::SendMessage { target, .. }
         | Request::Cancel { target, .. }
         | Request::Terminate { target, .. } => RunId::parse(target).is_none(),
         _ => false,
@@ -145,6 +146,30 @@ pub enum EngineError {
     /// A list filter or page token that does not check. Nothing was read.
     #[error("{0}")]
     BadFilter(String),
+    /// A stream message whose stream name or key does not check. Nothing
+    /// was written.
+    #[error("bad message: {0}")]
+    BadMessage(String),
+    /// The stream holds as many unread messages as it may (or the run
+    /// receives on as many streams as it may). Nothing was written; send
+    /// again once the workflow has read.
+    #[error("run {run}: {detail}")]
+    StreamFull {
+        /// The run.
+        run: RunId,
+        /// Which limit.
+        detail: String,
+    },
+}
+
+/// Where a stream message was committed ([`Client::send_message`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MessageSent {
+    /// Its offset in the stream.
+    pub offset: u64,
+    /// False when an earlier send with the same key committed it: this
+    /// one changed nothing.
+    pub first: bool,
 }
 
 /// How to start a run: a command id that deduplicates the start, the
@@ -440,6 +465,8 @@ fn refused(r: Refusal) -> EngineError {
         Refusal::Unavailable(why) => EngineError::StoreUnavailable(why),
         Refusal::Handler(e) => EngineError::Handler(e),
         Refusal::BadFilter(why) => EngineError::BadFilter(why),
+        Refusal::BadMessage(why) => EngineError::BadMessage(why),
+        Refusal::StreamFull { run, detail } => EngineError::StreamFull { run, detail },
         r @ Refusal::UpdateInEarlierRun { .. } => EngineError::Refused(r.to_string()),
     }
 }
@@ -596,6 +623,33 @@ impl Client {
             command_id: command_id.map(CommandId::new),
         };
         self.done(request).await
+    }
+
+    /// Sends a message to the stream `stream` of the instance's current
+    /// run (or a run by id). `key` is its idempotency key: a send repeated
+    /// with the same key, before or after a restart or a continue-as-new,
+    /// commits nothing and answers with the offset the first one got. The
+    /// workflow reads the stream in offset order
+    /// (`ctx.stream::<T>(stream).next().await`).
+    pub async fn send_message<T: Serialize>(
+        &self,
+        instance: &str,
+        stream: &str,
+        key: &str,
+        payload: &T,
+    ) -> Result<MessageSent, EngineError> {
+        let payload = encode_checked(payload)?;
+        let request = Request::SendMessage {
+            target: instance.to_string(),
+            stream: stream.to_string(),
+            key: keel_storage::MessageKey::new(key),
+            payload,
+        };
+        match self.core.call(request).await? {
+            Answer::Sent { offset, first } => Ok(MessageSent { offset, first }),
+            Answer::Refused(r) => Err(refused(r)),
+            other => Err(unexpected(other)),
+        }
     }
 
     /// Requests cooperative cancellation; workflow code observes it. A

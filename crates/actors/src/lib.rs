@@ -16,8 +16,8 @@ mod readers;
 mod shard;
 
 pub use client::{
-    Client, EngineError, SignalWithStart, StartOptions, StartOutcome, CLIENT_RETRIES_MAX,
-    CONTINUE_AS_NEW_FOLLOWS_MAX,
+    Client, EngineError, MessageSent, SignalWithStart, StartOptions, StartOutcome,
+    CLIENT_RETRIES_MAX, CONTINUE_AS_NEW_FOLLOWS_MAX,
 };
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};

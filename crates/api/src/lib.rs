@@ -49,8 +49,8 @@ pub mod replay;
 pub use replay::{Bundle, ReplayOutcome, Replayer};
 
 pub use keel_actors::{
-    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, Resumed,
-    ReusePolicy, RunDescription, SignalWithStart, StartOptions, StartOutcome,
+    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, MessageSent,
+    Resumed, ReusePolicy, RunDescription, SignalWithStart, StartOptions, StartOutcome,
 };
 pub use keel_core::concurrency::{
     All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,
@@ -60,11 +60,14 @@ pub use keel_core::{
     MachineError, RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
     CONTINUE_AS_NEW_SUGGESTED_EVENTS,
 };
-pub use keel_core::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, Sender};
+pub use keel_core::{
+    CoroutineRef, Message, MessageStream, NextMessage, Receiver, Scope, ScopeError, ScopeRef,
+    Sender, StreamPosition,
+};
 pub use keel_storage::{
     AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind, Field,
-    FilterError, GroupEntry, InstanceId, Jitter, MetadataError, Op, OperationKind, Outcome,
-    PageToken, ParentClosePolicy, Payload, RunFilter, RunId, RunMeta, RunPage, RunStatus,
+    FilterError, GroupEntry, InstanceId, Jitter, MessageKey, MetadataError, Op, OperationKind,
+    Outcome, PageToken, ParentClosePolicy, Payload, RunFilter, RunId, RunMeta, RunPage, RunStatus,
     SearchValue, SelectKey, Seq, Step, StoreHealth, Timestamp, WriteFault,
 };
 

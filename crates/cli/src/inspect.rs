@@ -449,6 +449,17 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             f.push(("payload", Field::Payload(payload)));
             f
         }
+        K::MessageReceived {
+            stream,
+            offset,
+            key,
+            payload,
+        } => vec![
+            ("stream", text(stream)),
+            ("offset", text(offset)),
+            ("key", text(key)),
+            ("payload", Field::Payload(payload)),
+        ],
         K::UpdateAccepted {
             update_id,
             name,

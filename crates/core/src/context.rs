@@ -118,6 +118,13 @@ impl WorkflowContext {
         }
     }
 
+    /// The message stream `name` of this instance: messages sent to it
+    /// (`client.send_message`) in offset order, read with a cursor that
+    /// continue-as-new carries to the next run. See [`crate::stream`].
+    pub fn stream<T: DeserializeOwned>(&self, name: &str) -> crate::stream::MessageStream<T> {
+        crate::stream::MessageStream::new(self.core.clone(), name)
+    }
+
     /// Resolves once `predicate` over workflow state holds. Re-checked after
     /// every input the run receives.
     pub fn condition<F: FnMut() -> bool>(&self, predicate: F) -> Condition<F> {

@@ -10,11 +10,78 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::task::Waker;
 
 use keel_storage::{
-    ActivityOptions, AttemptNo, CommandId, Event, EventKind, Failure, GroupEntry, GroupPath,
-    InstanceId, Payload, RunId, Seq, Step, Timestamp,
+    ActivityOptions, AttemptNo, CarriedStream, CommandId, Event, EventKind, Failure, GroupEntry,
+    GroupPath, InstanceId, MessageKey, Payload, RunId, Seq, Step, StreamMessage, Timestamp,
 };
 
 use crate::machine::MachineError;
+
+/// One message stream of a run: what was committed on it, what workflow
+/// code has not read yet, and the keys that deduplicate sends.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StreamState {
+    /// The offset the next committed message gets.
+    pub next_offset: u64,
+    /// Committed and not read yet, in offset order.
+    pub unread: VecDeque<StreamMessage>,
+    /// Every key committed on the stream in this run or carried into it,
+    /// with its offset.
+    pub keys: HashMap<MessageKey, u64>,
+    /// The same keys, oldest first: the newest are carried on.
+    key_order: VecDeque<MessageKey>,
+}
+
+impl StreamState {
+    /// The state a run starts with, from what its predecessor carried.
+    pub(crate) fn carried(c: &CarriedStream) -> Self {
+        let mut s = StreamState {
+            next_offset: c.next_offset,
+            unread: c.unread.iter().cloned().collect(),
+            ..StreamState::default()
+        };
+        for (key, offset) in &c.keys {
+            s.remember(key.clone(), *offset);
+        }
+        s
+    }
+
+    /// Records a committed message.
+    pub(crate) fn commit(&mut self, message: StreamMessage) {
+        self.next_offset = message.offset + 1;
+        self.remember(message.key.clone(), message.offset);
+        self.unread.push_back(message);
+    }
+
+    fn remember(&mut self, key: MessageKey, offset: u64) {
+        if self.keys.insert(key.clone(), offset).is_none() {
+            self.key_order.push_back(key);
+        }
+    }
+
+    /// The reader's position: the offset of the next message it reads.
+    pub(crate) fn cursor(&self) -> u64 {
+        self.unread.front().map_or(self.next_offset, |m| m.offset)
+    }
+
+    /// What continue-as-new hands on for this stream.
+    pub(crate) fn to_carried(&self, name: &str) -> CarriedStream {
+        let skip = self
+            .key_order
+            .len()
+            .saturating_sub(keel_storage::STREAM_KEYS_CARRIED_MAX);
+        CarriedStream {
+            name: name.to_string(),
+            next_offset: self.next_offset,
+            unread: self.unread.iter().cloned().collect(),
+            keys: self
+                .key_order
+                .iter()
+                .skip(skip)
+                .map(|k| (k.clone(), self.keys[k]))
+                .collect(),
+        }
+    }
+}
 
 /// An `all` barrier whose leaves are being issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +182,10 @@ pub(crate) struct Core {
     waiters: HashMap<Step, Waker>,
     pub signals: BTreeMap<String, VecDeque<Payload>>,
     pub signal_waits: BTreeMap<String, usize>,
+    /// Message streams, by name.
+    pub streams: BTreeMap<String, StreamState>,
+    /// Stream names coroutines are waiting on, with how many wait.
+    pub stream_waits: BTreeMap<String, usize>,
     general_waiters: Vec<Waker>,
     pub cancel_requested: Option<String>,
     pub group_stack: Vec<ActiveGroup>,
@@ -177,6 +248,8 @@ impl Core {
             waiters: HashMap::new(),
             signals: BTreeMap::new(),
             signal_waits: BTreeMap::new(),
+            streams: BTreeMap::new(),
+            stream_waits: BTreeMap::new(),
             general_waiters: Vec::new(),
             cancel_requested: None,
             group_stack: Vec::new(),
@@ -235,6 +308,11 @@ impl Core {
             search_attributes: keel_storage::search::attributes_as_payloads(
                 &self.search_attributes,
             ),
+            streams: self
+                .streams
+                .iter()
+                .map(|(name, s)| s.to_carried(name))
+                .collect(),
         }
     }
 

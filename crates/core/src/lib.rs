@@ -27,6 +27,7 @@ pub mod machine;
 mod metadata;
 pub mod retry;
 pub mod scope;
+pub mod stream;
 pub mod workflow;
 
 pub use crate::core::{format_group, OpenWait, WaitKind};
@@ -36,8 +37,11 @@ pub use activity::{
 pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
 pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
 pub use handlers::{HandlerError, HANDLERS_PER_RUN_MAX};
-pub use machine::{Input, MachineError, RunMachine, StartSpec, UpdateStatus, Verdict};
+pub use machine::{
+    Input, MachineError, RunMachine, StartSpec, StreamPosition, UpdateStatus, Verdict,
+};
 pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, ScopeView, Sender};
+pub use stream::{Message, MessageStream, NextMessage};
 pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};
 
 /// History length (events) at which `ctx.continue_as_new_suggested()`

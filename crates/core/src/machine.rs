@@ -14,8 +14,8 @@ use std::rc::Rc;
 
 use keel_storage::search;
 use keel_storage::{
-    AttemptNo, Carried, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, ParentRef,
-    Payload, RunId, Seq, Step, Timestamp,
+    AttemptNo, Carried, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, MessageKey,
+    ParentRef, Payload, RunId, Seq, Step, StreamMessage, Timestamp,
 };
 
 use crate::context::{Spawn, WorkflowContext};
@@ -311,6 +311,15 @@ pub enum Input {
         /// The client's command id, for deduplication.
         command_id: Option<CommandId>,
     },
+    /// A message on a stream, deduplicated by its key.
+    Message {
+        /// The stream's name.
+        stream: String,
+        /// The sender's idempotency key.
+        key: MessageKey,
+        /// Its payload.
+        payload: Payload,
+    },
     /// Cooperative cancellation request.
     CancelRequested {
         /// Why.
@@ -333,6 +342,20 @@ pub enum Input {
         /// Its arguments.
         payload: Payload,
     },
+}
+
+/// A message stream of a run, as `describe` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StreamPosition {
+    /// The stream's name.
+    pub name: String,
+    /// Messages committed on it so far (across the instance's runs): the
+    /// offset the next one gets.
+    pub next_offset: u64,
+    /// The offset workflow code reads next.
+    pub cursor: u64,
+    /// Coroutines waiting on it.
+    pub waiting: usize,
 }
 
 /// Where an update stands in a run (deduplication by update id).
@@ -395,6 +418,9 @@ pub enum Verdict {
     Unknown(String),
     /// The run is closed.
     Closed,
+    /// Refused for now: the stream holds as many unread messages as it
+    /// may (or the run as many streams); the sender tries again later.
+    Full(String),
 }
 
 /// A run's workflow code, its executor and its state.
@@ -627,6 +653,23 @@ impl RunMachine {
                 Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
                 _ => Verdict::Accept,
             },
+            Input::Message { stream, key, .. } => match core.streams.get(stream) {
+                Some(s) if s.keys.contains_key(key) => Verdict::Duplicate,
+                Some(s) if s.unread.len() >= keel_storage::STREAM_BACKLOG_MAX => {
+                    Verdict::Full(format!(
+                        "stream {stream:?} holds {} unread messages, its limit \
+                         (STREAM_BACKLOG_MAX); send again once the workflow reads",
+                        s.unread.len()
+                    ))
+                }
+                None if core.streams.len() >= keel_storage::STREAMS_PER_RUN_MAX => {
+                    Verdict::Full(format!(
+                        "the run receives on {} streams, its limit (STREAMS_PER_RUN_MAX)",
+                        core.streams.len()
+                    ))
+                }
+                _ => Verdict::Accept,
+            },
             Input::CancelRequested { command_id, .. } => match command_id {
                 Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
                 _ if core.cancel_requested.is_some() => Verdict::Duplicate,
@@ -642,6 +685,28 @@ impl RunMachine {
                 }
             }
         }
+    }
+
+    /// The offset the message `key` was committed at on `stream`, in this
+    /// run or (within the carried window) an earlier run of the instance.
+    pub fn message_offset(&self, stream: &str, key: &MessageKey) -> Option<u64> {
+        let core = self.core.borrow();
+        core.streams.get(stream)?.keys.get(key).copied()
+    }
+
+    /// Per stream: its name, messages committed (its next offset), the
+    /// reader's cursor and how many coroutines wait on it.
+    pub fn streams(&self) -> Vec<StreamPosition> {
+        let core = self.core.borrow();
+        core.streams
+            .iter()
+            .map(|(name, s)| StreamPosition {
+                name: name.clone(),
+                next_offset: s.next_offset,
+                cursor: s.cursor(),
+                waiting: core.stream_waits.get(name).copied().unwrap_or(0),
+            })
+            .collect()
     }
 
     /// Where the update `update_id` stands in this run.
@@ -775,6 +840,19 @@ impl RunMachine {
                     payload,
                     command_id,
                 },
+                Input::Message {
+                    stream,
+                    key,
+                    payload,
+                } => {
+                    let offset = core.streams.get(&stream).map_or(0, |s| s.next_offset);
+                    EventKind::MessageReceived {
+                        stream,
+                        offset,
+                        key,
+                        payload,
+                    }
+                }
                 Input::CancelRequested { reason, command_id } => {
                     EventKind::WorkflowCancelRequested { command_id, reason }
                 }
@@ -829,6 +907,10 @@ impl RunMachine {
                         core.see_command(c.clone());
                         core.carried_commands.insert(c.clone());
                     }
+                    for s in &carried.streams {
+                        core.streams
+                            .insert(s.name.clone(), crate::core::StreamState::carried(s));
+                    }
                 }
                 EventKind::ActivityCompleted { step, result, .. } => {
                     core.resolve(*step, Resolution::Value(result.clone()))
@@ -881,6 +963,26 @@ impl RunMachine {
                     if let Some(c) = command_id {
                         core.see_command(c.clone());
                     }
+                }
+                EventKind::MessageReceived {
+                    stream,
+                    offset,
+                    key,
+                    payload,
+                } => {
+                    let state = core.streams.entry(stream.clone()).or_default();
+                    if *offset != state.next_offset {
+                        return Err(MachineError::InvalidHistory(format!(
+                            "message {key} on stream {stream:?} at offset {offset}, \
+                             expected offset {}",
+                            state.next_offset
+                        )));
+                    }
+                    state.commit(StreamMessage {
+                        offset: *offset,
+                        key: key.clone(),
+                        payload: payload.clone(),
+                    });
                 }
                 EventKind::WorkflowCancelRequested { reason, command_id } => {
                     core.cancel_requested = Some(reason.clone());

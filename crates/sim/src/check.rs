@@ -64,6 +64,8 @@ pub enum ViolationKind {
     WrongAnswer,
     /// A client request went unanswered through every retry.
     RequestUnanswered,
+    /// A message stream of a run chain skipped or repeated an offset.
+    StreamBroken,
 }
 
 impl ViolationKind {
@@ -87,6 +89,7 @@ impl ViolationKind {
             ViolationKind::IntentLeftOver => "intent-left-over",
             ViolationKind::WrongAnswer => "wrong-answer",
             ViolationKind::RequestUnanswered => "request-unanswered",
+            ViolationKind::StreamBroken => "stream-broken",
         }
     }
 }
@@ -379,6 +382,70 @@ impl Checker {
         }
     }
 
+    /// Message streams, over each chain of runs continued as new: one
+    /// committed message per idempotency key, and offsets from 0 without a
+    /// gap or a repeat, in the order the chain committed them.
+    pub(crate) fn check_streams(&mut self, histories: &BTreeMap<RunId, Vec<Event>>, now: u64) {
+        let mut next_of: BTreeMap<RunId, RunId> = BTreeMap::new();
+        let mut roots = Vec::new();
+        for (run, history) in histories {
+            if let Some(EventKind::WorkflowStarted { continued_from, .. }) =
+                history.first().map(|e| &e.kind)
+            {
+                match continued_from {
+                    Some(from) => {
+                        next_of.insert(*from, *run);
+                    }
+                    None => roots.push(*run),
+                }
+            }
+        }
+        let mut problems = Vec::new();
+        for root in roots {
+            // Per stream: the next offset, and the keys committed.
+            let mut streams: BTreeMap<&str, (u64, BTreeMap<&str, u64>)> = BTreeMap::new();
+            let mut run = Some(root);
+            while let Some(r) = run {
+                for e in histories.get(&r).into_iter().flatten() {
+                    let EventKind::MessageReceived {
+                        stream,
+                        offset,
+                        key,
+                        ..
+                    } = &e.kind
+                    else {
+                        continue;
+                    };
+                    let (next, keys) = streams.entry(stream.as_str()).or_default();
+                    if let Some(first) = keys.insert(key.0.as_str(), *offset) {
+                        problems.push((
+                            ViolationKind::DuplicateTerminal,
+                            format!(
+                                "chain of run {root}: message {key} on {stream} committed at \
+                                 offsets {first} and {offset}"
+                            ),
+                        ));
+                    }
+                    if *offset != *next {
+                        problems.push((
+                            ViolationKind::StreamBroken,
+                            format!(
+                                "chain of run {root}: run {r} seq {} commits offset {offset} on \
+                                 {stream}, the stream's next is {next}",
+                                e.seq
+                            ),
+                        ));
+                    }
+                    *next = offset + 1;
+                }
+                run = next_of.get(&r).copied();
+            }
+        }
+        for (kind, detail) in problems {
+            self.violate(kind, now, detail);
+        }
+    }
+
     /// The winners acknowledged so far must match the final histories.
     pub(crate) fn check_winners(&mut self, histories: &BTreeMap<RunId, Vec<Event>>, now: u64) {
         let mut problems = Vec::new();
@@ -467,6 +534,16 @@ fn input_of(kind: &EventKind) -> Option<Input> {
             Input::CancelRequested { reason, command_id }
         }
         EventKind::WorkflowTerminated { reason } => Input::Terminate { reason },
+        EventKind::MessageReceived {
+            stream,
+            key,
+            payload,
+            ..
+        } => Input::Message {
+            stream,
+            key,
+            payload,
+        },
         _ => return None,
     })
 }

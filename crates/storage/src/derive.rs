@@ -938,6 +938,9 @@ fn derive_event(
             };
             cancel_child(out, parent, *child_run_id, *policy, reason.clone())?;
         }
+        EventKind::MessageReceived { stream, key, .. } => {
+            crate::event::check_stream_message(stream, key).map_err(invalid)?;
+        }
         EventKind::ChildStarted { .. }
         | EventKind::SignalReceived { .. }
         | EventKind::UpdateAccepted { .. }

@@ -10,7 +10,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{
-    AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, RunId, Seq, Step, Timestamp,
+    AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, MessageKey, RunId, Seq, Step,
+    Timestamp,
 };
 
 /// An opaque user value: msgpack bytes of the workflow's or activity's serde
@@ -337,6 +338,42 @@ pub const CARRIED_SIGNALS_MAX: usize = 1024;
 /// Most command ids a run hands to the run that continues it (the newest).
 pub const CARRIED_COMMANDS_MAX: usize = 4096;
 
+/// Most messages a stream of a run holds unread: a send to a full stream
+/// is refused (the sender retries later), so continue-as-new always
+/// carries every unread message.
+pub const STREAM_BACKLOG_MAX: usize = 1024;
+
+/// Most streams one run receives messages on.
+pub const STREAMS_PER_RUN_MAX: usize = 32;
+
+/// Longest stream name, in bytes.
+pub const STREAM_NAME_BYTES_MAX: usize = 128;
+
+/// Longest message idempotency key, in bytes.
+pub const MESSAGE_KEY_BYTES_MAX: usize = 256;
+
+/// Most idempotency keys per stream a run hands to the run that continues
+/// it (the newest): a retried send whose key is older than that many later
+/// sends to the same stream is no longer recognised after continue-as-new.
+pub const STREAM_KEYS_CARRIED_MAX: usize = 4096;
+
+/// Checks a stream name and a message key against their limits.
+pub fn check_stream_message(stream: &str, key: &MessageKey) -> Result<(), String> {
+    if stream.is_empty() || stream.len() > STREAM_NAME_BYTES_MAX {
+        return Err(format!(
+            "stream name must be 1 to {STREAM_NAME_BYTES_MAX} bytes (got {})",
+            stream.len()
+        ));
+    }
+    if key.0.is_empty() || key.0.len() > MESSAGE_KEY_BYTES_MAX {
+        return Err(format!(
+            "message key must be 1 to {MESSAGE_KEY_BYTES_MAX} bytes (got {})",
+            key.0.len()
+        ));
+    }
+    Ok(())
+}
+
 /// What a run that continues as new hands to the next run of its
 /// instance, recorded in both runs' histories.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
@@ -357,6 +394,36 @@ pub struct Carried {
     /// [`EventKind::SearchAttributesUpserted`] holds it).
     #[serde(default)]
     pub search_attributes: Vec<(String, Payload)>,
+    /// Each message stream's position, unread messages and newest keys.
+    #[serde(default)]
+    pub streams: Vec<CarriedStream>,
+}
+
+/// A message stream's state handed to the next run.
+#[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct CarriedStream {
+    /// The stream's name.
+    pub name: String,
+    /// The offset the next message sent to the stream gets.
+    pub next_offset: u64,
+    /// Messages committed and not read yet, in offset order (at most
+    /// [`STREAM_BACKLOG_MAX`]): the reader's cursor is the first one's
+    /// offset, or `next_offset` when there is none.
+    pub unread: Vec<StreamMessage>,
+    /// The newest idempotency keys with the offsets they were committed at
+    /// (at most [`STREAM_KEYS_CARRIED_MAX`]), oldest first.
+    pub keys: Vec<(MessageKey, u64)>,
+}
+
+/// One committed message of a stream.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct StreamMessage {
+    /// Its position in the stream, from 0 and without gaps.
+    pub offset: u64,
+    /// Its idempotency key.
+    pub key: MessageKey,
+    /// Its payload.
+    pub payload: Payload,
 }
 
 impl Carried {
@@ -366,6 +433,7 @@ impl Carried {
             && self.commands.is_empty()
             && self.memo.is_empty()
             && self.search_attributes.is_empty()
+            && self.streams.is_empty()
     }
 }
 
@@ -674,6 +742,20 @@ pub enum EventKind {
         /// Why.
         reason: String,
     },
+    /// A message arrived on a stream. Its offset is the stream's next, in
+    /// the order messages were committed; its key was not committed on the
+    /// stream before (in this run or, within the carried window, an earlier
+    /// run of the instance).
+    MessageReceived {
+        /// The stream's name.
+        stream: String,
+        /// Its position in the stream.
+        offset: u64,
+        /// The sender's idempotency key.
+        key: MessageKey,
+        /// Its payload.
+        payload: Payload,
+    },
 }
 
 /// The two kinds of history event. Every [`EventKind`] is exactly one: an
@@ -715,6 +797,8 @@ pub enum DurableKey {
     Scope(Step),
     /// One child: its cancellation requested once.
     ChildCancel(Step),
+    /// One message of a stream: committed once per idempotency key.
+    Message(String, MessageKey),
 }
 
 impl fmt::Display for DurableKey {
@@ -731,6 +815,7 @@ impl fmt::Display for DurableKey {
             DurableKey::UpdateCompleted(c) => write!(f, "update:{c}"),
             DurableKey::Scope(s) => write!(f, "scope@{s}"),
             DurableKey::ChildCancel(s) => write!(f, "child-cancel@{s}"),
+            DurableKey::Message(stream, key) => write!(f, "message:{stream}/{key}"),
         }
     }
 }
@@ -769,6 +854,7 @@ impl EventKind {
             EventKind::SearchAttributesUpserted { .. } => "SearchAttributesUpserted",
             EventKind::ScopeCancelled { .. } => "ScopeCancelled",
             EventKind::ChildCancelRequested { .. } => "ChildCancelRequested",
+            EventKind::MessageReceived { .. } => "MessageReceived",
         }
     }
 
@@ -785,6 +871,7 @@ impl EventKind {
             | K::ChildCompleted { .. }
             | K::ChildFailed { .. }
             | K::SignalReceived { .. }
+            | K::MessageReceived { .. }
             | K::UpdateAccepted { .. }
             | K::WorkflowCancelRequested { .. }
             | K::WorkflowTerminated { .. } => EventClass::Input,
@@ -875,6 +962,9 @@ impl EventKind {
             }
             EventKind::ScopeCancelled { step, .. } => vec![DurableKey::Scope(*step)],
             EventKind::ChildCancelRequested { step, .. } => vec![DurableKey::ChildCancel(*step)],
+            EventKind::MessageReceived { stream, key, .. } => {
+                vec![DurableKey::Message(stream.clone(), key.clone())]
+            }
             _ => Vec::new(),
         }
     }
@@ -933,6 +1023,12 @@ impl EventKind {
                 .chain(search_attributes.iter().map(|(_, p)| p))
                 .chain(carried.memo.iter().map(|(_, p)| p))
                 .chain(carried.search_attributes.iter().map(|(_, p)| p))
+                .chain(
+                    carried
+                        .streams
+                        .iter()
+                        .flat_map(|s| s.unread.iter().map(|m| &m.payload)),
+                )
                 .collect(),
             EventKind::WorkflowContinuedAsNew { input, .. }
             | EventKind::ActivityScheduled { input, .. }
@@ -942,6 +1038,7 @@ impl EventKind {
             | EventKind::ChildCompleted { result, .. }
             | EventKind::UpdateCompleted { result, .. } => vec![result],
             EventKind::SignalReceived { payload, .. }
+            | EventKind::MessageReceived { payload, .. }
             | EventKind::UpdateAccepted { payload, .. } => vec![payload],
             EventKind::SideEffectRecorded { value, .. } => vec![value],
             EventKind::MemoUpserted { fields: pairs }

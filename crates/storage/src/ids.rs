@@ -216,6 +216,24 @@ impl fmt::Display for CommandId {
     }
 }
 
+/// Sender-chosen idempotency key of a stream message: a retried send with
+/// the same key to the same stream of an instance is committed once.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub struct MessageKey(pub String);
+
+impl MessageKey {
+    /// Wraps a sender-chosen key.
+    pub fn new(key: impl Into<String>) -> Self {
+        MessageKey(key.into())
+    }
+}
+
+impl fmt::Display for MessageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// Milliseconds since the Unix epoch, as the engine's clock (or the
 /// simulator's virtual clock) reported it. Never read by the pure core.
 #[derive(

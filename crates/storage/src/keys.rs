@@ -165,6 +165,14 @@ pub fn dedupe_key(run: RunId, key: &DurableKey) -> Vec<u8> {
             k.push(b'q');
             k.extend_from_slice(&s.0.to_be_bytes());
         }
+        DurableKey::Message(stream, key) => {
+            // Length-prefixed stream name, so (stream, key) pairs never
+            // collide.
+            k.push(b'g');
+            k.extend_from_slice(&(stream.len() as u32).to_be_bytes());
+            k.extend_from_slice(stream.as_bytes());
+            k.extend_from_slice(key.0.as_bytes());
+        }
     }
     k
 }

@@ -54,6 +54,8 @@ pub struct AttemptView {
 pub struct MachineView {
     /// Signal names coroutines wait for, with how many wait.
     pub signal_waits: Vec<(String, usize)>,
+    /// Message streams: offsets, cursors and waiting readers.
+    pub streams: Vec<crate::machine::StreamPosition>,
     /// Live coroutines.
     pub coroutines: usize,
     /// Live scopes, in step order; `parent` gives the tree.
@@ -83,6 +85,9 @@ pub struct RunDescription {
     pub pending: Vec<PendingStep>,
     /// Signals coroutines wait for (when the run is in memory).
     pub signal_waits: Vec<(String, usize)>,
+    /// Message streams (when the run is in memory): messages committed,
+    /// the reader's cursor and how many coroutines wait.
+    pub streams: Vec<crate::machine::StreamPosition>,
     /// Live coroutines (when the run is in memory).
     pub coroutines: Option<usize>,
     /// Live scopes, in step order; `parent` gives the tree.
@@ -144,6 +149,7 @@ impl Shard {
                 .as_ref()
                 .map(|v| v.signal_waits.clone())
                 .unwrap_or_default(),
+            streams: view.as_ref().map(|v| v.streams.clone()).unwrap_or_default(),
             coroutines: view.as_ref().map(|v| v.coroutines),
             scopes: view.as_ref().map(|v| v.scopes.clone()).unwrap_or_default(),
             attempts: if closed {

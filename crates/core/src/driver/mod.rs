@@ -229,6 +229,18 @@ pub enum Request {
         /// Deduplicates retries.
         command_id: Option<CommandId>,
     },
+    /// A message to a stream of the instance's current run (or a run by
+    /// id), committed once per `key`.
+    SendMessage {
+        /// Instance or run id.
+        target: String,
+        /// The stream's name.
+        stream: String,
+        /// The idempotency key: a repeat answers with the first offset.
+        key: keel_storage::MessageKey,
+        /// Its payload.
+        payload: Payload,
+    },
     /// Termination without running workflow code.
     Terminate {
         /// Instance or run id.
@@ -300,6 +312,7 @@ impl Request {
         match self {
             Request::Start { run_id, .. } => shard_of(*run_id, shards),
             Request::Signal { target, .. }
+            | Request::SendMessage { target, .. }
             | Request::Cancel { target, .. }
             | Request::Terminate { target, .. }
             | Request::Result { target }
@@ -382,6 +395,18 @@ pub enum Refusal {
     /// A list filter or page token that does not check; nothing was read.
     #[error("{0}")]
     BadFilter(String),
+    /// A stream message whose stream name or key does not check.
+    #[error("bad message: {0}")]
+    BadMessage(String),
+    /// The stream (or the run's set of streams) is full: nothing was
+    /// written; sending again once the workflow has read may succeed.
+    #[error("run {run}: {detail}")]
+    StreamFull {
+        /// The run.
+        run: RunId,
+        /// Which limit.
+        detail: String,
+    },
     /// The update was applied by an earlier run of the instance, which
     /// continued as new to `run`: not applied again (its outcome is in the
     /// earlier run's history).
@@ -427,6 +452,14 @@ pub enum Answer {
     Updated(Result<Payload, keel_storage::Failure>),
     /// A page of runs.
     Listed(keel_storage::RunPage),
+    /// A stream message is committed at `offset`; `first` is false when a
+    /// send with the same key committed it before.
+    Sent {
+        /// Its offset in the stream.
+        offset: u64,
+        /// Whether this send committed it.
+        first: bool,
+    },
 }
 
 /// What [`Request::Resume`] found.

@@ -135,6 +135,24 @@ impl Shard {
                     command_id,
                 }),
             ),
+            Request::SendMessage {
+                target,
+                stream,
+                key,
+                payload,
+            } => {
+                if let Err(detail) = keel_storage::check_stream_message(&stream, &key) {
+                    return self.reply(reply, Answer::Refused(Refusal::BadMessage(detail)), None);
+                }
+                (
+                    target,
+                    RunOp::Input(Input::Message {
+                        stream,
+                        key,
+                        payload,
+                    }),
+                )
+            }
             Request::Cancel {
                 target,
                 reason,

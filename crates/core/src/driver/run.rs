@@ -55,6 +55,9 @@ pub(super) struct Inflight {
         keel_storage::CommandId,
         Result<keel_storage::Payload, keel_storage::Failure>,
     )>,
+    /// The offset of the stream message this commit holds, if it does: its
+    /// sender hears it.
+    sent: Option<u64>,
 }
 
 /// A run of the shard, as long as it is in memory.
@@ -442,7 +445,18 @@ impl Shard {
         };
         let dropped = match verdict {
             Verdict::Accept => None,
-            Verdict::Duplicate => Some(Answer::Duplicate),
+            Verdict::Duplicate => Some(match &input {
+                // A repeated send hears the offset the first one got.
+                Input::Message { stream, key, .. } => match machine.message_offset(stream, key) {
+                    Some(offset) => Answer::Sent {
+                        offset,
+                        first: false,
+                    },
+                    None => Answer::Duplicate,
+                },
+                _ => Answer::Duplicate,
+            }),
+            Verdict::Full(detail) => Some(Answer::Refused(Refusal::StreamFull { run, detail })),
             Verdict::Closed => Some(Answer::Refused(Refusal::RunClosed(run))),
             Verdict::Unknown(detail) => Some(Answer::Refused(Refusal::NothingOpen { run, detail })),
         };
@@ -494,8 +508,10 @@ impl Shard {
         let closing = events.iter().find_map(|e| outcome_of(&e.kind));
         let mut accepted = Vec::new();
         let mut completed = Vec::new();
+        let mut sent = None;
         for e in events {
             match &e.kind {
+                EventKind::MessageReceived { offset, .. } => sent = Some(*offset),
                 EventKind::UpdateAccepted { update_id, .. } => accepted.push(update_id.clone()),
                 EventKind::UpdateCompleted {
                     update_id,
@@ -565,6 +581,7 @@ impl Shard {
             deferred: Vec::new(),
             accepted,
             completed,
+            sent,
         });
         self.actions.push_back(Action::Commit { token, batch });
     }
@@ -594,10 +611,13 @@ impl Shard {
                 self.removed(ack.removed);
                 self.intents(ack.intents, cause);
                 if let Some(origin) = entry.origin {
-                    let answer = if entry.start {
-                        Answer::Started(run)
-                    } else {
-                        Answer::Committed
+                    let answer = match (entry.start, entry.sent) {
+                        (true, _) => Answer::Started(run),
+                        (false, Some(offset)) => Answer::Sent {
+                            offset,
+                            first: true,
+                        },
+                        (false, None) => Answer::Committed,
                     };
                     self.answer(origin, answer, cause);
                 }
@@ -943,6 +963,7 @@ impl Shard {
             .filter(|m| !m.is_closed())
             .map(|m| super::MachineView {
                 signal_waits: m.signal_waits(),
+                streams: m.streams(),
                 coroutines: m.coroutines(),
                 scopes: m.scopes(),
             });

@@ -142,6 +142,16 @@ impl World<'_> {
                     name: name.clone(),
                     args: Payload::encode(&()).expect("unit encodes"),
                 },
+                ClientOpKind::Send {
+                    stream,
+                    key,
+                    payload,
+                } => Request::SendMessage {
+                    target: instance,
+                    stream: stream.clone(),
+                    key: keel_storage::MessageKey::new(key.clone()),
+                    payload: payload.clone(),
+                },
                 ClientOpKind::List { filter } => Request::List {
                     filter: keel_storage::RunFilter::parse(filter)
                         .expect("the workload's filters parse"),
@@ -190,6 +200,9 @@ impl World<'_> {
                 self.update_answered(plan, &update_id, &answer)
             }
             (_, Some(ClientOpKind::Query { .. })) => self.query_answered(plan, &answer),
+            (_, Some(ClientOpKind::Send { stream, key, .. })) => {
+                self.send_answered(plan, &stream, &key, &answer)
+            }
             // The page itself was checked when it was read (`io.rs`).
             (_, Some(ClientOpKind::List { .. })) => match &answer {
                 Answer::Listed(_) => Some(true),
@@ -332,10 +345,11 @@ impl World<'_> {
 
     /// The durable outcomes of the updates of `plan`'s instance, by id
     /// (every run of its chain).
-    fn durable_updates(&self, plan: usize) -> BTreeMap<CommandId, Result<Payload, Failure>> {
+    /// Every durable event of the instance's runs (latest run first).
+    fn durable_chain(&self, plan: usize) -> Vec<EventKind> {
         let instance = &self.setup.workload.plans()[plan].instance;
         let reader = self.store.reader();
-        let mut out = BTreeMap::new();
+        let mut out = Vec::new();
         let mut next = reader.resolve(instance).ok().flatten();
         let mut seen = 0;
         // The instance names its latest run; earlier runs of a chain are
@@ -344,20 +358,85 @@ impl World<'_> {
             seen += 1;
             next = None;
             for e in reader.history(run).unwrap_or_default() {
-                match e.kind {
-                    EventKind::UpdateCompleted {
-                        update_id,
-                        result,
-                        failure,
-                    } => {
-                        out.insert(update_id, failure.map_or(Ok(result), Err));
-                    }
-                    EventKind::WorkflowStarted { previous_run, .. } => next = previous_run,
-                    _ => {}
+                if let EventKind::WorkflowStarted { previous_run, .. } = &e.kind {
+                    next = *previous_run;
                 }
+                out.push(e.kind);
             }
         }
         out
+    }
+
+    fn durable_updates(&self, plan: usize) -> BTreeMap<CommandId, Result<Payload, Failure>> {
+        let mut out = BTreeMap::new();
+        for kind in self.durable_chain(plan) {
+            if let EventKind::UpdateCompleted {
+                update_id,
+                result,
+                failure,
+            } = kind
+            {
+                out.insert(update_id, failure.map_or(Ok(result), Err));
+            }
+        }
+        out
+    }
+
+    /// An answer to a stream message: the offset answered must be the one
+    /// durable for its key, whether this send committed it or an earlier
+    /// one did.
+    fn send_answered(
+        &mut self,
+        plan: usize,
+        stream: &str,
+        key: &str,
+        answer: &Answer,
+    ) -> Option<bool> {
+        let durable = self
+            .durable_chain(plan)
+            .into_iter()
+            .find_map(|kind| match kind {
+                EventKind::MessageReceived {
+                    stream: s,
+                    key: k,
+                    offset,
+                    ..
+                } if s == stream && k.0 == key => Some(offset),
+                _ => None,
+            });
+        match answer {
+            Answer::Sent { offset, .. } => {
+                if durable != Some(*offset) {
+                    let detail = format!(
+                        "message {key} on {stream}: answered offset {offset}, durable {durable:?}"
+                    );
+                    self.violation(ViolationKind::WrongAnswer, detail);
+                    return None;
+                }
+                Some(true)
+            }
+            // Sent again after the workflow read everything and finished;
+            // or it reached a run that continued as new, and goes to the
+            // next run (as `Client::send_message` does).
+            Answer::Refused(Refusal::RunClosed(run)) => {
+                let continued = self
+                    .store
+                    .reader()
+                    .run_meta(*run)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|m| matches!(m.outcome, Some(Outcome::ContinuedAsNew(_))));
+                Some(durable.is_some() || !continued)
+            }
+            Answer::Retry(_)
+            | Answer::Refused(Refusal::Shutdown)
+            | Answer::Refused(Refusal::Unavailable(_)) => Some(false),
+            other => {
+                let detail = format!("message {key} on {stream}: unexpected answer {other:?}");
+                self.violation(ViolationKind::WrongAnswer, detail);
+                None
+            }
+        }
     }
 
     /// An answer to an update: a value or failure must be the one durable

@@ -231,6 +231,7 @@ fn op_name(op: &keel_core::driver::RunOp) -> &'static str {
             Input::ChildCompleted { .. } => "ChildCompleted",
             Input::ChildFailed { .. } => "ChildFailed",
             Input::Signal { .. } => "Signal",
+            Input::Message { .. } => "Message",
             Input::CancelRequested { .. } => "CancelRequested",
             Input::Terminate { .. } => "Terminate",
             Input::Update { .. } => "Update",
@@ -259,6 +260,7 @@ fn answer_name(a: &keel_core::driver::Answer) -> String {
         Answer::Updated(Ok(_)) => "updated".into(),
         Answer::Updated(Err(f)) => format!("update failed ({f})"),
         Answer::Listed(page) => format!("listed ({} runs)", page.runs.len()),
+        Answer::Sent { offset, first } => format!("sent (offset {offset}, first {first})"),
     }
 }
 

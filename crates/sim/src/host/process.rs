@@ -262,5 +262,6 @@ impl World<'_> {
         }
         self.checker.violations.extend(found);
         self.checker.check_winners(histories, now);
+        self.checker.check_streams(histories, now);
     }
 }

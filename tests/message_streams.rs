@@ -1,0 +1,193 @@
+//! Goal: message streams on the real engine (issue "The rest of the
+//! workflow surface", item 8, and the message cursor of item 6): messages
+//! sent with an idempotency key are committed once, read in offset order
+//! through a cursor that survives restarts and continue-as-new, and a
+//! repeated send answers with the first offset; bad messages and a full
+//! stream are typed errors that write nothing.
+//!
+//! Method: a reader takes three messages per run and continues as new
+//! until it has read nine. Five messages are sent (one twice) before a
+//! restart, the rest after it, with a retry of a message the first run
+//! committed reaching the second run. The result lists what the reader got,
+//! and the chain's histories, read from the store, must hold each key
+//! exactly once at offsets 0..9. A second workflow never reads, to fill its
+//! stream to `STREAM_BACKLOG_MAX`.
+
+use std::time::Duration;
+
+use keel::storage::{EventKind, STREAM_BACKLOG_MAX};
+use keel::{Engine, EngineError, Workflow, WorkflowContext, WorkflowError};
+
+struct Reader;
+impl Workflow for Reader {
+    const NAME: &'static str = "reader";
+    /// What earlier runs read: (offset, value) pairs.
+    type Input = Vec<(u64, u64)>;
+    type Output = Vec<(u64, u64)>;
+    async fn run(
+        ctx: WorkflowContext,
+        mut read: Vec<(u64, u64)>,
+    ) -> Result<Vec<(u64, u64)>, WorkflowError> {
+        let orders = ctx.stream::<u64>("orders");
+        assert_eq!(orders.cursor(), read.len() as u64, "the cursor was carried");
+        for _ in 0..3 {
+            let m = orders.next().await?;
+            read.push((m.offset, m.value));
+        }
+        if read.len() >= 9 {
+            return Ok(read);
+        }
+        Err(WorkflowError::continue_as_new(&read))
+    }
+}
+
+/// Never reads its stream; finishes on a signal.
+struct Idle;
+impl Workflow for Idle {
+    const NAME: &'static str = "idle";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        let _: () = ctx.wait_signal("stop").await?;
+        Ok(())
+    }
+}
+
+fn engine(dir: &std::path::Path) -> anyhow::Result<Engine> {
+    Ok(Engine::builder()
+        .data_dir(dir)
+        .register_workflow::<Reader>()
+        .register_workflow::<Idle>()
+        .build()?)
+}
+
+const WAIT: Duration = Duration::from_secs(20);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_read_in_order_once_across_restarts_and_continue_as_new() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let key = |i: u64| format!("order-{i}");
+    {
+        let e = engine(&data)?;
+        let c = e.client();
+        c.start::<Reader>("r", &Vec::new()).await?;
+        for i in 0..5u64 {
+            let sent = c.send_message("r", "orders", &key(i), &(100 + i)).await?;
+            assert_eq!((sent.offset, sent.first), (i, true));
+        }
+        // A client that lost the answer sends again: the first offset.
+        let again = c.send_message("r", "orders", &key(1), &101u64).await?;
+        assert_eq!((again.offset, again.first), (1, false));
+        e.shutdown().await;
+    }
+    let e = engine(&data)?;
+    let c = e.client();
+    // The first run read three and continued as new carrying two unread;
+    // a retry of one it committed still answers with its offset.
+    let again = c.send_message("r", "orders", &key(0), &100u64).await?;
+    assert_eq!((again.offset, again.first), (0, false));
+    for i in 5..9u64 {
+        let sent = c.send_message("r", "orders", &key(i), &(100 + i)).await?;
+        assert_eq!((sent.offset, sent.first), (i, true));
+    }
+    let read = tokio::time::timeout(WAIT, c.result::<Reader>("r")).await??;
+    assert_eq!(
+        read,
+        (0..9).map(|i| (i, 100 + i)).collect::<Vec<_>>(),
+        "every message read once, in offset order"
+    );
+
+    // The chain's histories hold each key once, at offsets 0..9 in order.
+    let store = e.store();
+    let mut run = store.resolve("r")?;
+    let (mut runs, mut chain) = (Vec::new(), Vec::new());
+    while let Some(r) = run {
+        runs.push(r);
+        run = match store.history(r)?.first().map(|e| e.kind.clone()) {
+            Some(EventKind::WorkflowStarted { continued_from, .. }) => continued_from,
+            _ => None,
+        };
+    }
+    for r in runs.iter().rev() {
+        for ev in store.history(*r)? {
+            if let EventKind::MessageReceived { offset, key, .. } = ev.kind {
+                chain.push((offset, key.to_string()));
+            }
+        }
+    }
+    assert_eq!(runs.len(), 3, "three runs of three messages");
+    assert_eq!(chain, (0..9).map(|i| (i, key(i))).collect::<Vec<_>>());
+    e.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_messages_and_a_full_stream_are_refused_with_nothing_written() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let e = engine(&dir.path().join("data"))?;
+    let c = e.client();
+    let run = c.start::<Idle>("idle", &()).await?.run_id();
+    let len = || -> anyhow::Result<usize> { Ok(e.store().history(run)?.len()) };
+    let before = len()?;
+    match c.send_message("idle", "", "k", &1u64).await {
+        Err(EngineError::BadMessage(why)) => assert!(why.contains("stream name"), "{why}"),
+        other => panic!("an empty stream name is refused: {other:?}"),
+    }
+    let long = "k".repeat(keel::storage::MESSAGE_KEY_BYTES_MAX + 1);
+    match c.send_message("idle", "s", &long, &1u64).await {
+        Err(EngineError::BadMessage(why)) => assert!(why.contains("message key"), "{why}"),
+        other => panic!("an oversized key is refused: {other:?}"),
+    }
+    assert_eq!(len()?, before, "nothing written for bad messages");
+
+    // Fill the stream (the workflow never reads it), eight senders at once.
+    let mut sends = Vec::new();
+    for w in 0..8 {
+        let c = c.clone();
+        sends.push(tokio::spawn(async move {
+            let mut offsets = Vec::new();
+            for i in (w..STREAM_BACKLOG_MAX).step_by(8) {
+                let sent = c.send_message("idle", "s", &format!("m-{i}"), &i).await?;
+                offsets.push((i, sent.offset));
+            }
+            anyhow::Ok(offsets)
+        }));
+    }
+    let mut offsets = std::collections::BTreeMap::new();
+    for s in sends {
+        offsets.extend(s.await??);
+    }
+    let mut distinct: Vec<u64> = offsets.values().copied().collect();
+    distinct.sort();
+    assert_eq!(distinct, (0..STREAM_BACKLOG_MAX as u64).collect::<Vec<_>>());
+    let full = len()?;
+    assert_eq!(full, before + STREAM_BACKLOG_MAX);
+    match c.send_message("idle", "s", "one-more", &0usize).await {
+        Err(EngineError::StreamFull { detail, .. }) => {
+            assert!(detail.contains("STREAM_BACKLOG_MAX"), "{detail}")
+        }
+        other => panic!("a full stream refuses the next message: {other:?}"),
+    }
+    // A repeat of a committed message is still answered: it adds nothing.
+    let again = c.send_message("idle", "s", "m-7", &7usize).await?;
+    assert_eq!((again.offset, again.first), (offsets[&7], false));
+    assert_eq!(
+        len()?,
+        full,
+        "nothing written for refused or repeated sends"
+    );
+
+    let d = c.describe("idle").await?;
+    let s = d.streams.iter().find(|s| s.name == "s").expect("listed");
+    assert_eq!(
+        (s.next_offset, s.cursor),
+        (STREAM_BACKLOG_MAX as u64, 0),
+        "all committed, none read"
+    );
+    c.signal("idle", "stop", &(), None).await?;
+    tokio::time::timeout(WAIT, c.outcome("idle")).await??;
+    e.shutdown().await;
+    Ok(())
+}
