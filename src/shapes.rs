@@ -148,6 +148,25 @@ impl Workflow for StreamShape {
     }
 }
 
+/// Sends from workflow code: a stream message (twice, one key) and a
+/// signal to its own instance through the outbox, then reads both.
+#[derive(Debug)]
+pub struct SendShape;
+impl Workflow for SendShape {
+    const NAME: &'static str = "shapes.send";
+    type Input = ();
+    type Output = u64;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<u64, WorkflowError> {
+        let me = ctx.instance_id().to_string();
+        let first = ctx.send_message(&me, "inbox", "k-1", &40u64).await?;
+        let again = ctx.send_message(&me, "inbox", "k-1", &40u64).await?;
+        assert_eq!((first, again), (Some(0), Some(0)));
+        ctx.signal_workflow(&me, "bump", &2u64).await?;
+        let bump: u64 = ctx.wait_signal("bump").await?;
+        Ok(ctx.stream::<u64>("inbox").next().await?.value + bump)
+    }
+}
+
 /// Every shape workflow, plus the seed workflows.
 pub fn workflows() -> WorkflowRegistry {
     let mut r = crate::seeds::workflows();
@@ -155,6 +174,7 @@ pub fn workflows() -> WorkflowRegistry {
         .register::<UpdateShape>()
         .register::<VersionShape>()
         .register::<SearchShape>()
-        .register::<StreamShape>();
+        .register::<StreamShape>()
+        .register::<SendShape>();
     r
 }

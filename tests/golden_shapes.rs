@@ -2,7 +2,7 @@
 //! keeps replaying with the current code (issue "The rest of the workflow
 //! surface", item 10): barrier, nested barrier, select, children, scope,
 //! update with query, version markers, search attributes and memo, a
-//! message stream read across continue-as-new. A change to the engine or to these
+//! message stream read across continue-as-new, sends from workflow code. A change to the engine or to these
 //! workflows that would park such runs fails CI.
 //!
 //! Method: the bundles in `tests/data/histories/shapes/` were written by a
@@ -33,6 +33,7 @@ const SHAPES: &[(&str, &str)] = &[
     ("version-marker", "VersionMarker"),
     ("search", "SearchAttributesUpserted"),
     ("stream", "MessageReceived"),
+    ("send", "ExternalSendCompleted"),
 ];
 
 fn dir() -> PathBuf {
@@ -78,6 +79,7 @@ async fn bless() -> anyhow::Result<()> {
         c.send_message("stream", "items", &format!("item-{i}"), &v)
             .await?;
     }
+    c.start::<shapes::SendShape>("send", &()).await?;
     let n: u64 = c.update("update", "add", &2u64, Some("add-2")).await?;
     assert_eq!(n, 2);
     let n: u64 = c.update("update", "add", &3u64, Some("add-3")).await?;
@@ -93,6 +95,7 @@ async fn bless() -> anyhow::Result<()> {
         "update",
         "search",
         "stream",
+        "send",
     ] {
         tokio::time::timeout(WAIT, c.outcome(id)).await??;
     }

@@ -53,12 +53,103 @@ impl Workflow for Idle {
     }
 }
 
+/// Sends nine messages to the instance named by its input, from workflow
+/// code: four, then (after the signal "more") the rest with a repeat of
+/// the first key and a signal to the reader's instance before the last;
+/// then a send to an instance that does not exist. Returns the offsets it was
+/// answered and whether the last send failed.
+struct Producer;
+impl Workflow for Producer {
+    const NAME: &'static str = "producer";
+    type Input = String;
+    type Output = (Vec<u64>, bool);
+    async fn run(ctx: WorkflowContext, target: String) -> Result<(Vec<u64>, bool), WorkflowError> {
+        let mut offsets = Vec::new();
+        let keys = (0..4).chain([0]).chain(4..8).map(|i| format!("order-{i}"));
+        for (n, key) in keys.enumerate() {
+            if n == 4 {
+                let _: () = ctx.wait_signal("more").await?;
+            }
+            let value = 100 + key[6..].parse::<u64>().expect("numbered");
+            let offset = ctx.send_message(&target, "orders", &key, &value).await?;
+            offsets.push(offset.expect("a message has an offset"));
+        }
+        // Before the last message: the reader closes once it has nine.
+        ctx.signal_workflow(&target, "hello", &"from the producer")
+            .await?;
+        let last = ctx.send_message(&target, "orders", "order-8", &108u64);
+        offsets.push(last.await?.expect("a message has an offset"));
+        let lost = ctx.send_message("ghost", "orders", "x", &0u64).await;
+        Ok((offsets, lost.is_err()))
+    }
+}
+
 fn engine(dir: &std::path::Path) -> anyhow::Result<Engine> {
     Ok(Engine::builder()
         .data_dir(dir)
         .register_workflow::<Reader>()
         .register_workflow::<Idle>()
+        .register_workflow::<Producer>()
         .build()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workflow_sends_messages_and_signals_to_another_across_a_restart() -> anyhow::Result<()> {
+    // Goal: sends from workflow code (item 8 "from another workflow", item
+    // 9 "signal another workflow"): delivered through the outbox, each
+    // committed once by the target, answered with its offset, surviving an
+    // engine restart between sends; a send to an unknown instance fails.
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    {
+        let e = engine(&data)?;
+        let c = e.client();
+        c.start::<Reader>("r", &Vec::new()).await?;
+        c.start::<Producer>("p", &"r".to_string()).await?;
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !c
+            .describe("p")
+            .await?
+            .signal_waits
+            .iter()
+            .any(|(n, _)| n == "more")
+        {
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "never waited");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        e.shutdown().await;
+    }
+    let e = engine(&data)?;
+    let c = e.client();
+    c.signal("p", "more", &(), None).await?;
+    let (offsets, lost) = tokio::time::timeout(WAIT, c.result::<Producer>("p")).await??;
+    assert_eq!(offsets, vec![0, 1, 2, 3, 0, 4, 5, 6, 7, 8]);
+    assert!(lost, "a send to an instance that does not exist fails");
+    let read = tokio::time::timeout(WAIT, c.result::<Reader>("r")).await??;
+    assert_eq!(read, (0..9).map(|i| (i, 100 + i)).collect::<Vec<_>>());
+    // The signal is in the reader's chain once.
+    let store = e.store();
+    let (mut run, mut signals) = (store.resolve("r")?, 0);
+    while let Some(r) = run {
+        run = None;
+        for ev in store.history(r)? {
+            match ev.kind {
+                EventKind::SignalReceived { name, .. } if name == "hello" => signals += 1,
+                EventKind::WorkflowStarted { continued_from, .. } => run = continued_from,
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(
+        signals, 1,
+        "the signal is committed once in the reader's chain"
+    );
+    assert!(
+        e.store().outbox(usize::MAX)?.is_empty(),
+        "every delivery's row was consumed"
+    );
+    e.shutdown().await;
+    Ok(())
 }
 
 const WAIT: Duration = Duration::from_secs(20);

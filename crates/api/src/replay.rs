@@ -423,6 +423,7 @@ impl Replayer {
                         keel_core::WaitKind::Activity => format!("schedule activity {}", w.name),
                         keel_core::WaitKind::Timer => "start timer".to_string(),
                         keel_core::WaitKind::Child => format!("start child {}", w.name),
+                        keel_core::WaitKind::Send => format!("send to {}", w.name),
                     };
                     (w.step, format!("{what} at step {}", w.step))
                 }

@@ -460,6 +460,43 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             ("key", text(key)),
             ("payload", Field::Payload(payload)),
         ],
+        K::ExternalSendScheduled {
+            step,
+            target,
+            delivery,
+        } => match delivery {
+            keel::storage::Delivery::Signal { name, payload } => vec![
+                ("step", text(step)),
+                ("target", text(target)),
+                ("signal", text(name)),
+                ("payload", Field::Payload(payload)),
+            ],
+            keel::storage::Delivery::Message {
+                stream,
+                key,
+                payload,
+            } => vec![
+                ("step", text(step)),
+                ("target", text(target)),
+                ("stream", text(stream)),
+                ("key", text(key)),
+                ("payload", Field::Payload(payload)),
+            ],
+        },
+        K::ExternalSendCompleted {
+            step,
+            offset,
+            failure,
+        } => {
+            let mut f = vec![("step", text(step))];
+            if let Some(o) = offset {
+                f.push(("offset", text(o)));
+            }
+            if let Some(x) = failure {
+                f.push(("failure", text(x)));
+            }
+            f
+        }
         K::UpdateAccepted {
             update_id,
             name,

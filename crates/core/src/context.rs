@@ -125,6 +125,53 @@ impl WorkflowContext {
         crate::stream::MessageStream::new(self.core.clone(), name)
     }
 
+    /// Sends a message to the stream `stream` of `instance` (an instance
+    /// id or a run id; its own instance too), deduplicated at the target
+    /// by `key`. Durable: delivered at least once through the outbox after
+    /// this command is committed, committed by the target once. Resolves
+    /// with the message's offset (`Ok(Some(offset))`), or a failure if the
+    /// instance is unknown or closed. See [`crate::stream::ExternalSend`].
+    pub fn send_message<T: Serialize>(
+        &self,
+        instance: &str,
+        stream: &str,
+        key: &str,
+        payload: &T,
+    ) -> crate::stream::ExternalSend {
+        let key = keel_storage::MessageKey::new(key);
+        let delivery = keel_storage::check_stream_message(stream, &key)
+            .and_then(|()| Payload::encode(payload).map_err(|e| e.to_string()))
+            .map(|payload| keel_storage::Delivery::Message {
+                stream: stream.to_string(),
+                key,
+                payload,
+            })
+            .map_err(|e| Failure::new(FailureKind::Application, e, false));
+        crate::stream::ExternalSend::new(self.core.clone(), instance, delivery)
+    }
+
+    /// Sends the signal `name` to `instance` (an instance id or a run id),
+    /// durably through the outbox like [`WorkflowContext::send_message`];
+    /// the target deduplicates redeliveries by an id derived from this run
+    /// and step. Resolves with `Ok(None)` once the signal is committed.
+    pub fn signal_workflow<T: Serialize>(
+        &self,
+        instance: &str,
+        name: &str,
+        payload: &T,
+    ) -> crate::stream::ExternalSend {
+        let delivery = Payload::encode(payload)
+            .map(|payload| keel_storage::Delivery::Signal {
+                name: name.to_string(),
+                payload,
+            })
+            .map_err(|e| {
+                let why = format!("signal payload does not encode: {e}");
+                Failure::new(FailureKind::Application, why, false)
+            });
+        crate::stream::ExternalSend::new(self.core.clone(), instance, delivery)
+    }
+
     /// Resolves once `predicate` over workflow state holds. Re-checked after
     /// every input the run receives.
     pub fn condition<F: FnMut() -> bool>(&self, predicate: F) -> Condition<F> {

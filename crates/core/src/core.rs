@@ -116,6 +116,8 @@ pub enum WaitKind {
     Timer,
     /// A child workflow.
     Child,
+    /// A signal or message sent to an instance, until its target answers.
+    Send,
 }
 
 /// An open durable wait, for `describe`.
@@ -570,6 +572,8 @@ impl Core {
                     }
                 }
             }
+            // A send cannot be taken back: it is answered on its own.
+            WaitKind::Send => {}
         }
         true
     }
@@ -637,6 +641,18 @@ fn commands_match(recorded: &EventKind, issued: &EventKind) -> bool {
                 ..
             },
         ) => a == b && ga == gb && ta == tb,
+        (
+            K::ExternalSendScheduled {
+                step: a,
+                target: ta,
+                delivery: da,
+            },
+            K::ExternalSendScheduled {
+                step: b,
+                target: tb,
+                delivery: db,
+            },
+        ) => a == b && ta == tb && same_delivery(da, db),
         (K::VersionMarker { change_id: ca, .. }, K::VersionMarker { change_id: cb, .. }) => {
             ca == cb
         }
@@ -675,6 +691,28 @@ pub(crate) fn describe_recorded(e: &Event) -> String {
 }
 
 /// A one-line description of a command.
+/// Two sends are the same command when they send the same kind of thing
+/// under the same name (and key): the payload may differ between builds.
+fn same_delivery(a: &keel_storage::Delivery, b: &keel_storage::Delivery) -> bool {
+    use keel_storage::Delivery as D;
+    match (a, b) {
+        (D::Signal { name: na, .. }, D::Signal { name: nb, .. }) => na == nb,
+        (
+            D::Message {
+                stream: sa,
+                key: ka,
+                ..
+            },
+            D::Message {
+                stream: sb,
+                key: kb,
+                ..
+            },
+        ) => sa == sb && ka == kb,
+        _ => false,
+    }
+}
+
 pub(crate) fn describe_command(kind: &EventKind) -> String {
     let step = kind
         .step()
@@ -686,6 +724,16 @@ pub(crate) fn describe_command(kind: &EventKind) -> String {
         }
         EventKind::ChildScheduled { workflow_type, .. } => format!("start child {workflow_type}"),
         EventKind::TimerStarted { .. } => "start timer".to_string(),
+        EventKind::ExternalSendScheduled {
+            target, delivery, ..
+        } => match delivery {
+            keel_storage::Delivery::Signal { name, .. } => {
+                format!("signal {name:?} to {target}")
+            }
+            keel_storage::Delivery::Message { stream, key, .. } => {
+                format!("send message {key} on {stream:?} to {target}")
+            }
+        },
         other if !other.is_command() => {
             format!("no command (next recorded is input {})", other.name())
         }

@@ -41,7 +41,7 @@ pub use machine::{
     Input, MachineError, RunMachine, StartSpec, StreamPosition, UpdateStatus, Verdict,
 };
 pub use scope::{CoroutineRef, Receiver, Scope, ScopeError, ScopeRef, ScopeView, Sender};
-pub use stream::{Message, MessageStream, NextMessage};
+pub use stream::{ExternalSend, Message, MessageStream, NextMessage};
 pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};
 
 /// History length (events) at which `ctx.continue_as_new_suggested()`

@@ -320,6 +320,15 @@ pub enum Input {
         /// Its payload.
         payload: Payload,
     },
+    /// The target of a send from workflow code answered for good.
+    SendCompleted {
+        /// The sending step.
+        step: Step,
+        /// The offset a message was committed at.
+        offset: Option<u64>,
+        /// Why it was not delivered.
+        failure: Option<Failure>,
+    },
     /// Cooperative cancellation request.
     CancelRequested {
         /// Why.
@@ -635,6 +644,7 @@ impl RunMachine {
                 None => Verdict::Unknown(format!("no activity at step {step}")),
             },
             Input::ActivityCancelled { step }
+            | Input::SendCompleted { step, .. }
             | Input::TimerFired { step }
             | Input::ChildStarted { step, .. }
             | Input::ChildCompleted { step, .. }
@@ -853,6 +863,15 @@ impl RunMachine {
                         payload,
                     }
                 }
+                Input::SendCompleted {
+                    step,
+                    offset,
+                    failure,
+                } => EventKind::ExternalSendCompleted {
+                    step,
+                    offset,
+                    failure,
+                },
                 Input::CancelRequested { reason, command_id } => {
                     EventKind::WorkflowCancelRequested { command_id, reason }
                 }
@@ -938,6 +957,20 @@ impl RunMachine {
                 ),
                 EventKind::TimerFired { step, .. } => {
                     core.resolve(*step, Resolution::Value(Payload::default()))
+                }
+                EventKind::ExternalSendCompleted {
+                    step,
+                    offset,
+                    failure,
+                } => {
+                    let r =
+                        match failure {
+                            Some(f) => Resolution::Failed(f.clone()),
+                            None => Resolution::Value(Payload::encode(offset).map_err(|e| {
+                                MachineError::InvalidHistory(format!("offset: {e}"))
+                            })?),
+                        };
+                    core.resolve(*step, r)
                 }
                 EventKind::ChildStarted { step, child_run_id } => {
                     if let Some(w) = core.open.get_mut(step) {
@@ -1087,7 +1120,18 @@ impl RunMachine {
         if let Some(err) = self.core.borrow_mut().error.take() {
             return Err(err);
         }
-        let finished = self.outcome.borrow_mut().take();
+        // A run closes only once every send its code made is answered: the
+        // outbox row that delivers it is consumed by that answer.
+        let sending = self
+            .core
+            .borrow()
+            .open
+            .values()
+            .any(|w| w.kind == crate::core::WaitKind::Send);
+        let finished = match sending {
+            true => None,
+            false => self.outcome.borrow_mut().take(),
+        };
         if let Some(result) = finished {
             let mut core = self.core.borrow_mut();
             let kind = match result {

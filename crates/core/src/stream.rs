@@ -172,3 +172,104 @@ impl<T> Drop for NextMessage<T> {
         }
     }
 }
+
+/// A signal or stream message workflow code sent to an instance
+/// ([`crate::WorkflowContext::send_message`],
+/// [`crate::WorkflowContext::signal_workflow`]). The send is a command:
+/// `ExternalSendScheduled` is committed, and only then does the outbox
+/// deliver it, at least once, with the target deduplicating (a message by
+/// its key, a signal by an id derived from this run and step). Resolves
+/// once the target answered for good: `Ok(Some(offset))` for a message,
+/// `Ok(None)` for a signal, `Err` if the instance is unknown or closed.
+/// A run whose code returns while a send is unanswered closes only once
+/// it is answered; dropping the future does not take the send back.
+pub struct ExternalSend {
+    core: Rc<RefCell<Core>>,
+    target: String,
+    delivery: Option<Result<keel_storage::Delivery, Failure>>,
+    step: Option<keel_storage::Step>,
+}
+
+impl std::fmt::Debug for ExternalSend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalSend")
+            .field("target", &self.target)
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+impl ExternalSend {
+    pub(crate) fn new(
+        core: Rc<RefCell<Core>>,
+        target: &str,
+        delivery: Result<keel_storage::Delivery, Failure>,
+    ) -> Self {
+        ExternalSend {
+            core,
+            target: target.to_string(),
+            delivery: Some(delivery),
+            step: None,
+        }
+    }
+}
+
+impl Future for ExternalSend {
+    type Output = Result<Option<u64>, Failure>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        use crate::core::{Issued, OpenWait, Resolution, WaitKind};
+        use keel_storage::{AttemptNo, EventKind};
+        let this = self.get_mut();
+        let mut core = this.core.borrow_mut();
+        let step = match this.step {
+            Some(s) => s,
+            None => {
+                let delivery = match this.delivery.take() {
+                    Some(Ok(d)) => d,
+                    Some(Err(f)) => return Poll::Ready(Err(f)),
+                    None => return Poll::Pending,
+                };
+                let step = core.take_step();
+                this.step = Some(step);
+                match core.issue(EventKind::ExternalSendScheduled {
+                    step,
+                    target: this.target.clone(),
+                    delivery,
+                }) {
+                    Issued::Live(e) | Issued::Replayed(e) => {
+                        let owner = core.current_owner;
+                        let group = core.group();
+                        core.open.insert(
+                            step,
+                            OpenWait {
+                                step,
+                                kind: WaitKind::Send,
+                                name: this.target.clone(),
+                                group,
+                                since: e.at,
+                                attempt: AttemptNo::FIRST,
+                                options: None,
+                                fire_at: None,
+                                child_run: None,
+                                owner,
+                                close_policy: None,
+                                child_started: false,
+                            },
+                        );
+                    }
+                    Issued::Diverged => return Poll::Pending,
+                }
+                step
+            }
+        };
+        match core.resolved.remove(&step) {
+            Some(Resolution::Value(p)) => Poll::Ready(Ok(p.decode::<Option<u64>>().ok().flatten())),
+            Some(Resolution::Failed(f)) => Poll::Ready(Err(f)),
+            None => {
+                core.wait_on(step, cx.waker());
+                Poll::Pending
+            }
+        }
+    }
+}

@@ -534,6 +534,15 @@ fn input_of(kind: &EventKind) -> Option<Input> {
             Input::CancelRequested { reason, command_id }
         }
         EventKind::WorkflowTerminated { reason } => Input::Terminate { reason },
+        EventKind::ExternalSendCompleted {
+            step,
+            offset,
+            failure,
+        } => Input::SendCompleted {
+            step,
+            offset,
+            failure,
+        },
         EventKind::MessageReceived {
             stream,
             key,

@@ -398,6 +398,11 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_stream,
     },
+    Shape {
+        name: "relay",
+        weight: 2,
+        build: plan_relay,
+    },
 ];
 
 /// The resilience profile of the `guarded` shape: a retry policy of its
@@ -469,6 +474,7 @@ pub fn register_default(sim: Simulation) -> Simulation {
         .register_workflow::<UpdatesWf>()
         .register_workflow::<SearchWf>()
         .register_workflow::<StreamWf>()
+        .register_workflow::<RelayWf>()
         .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
         .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
         .mock_fallback::<Flaky, _>(|input| input.value + 100)
@@ -790,6 +796,16 @@ fn plan_stream(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     p
 }
 
+fn plan_relay(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = RelayIn {
+        values: (0..rng.random_range(1..=4))
+            .map(|_| rng.random_range(1..1000))
+            .collect(),
+        to_nobody: rng.random_bool(0.3),
+    };
+    plan(rng, instance, RelayWf::NAME, encode(&input))
+}
+
 fn plan_async(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     let values: Vec<u64> = (0..rng.random_range(1..=3))
         .map(|_| rng.random_range(0..1000))
@@ -1039,6 +1055,59 @@ impl Workflow for StreamWf {
             sum += m.value;
         }
         Ok(ctx.activity::<Transform>(sum).await?)
+    }
+}
+
+/// Input of [`RelayWf`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RelayIn {
+    /// Values to send as messages.
+    pub values: Vec<u64>,
+    /// Also send to an instance that never exists (the send fails).
+    pub to_nobody: bool,
+}
+
+/// `sim.relay`: sends its values as stream messages to its own instance
+/// through the outbox (the first one twice, same key), then a signal to
+/// itself; waits for the signal, reads the messages in offset order and
+/// returns their sum, plus 1000 if a send to an instance that does not
+/// exist failed as it must. Parks (a bug) if an answered offset or a read
+/// is out of order, or a repeated key is answered with a new offset.
+#[derive(Debug)]
+pub struct RelayWf;
+
+impl Workflow for RelayWf {
+    const NAME: &'static str = "sim.relay";
+    type Input = RelayIn;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, input: RelayIn) -> Result<u64, WorkflowError> {
+        let me = ctx.instance_id().to_string();
+        for (i, v) in input.values.iter().enumerate() {
+            let offset = ctx.send_message(&me, "relay", &format!("r{i}"), v).await?;
+            assert_eq!(offset, Some(i as u64), "a send answered out of order");
+        }
+        let again = ctx
+            .send_message(&me, "relay", "r0", &input.values[0])
+            .await?;
+        assert_eq!(again, Some(0), "a repeated key is the first message");
+        ctx.signal_workflow(&me, "go", &()).await?;
+        let _: () = ctx.wait_signal("go").await?;
+        let relay = ctx.stream::<u64>("relay");
+        let mut sum = 0;
+        for i in 0..input.values.len() {
+            let m = relay.next().await?;
+            assert_eq!(m.offset, i as u64, "messages read out of order");
+            sum += m.value;
+        }
+        if input.to_nobody {
+            let nobody = format!("{me}/nobody");
+            match ctx.send_message(&nobody, "relay", "x", &0u64).await {
+                Err(_) => sum += 1000,
+                Ok(o) => panic!("a send to an unknown instance was delivered at {o:?}"),
+            }
+        }
+        Ok(sum)
     }
 }
 

@@ -24,8 +24,9 @@ pub const HEADER_BYTES: usize = 8;
 /// `ActivityAttemptFailed::heartbeat` and `RetrySettings::backoff_mode`;
 /// version 3 added `UpdateCompleted::failure`; version 4 added
 /// `WorkflowStarted::memo` and `search_attributes` and the memo and search
-/// attributes of `Carried`; version 5 added `MessageReceived` and the
-/// message streams of `Carried`; older records decode unchanged (the new
+/// attributes of `Carried`; version 5 added `MessageReceived`,
+/// `ExternalSendScheduled`, `ExternalSendCompleted` and the message streams
+/// of `Carried`; older records decode unchanged (the new
 /// fields default).
 pub const EVENT_VERSION: u16 = 5;
 /// Current schema version of every derived-state record. Version 2 added

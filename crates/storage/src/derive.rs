@@ -536,6 +536,21 @@ fn close(
     }
     // A cancellation addressed to this run is done once it closes.
     out.delete(Cf::Outbox, keys::outbox_cancel_key(run));
+    // Sends still in flight: a run closes only once they are answered
+    // (the machine holds its close back), except when terminated, which
+    // drops them.
+    if matches!(outcome, Outcome::Terminated(_)) {
+        let prefix = keys::outbox_deliver_key(run, Step(0));
+        let prefix = &prefix[..prefix.len() - 4];
+        let mut sends = Vec::new();
+        out.scan(Cf::Outbox, prefix, prefix, &mut |k, _| {
+            sends.push(k.to_vec());
+            true
+        })?;
+        for k in sends {
+            out.delete(Cf::Outbox, k);
+        }
+    }
     // A child that continues as new reports through its chain's last run.
     let continues = matches!(outcome, Outcome::ContinuedAsNew(_));
     if let Some(parent) = meta.parent.as_ref().filter(|_| !continues) {
@@ -940,6 +955,29 @@ fn derive_event(
         }
         EventKind::MessageReceived { stream, key, .. } => {
             crate::event::check_stream_message(stream, key).map_err(invalid)?;
+        }
+        EventKind::ExternalSendScheduled {
+            step,
+            target,
+            delivery,
+        } => {
+            if let crate::event::Delivery::Message { stream, key, .. } = delivery {
+                crate::event::check_stream_message(stream, key).map_err(invalid)?;
+            }
+            let msg = OutboxMessage::Deliver {
+                sender: run,
+                step: *step,
+                target: target.clone(),
+                delivery: delivery.clone(),
+            };
+            out.put(
+                Cf::Outbox,
+                keys::outbox_deliver_key(run, *step),
+                enc(RecordKind::Outbox, &msg)?,
+            );
+        }
+        EventKind::ExternalSendCompleted { step, .. } => {
+            out.delete(Cf::Outbox, keys::outbox_deliver_key(run, *step));
         }
         EventKind::ChildStarted { .. }
         | EventKind::SignalReceived { .. }

@@ -446,6 +446,38 @@ pub struct CarriedSignal {
     pub payload: Payload,
 }
 
+/// What workflow code sends to another instance (or its own) through the
+/// outbox.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub enum Delivery {
+    /// A signal, deduplicated at the target by a command id derived from
+    /// the sending run and step.
+    Signal {
+        /// The signal's name.
+        name: String,
+        /// Its payload.
+        payload: Payload,
+    },
+    /// A stream message, deduplicated at the target by its key.
+    Message {
+        /// The stream's name.
+        stream: String,
+        /// Its idempotency key.
+        key: MessageKey,
+        /// Its payload.
+        payload: Payload,
+    },
+}
+
+impl Delivery {
+    /// Its payload.
+    pub fn payload(&self) -> &Payload {
+        match self {
+            Delivery::Signal { payload, .. } | Delivery::Message { payload, .. } => payload,
+        }
+    }
+}
+
 /// Every kind of history event. Variants are only ever added at the end.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
 pub enum EventKind {
@@ -756,6 +788,26 @@ pub enum EventKind {
         /// Its payload.
         payload: Payload,
     },
+    /// Workflow code sent a signal or a stream message to an instance; the
+    /// outbox delivers it at least once and the target deduplicates.
+    ExternalSendScheduled {
+        /// The command's step.
+        step: Step,
+        /// The receiving instance (or run id).
+        target: String,
+        /// What is sent.
+        delivery: Delivery,
+    },
+    /// The target answered the send for good: committed (with the
+    /// message's offset), or refused (`failure`).
+    ExternalSendCompleted {
+        /// The sending step.
+        step: Step,
+        /// The stream offset a message was committed at.
+        offset: Option<u64>,
+        /// Why it was not delivered.
+        failure: Option<Failure>,
+    },
 }
 
 /// The two kinds of history event. Every [`EventKind`] is exactly one: an
@@ -799,6 +851,8 @@ pub enum DurableKey {
     ChildCancel(Step),
     /// One message of a stream: committed once per idempotency key.
     Message(String, MessageKey),
+    /// One send to another instance: answered once.
+    Send(Step),
 }
 
 impl fmt::Display for DurableKey {
@@ -816,6 +870,7 @@ impl fmt::Display for DurableKey {
             DurableKey::Scope(s) => write!(f, "scope@{s}"),
             DurableKey::ChildCancel(s) => write!(f, "child-cancel@{s}"),
             DurableKey::Message(stream, key) => write!(f, "message:{stream}/{key}"),
+            DurableKey::Send(s) => write!(f, "send@{s}"),
         }
     }
 }
@@ -855,6 +910,8 @@ impl EventKind {
             EventKind::ScopeCancelled { .. } => "ScopeCancelled",
             EventKind::ChildCancelRequested { .. } => "ChildCancelRequested",
             EventKind::MessageReceived { .. } => "MessageReceived",
+            EventKind::ExternalSendScheduled { .. } => "ExternalSendScheduled",
+            EventKind::ExternalSendCompleted { .. } => "ExternalSendCompleted",
         }
     }
 
@@ -872,6 +929,7 @@ impl EventKind {
             | K::ChildFailed { .. }
             | K::SignalReceived { .. }
             | K::MessageReceived { .. }
+            | K::ExternalSendCompleted { .. }
             | K::UpdateAccepted { .. }
             | K::WorkflowCancelRequested { .. }
             | K::WorkflowTerminated { .. } => EventClass::Input,
@@ -892,7 +950,8 @@ impl EventKind {
             | K::VersionMarker { .. }
             | K::MemoUpserted { .. }
             | K::SearchAttributesUpserted { .. }
-            | K::ScopeCancelled { .. } => EventClass::Command,
+            | K::ScopeCancelled { .. }
+            | K::ExternalSendScheduled { .. } => EventClass::Command,
         }
     }
 
@@ -965,6 +1024,7 @@ impl EventKind {
             EventKind::MessageReceived { stream, key, .. } => {
                 vec![DurableKey::Message(stream.clone(), key.clone())]
             }
+            EventKind::ExternalSendCompleted { step, .. } => vec![DurableKey::Send(*step)],
             _ => Vec::new(),
         }
     }
@@ -994,7 +1054,9 @@ impl EventKind {
             | EventKind::SelectionOperationCancelled { step, .. }
             | EventKind::VersionMarker { step, .. }
             | EventKind::ScopeCancelled { step, .. }
-            | EventKind::ChildCancelRequested { step, .. } => Some(*step),
+            | EventKind::ChildCancelRequested { step, .. }
+            | EventKind::ExternalSendScheduled { step, .. }
+            | EventKind::ExternalSendCompleted { step, .. } => Some(*step),
             _ => None,
         }
     }
@@ -1041,6 +1103,10 @@ impl EventKind {
             | EventKind::MessageReceived { payload, .. }
             | EventKind::UpdateAccepted { payload, .. } => vec![payload],
             EventKind::SideEffectRecorded { value, .. } => vec![value],
+            EventKind::ExternalSendScheduled { delivery, .. } => vec![delivery.payload()],
+            EventKind::ExternalSendCompleted { failure, .. } => {
+                failure.iter().flat_map(|f| f.details.iter()).collect()
+            }
             EventKind::MemoUpserted { fields: pairs }
             | EventKind::SearchAttributesUpserted { attributes: pairs } => {
                 pairs.iter().map(|(_, p)| p).collect()

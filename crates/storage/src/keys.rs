@@ -165,6 +165,10 @@ pub fn dedupe_key(run: RunId, key: &DurableKey) -> Vec<u8> {
             k.push(b'q');
             k.extend_from_slice(&s.0.to_be_bytes());
         }
+        DurableKey::Send(s) => {
+            k.push(b'e');
+            k.extend_from_slice(&s.0.to_be_bytes());
+        }
         DurableKey::Message(stream, key) => {
             // Length-prefixed stream name, so (stream, key) pairs never
             // collide.
@@ -230,6 +234,14 @@ pub fn outbox_cancel_key(child: RunId) -> Vec<u8> {
 pub fn outbox_continue_key(new_run: RunId) -> Vec<u8> {
     let mut k = vec![b'N'];
     k.extend_from_slice(new_run.as_bytes());
+    k
+}
+
+/// Outbox key of a send from workflow code: `'D' ‖ sender run ‖ step`.
+pub fn outbox_deliver_key(sender: RunId, step: Step) -> Vec<u8> {
+    let mut k = vec![b'D'];
+    k.extend_from_slice(sender.as_bytes());
+    k.extend_from_slice(&step.0.to_be_bytes());
     k
 }
 

@@ -32,10 +32,11 @@ pub use derive::{AppendAck, CommitAck, CommitBatch, Intent, IntentKey, RunAppend
 pub use error::{Error, Result};
 pub use event::{
     check_stream_message, ActivityOptions, Backoff, Carried, CarriedSignal, CarriedStream,
-    DurableKey, Event, EventClass, EventKind, Failure, FailureKind, GroupEntry, GroupPath, Jitter,
-    OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload, RetrySettings, SelectKey,
-    StreamMessage, CARRIED_COMMANDS_MAX, CARRIED_SIGNALS_MAX, MESSAGE_KEY_BYTES_MAX,
-    STREAMS_PER_RUN_MAX, STREAM_BACKLOG_MAX, STREAM_KEYS_CARRIED_MAX, STREAM_NAME_BYTES_MAX,
+    Delivery, DurableKey, Event, EventClass, EventKind, Failure, FailureKind, GroupEntry,
+    GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload,
+    RetrySettings, SelectKey, StreamMessage, CARRIED_COMMANDS_MAX, CARRIED_SIGNALS_MAX,
+    MESSAGE_KEY_BYTES_MAX, STREAMS_PER_RUN_MAX, STREAM_BACKLOG_MAX, STREAM_KEYS_CARRIED_MAX,
+    STREAM_NAME_BYTES_MAX,
 };
 pub use health::{StoreHealth, WriteFault};
 pub use ids::{

@@ -188,6 +188,18 @@ pub enum OutboxMessage {
         #[serde(default)]
         carried: crate::event::Carried,
     },
+    /// Deliver a signal or a stream message workflow code sent to an
+    /// instance; its answer goes back to the sender's step.
+    Deliver {
+        /// The sending run.
+        sender: RunId,
+        /// Its sending step.
+        step: crate::ids::Step,
+        /// The receiving instance (or run id).
+        target: String,
+        /// What is sent.
+        delivery: crate::event::Delivery,
+    },
 }
 
 impl OutboxMessage {
@@ -198,6 +210,9 @@ impl OutboxMessage {
             | OutboxMessage::CancelChild { child_run_id, .. } => *child_run_id,
             OutboxMessage::ChildResult { parent, .. } => parent.run_id,
             OutboxMessage::Continue { new_run_id, .. } => *new_run_id,
+            // Its target is an instance, resolved when delivered; the
+            // sender hears the answer.
+            OutboxMessage::Deliver { sender, .. } => *sender,
         }
     }
 
@@ -208,6 +223,7 @@ impl OutboxMessage {
             | OutboxMessage::CancelChild { parent, .. } => parent.run_id,
             OutboxMessage::ChildResult { child_run_id, .. } => *child_run_id,
             OutboxMessage::Continue { from, .. } => *from,
+            OutboxMessage::Deliver { sender, .. } => *sender,
         }
     }
 
@@ -225,6 +241,9 @@ impl OutboxMessage {
             }
             OutboxMessage::Continue { new_run_id, .. } => {
                 crate::keys::outbox_continue_key(*new_run_id)
+            }
+            OutboxMessage::Deliver { sender, step, .. } => {
+                crate::keys::outbox_deliver_key(*sender, *step)
             }
         }
     }

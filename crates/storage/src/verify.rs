@@ -453,6 +453,7 @@ fn value_runs(cf: Cf, value: &[u8]) -> Vec<RunId> {
             Ok(OutboxMessage::Continue {
                 from, new_run_id, ..
             }) => vec![from, new_run_id],
+            Ok(OutboxMessage::Deliver { sender, .. }) => vec![sender],
             Err(_) => Vec::new(),
         },
         _ => Vec::new(),

@@ -79,6 +79,11 @@ pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;
 pub const DELIVERY_BACKOFF_MS_MIN: u64 = 5;
 /// See [`DELIVERY_BACKOFF_MS_MIN`].
 pub const DELIVERY_BACKOFF_MS_MAX: u64 = 5_000;
+
+/// Times the outbox delivers a send from workflow code again after the
+/// instance's run answered "closed": it may have continued as new, and the
+/// instance then names the next run. After that many, the send fails.
+pub const SEND_CLOSED_FOLLOWS_MAX: u32 = 4;
 /// Requests waiting for one run (its activation, or its commits in flight)
 /// before more are refused with a retryable answer: the run's mailbox.
 pub const RUN_QUEUE_MAX: usize = 1024;

@@ -1,5 +1,6 @@
 //! The outbox: messages a commit wrote for another run (start a child,
-//! deliver a child's result, cancel a child, start a continuation),
+//! deliver a child's result, cancel a child, start a continuation, deliver
+//! a signal or stream message workflow code sent),
 //! delivered at least once by the shard of the run that wrote them, until
 //! the target answers for good. A row leaves the store in the commit that
 //! consumes it (the child's start, the parent's receipt of a result, the
@@ -9,10 +10,13 @@
 use std::collections::BTreeMap;
 
 use keel_storage::keys;
-use keel_storage::{CommandId, Failure, FailureKind, OutboxMessage, ParentClosePolicy, RunId};
+use keel_storage::{
+    CommandId, Delivery, Failure, FailureKind, OutboxMessage, ParentClosePolicy, RunId,
+};
 
 use super::{
-    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, Refusal, ReplyTo, RunOp, Shard, Token,
+    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, ReadFor, ReadQuery, Refusal, ReplyTo,
+    RunOp, Shard, Token,
 };
 use crate::machine::{Input, StartSpec};
 
@@ -204,6 +208,33 @@ impl Shard {
                 );
                 self.start_message(spec, None, reply, cause);
             }
+            OutboxMessage::Deliver {
+                sender,
+                step,
+                target,
+                delivery,
+            } => {
+                let input = match delivery {
+                    Delivery::Signal { name, payload } => Input::Signal {
+                        name,
+                        payload,
+                        command_id: Some(CommandId::new(format!("keel.signal/{sender}/{step}"))),
+                    },
+                    Delivery::Message {
+                        stream,
+                        key,
+                        payload,
+                    } => Input::Message {
+                        stream,
+                        key,
+                        payload,
+                    },
+                };
+                // Resolved like a client's request naming the instance:
+                // a continue-as-new in progress answers "try again".
+                let op = RunOp::Input(input);
+                self.read(ReadQuery::Resolve(target), ReadFor::Resolve { op, reply });
+            }
         }
     }
 
@@ -298,6 +329,45 @@ impl Shard {
                 row.stage = Stage::Notify;
                 row.tries = 0;
                 row.notify = Some(input);
+                self.deliver_outbox(key);
+            }
+            (OutboxMessage::Deliver { step, .. }, answer) => {
+                let (offset, failure) = match answer {
+                    Answer::Sent { offset, .. } => (Some(offset), None),
+                    Answer::Committed | Answer::Duplicate => (None, None),
+                    // Full or parked for now: deliver again later.
+                    Answer::Refused(Refusal::StreamFull { .. } | Refusal::Parked { .. }) => {
+                        let at = again(row);
+                        self.due.push(at, Due::Outbox(key.to_vec()));
+                        return;
+                    }
+                    // The run it reached may have continued as new: the
+                    // instance names the next one.
+                    Answer::Refused(Refusal::RunClosed(_))
+                        if row.tries < super::SEND_CLOSED_FOLLOWS_MAX
+                            && matches!(&row.msg, OutboxMessage::Deliver { target, .. }
+                                if RunId::parse(target).is_none()) =>
+                    {
+                        let at = again(row);
+                        self.due.push(at, Due::Outbox(key.to_vec()));
+                        return;
+                    }
+                    other => (
+                        None,
+                        Some(Failure::new(
+                            FailureKind::Application,
+                            format!("not delivered: {}", describe(&other)),
+                            false,
+                        )),
+                    ),
+                };
+                row.stage = Stage::Notify;
+                row.tries = 0;
+                row.notify = Some(Input::SendCompleted {
+                    step: *step,
+                    offset,
+                    failure,
+                });
                 self.deliver_outbox(key);
             }
             (OutboxMessage::CancelChild { .. }, Answer::Refused(Refusal::UnknownRun(_))) => {

@@ -232,6 +232,7 @@ fn op_name(op: &keel_core::driver::RunOp) -> &'static str {
             Input::ChildFailed { .. } => "ChildFailed",
             Input::Signal { .. } => "Signal",
             Input::Message { .. } => "Message",
+            Input::SendCompleted { .. } => "SendCompleted",
             Input::CancelRequested { .. } => "CancelRequested",
             Input::Terminate { .. } => "Terminate",
             Input::Update { .. } => "Update",
