@@ -48,6 +48,14 @@ impl Workflow for Idle {
     type Input = ();
     type Output = ();
     async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        // A query must not move a cursor: this one tries.
+        let probe = ctx.clone();
+        ctx.on_query("peek", move |_: ()| {
+            probe
+                .stream::<usize>("s")
+                .try_next()
+                .map(|m| m.map(|m| m.offset).ok())
+        });
         let _: () = ctx.wait_signal("stop").await?;
         Ok(())
     }
@@ -270,6 +278,11 @@ async fn bad_messages_and_a_full_stream_are_refused_with_nothing_written() -> an
         "nothing written for refused or repeated sends"
     );
 
+    // A query that tries to read the stream fails and takes nothing.
+    match c.query::<_, Option<Option<u64>>>("idle", "peek", &()).await {
+        Err(EngineError::Handler(e)) => assert!(e.to_string().contains("peek"), "{e}"),
+        other => panic!("a query that reads a stream fails: {other:?}"),
+    }
     let d = c.describe("idle").await?;
     let s = d.streams.iter().find(|s| s.name == "s").expect("listed");
     assert_eq!(

@@ -686,11 +686,28 @@ impl Client {
     }
 
     /// Terminates the current run without running workflow code (a parked
-    /// run too). A closed run answers [`EngineError::RunClosed`].
+    /// run too). A closed run answers [`EngineError::RunClosed`]. The
+    /// request carries a fresh command id, so this call's own retries are
+    /// deduplicated; give one with [`Client::terminate_with`] to
+    /// deduplicate yours.
     pub async fn terminate(&self, instance: &str, reason: &str) -> Result<(), EngineError> {
+        let id = self.fresh_command_id("terminate");
+        self.terminate_with(instance, reason, Some(&id)).await
+    }
+
+    /// [`Client::terminate`] with a command id: a repeat, before or after a
+    /// restart, answers `Ok` for the run it terminated (it is recorded in
+    /// `WorkflowTerminated`) instead of `RunClosed`.
+    pub async fn terminate_with(
+        &self,
+        instance: &str,
+        reason: &str,
+        command_id: Option<&str>,
+    ) -> Result<(), EngineError> {
         let request = Request::Terminate {
             target: instance.to_string(),
             reason: reason.to_string(),
+            command_id: command_id.map(CommandId::new),
         };
         self.done(request).await
     }

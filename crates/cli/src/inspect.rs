@@ -341,7 +341,7 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             }
             f
         }
-        K::WorkflowCancelled { reason } | K::WorkflowTerminated { reason } => {
+        K::WorkflowCancelled { reason } | K::WorkflowTerminated { reason, .. } => {
             vec![("reason", text(reason))]
         }
         K::WorkflowContinuedAsNew {

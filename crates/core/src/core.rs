@@ -218,6 +218,12 @@ pub(crate) struct Core {
     pub versions: BTreeMap<String, u32>,
     /// Updates accepted (`None` while their handler runs) and completed.
     pub updates: BTreeMap<CommandId, Option<Result<Payload, Failure>>>,
+    /// True while a query or an update validator runs: reading a stream
+    /// then takes nothing and marks the handler as having tried to change
+    /// state.
+    pub in_read_only: bool,
+    /// A read-only handler tried to take a stream message.
+    pub read_only_touched: bool,
 }
 
 /// What a read-only handler must leave as it found it.
@@ -227,6 +233,7 @@ pub(crate) struct Untouched {
     next_step: u32,
     next_seq: Seq,
     pending: usize,
+    touched: bool,
 }
 
 impl Core {
@@ -269,6 +276,8 @@ impl Core {
             historical: false,
             versions: BTreeMap::new(),
             updates: BTreeMap::new(),
+            in_read_only: false,
+            read_only_touched: false,
         }
     }
 
@@ -325,6 +334,7 @@ impl Core {
             next_step: self.next_step,
             next_seq: self.next_seq,
             pending: self.pending.len(),
+            touched: self.read_only_touched,
         }
     }
 
@@ -335,6 +345,7 @@ impl Core {
         self.next_step = before.next_step;
         self.next_seq = before.next_seq;
         self.pending.truncate(before.pending);
+        self.read_only_touched = before.touched;
         changed
     }
 

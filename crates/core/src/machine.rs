@@ -340,6 +340,8 @@ pub enum Input {
     Terminate {
         /// Why.
         reason: String,
+        /// The client's command id, for deduplication.
+        command_id: Option<CommandId>,
     },
     /// An update the run's validator accepted (the driver asks
     /// [`RunMachine::validate_update`] first).
@@ -672,20 +674,33 @@ impl RunMachine {
                         s.unread.len()
                     ))
                 }
-                None if core.streams.len() >= keel_storage::STREAMS_PER_RUN_MAX => {
-                    Verdict::Full(format!(
-                        "the run receives on {} streams, its limit (STREAMS_PER_RUN_MAX)",
-                        core.streams.len()
-                    ))
+                Some(s) if !s.unread.is_empty() => Verdict::Accept,
+                _ => {
+                    // A new stream, or one read to its end: it takes a place
+                    // among the streams holding unread messages.
+                    let holding = core
+                        .streams
+                        .values()
+                        .filter(|s| !s.unread.is_empty())
+                        .count();
+                    match holding >= keel_storage::STREAMS_PER_RUN_MAX {
+                        true => Verdict::Full(format!(
+                            "{holding} streams of the run hold unread messages, its limit \
+                             (STREAMS_PER_RUN_MAX); send again once the workflow reads"
+                        )),
+                        false => Verdict::Accept,
+                    }
                 }
-                _ => Verdict::Accept,
             },
             Input::CancelRequested { command_id, .. } => match command_id {
                 Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
                 _ if core.cancel_requested.is_some() => Verdict::Duplicate,
                 _ => Verdict::Accept,
             },
-            Input::Terminate { .. } => Verdict::Accept,
+            Input::Terminate { command_id, .. } => match command_id {
+                Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
+                _ => Verdict::Accept,
+            },
             Input::Update { update_id, .. } => {
                 match core.updates.contains_key(update_id)
                     || core.carried_commands.contains(update_id)
@@ -765,7 +780,9 @@ impl RunMachine {
         f: impl FnOnce() -> Result<T, String>,
     ) -> Result<Result<T, String>, HandlerError> {
         let before = self.core.borrow().untouched();
+        self.core.borrow_mut().in_read_only = true;
         let r = call_read_only(kind, name, f);
+        self.core.borrow_mut().in_read_only = false;
         let changed = self.core.borrow_mut().restore(before);
         let failed = |detail: String| HandlerError::Failed {
             kind,
@@ -875,7 +892,9 @@ impl RunMachine {
                 Input::CancelRequested { reason, command_id } => {
                     EventKind::WorkflowCancelRequested { command_id, reason }
                 }
-                Input::Terminate { reason } => EventKind::WorkflowTerminated { reason },
+                Input::Terminate { reason, command_id } => {
+                    EventKind::WorkflowTerminated { reason, command_id }
+                }
                 Input::Update {
                     update_id,
                     name,

@@ -92,6 +92,12 @@ impl<T: DeserializeOwned> MessageStream<T> {
 }
 
 fn take(core: &mut Core, name: &str) -> Option<StreamMessage> {
+    if core.in_read_only {
+        // A query or validator must not move the cursor: nothing is
+        // taken, and the handler fails as having changed state.
+        core.read_only_touched = true;
+        return None;
+    }
     core.streams.get_mut(name)?.unread.pop_front()
 }
 

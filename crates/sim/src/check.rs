@@ -401,7 +401,18 @@ impl Checker {
             }
         }
         let mut problems = Vec::new();
+        // Per instance: the offset each (stream, key) was committed at.
+        let mut committed: BTreeMap<String, BTreeMap<(String, String), u64>> = BTreeMap::new();
         for root in roots {
+            let instance = match histories
+                .get(&root)
+                .and_then(|h| h.first())
+                .map(|e| &e.kind)
+            {
+                Some(EventKind::WorkflowStarted { instance_id, .. }) => instance_id.to_string(),
+                _ => continue,
+            };
+            let offsets = committed.entry(instance).or_default();
             // Per stream: the next offset, and the keys committed.
             let mut streams: BTreeMap<&str, (u64, BTreeMap<&str, u64>)> = BTreeMap::new();
             let mut run = Some(root);
@@ -416,6 +427,7 @@ impl Checker {
                     else {
                         continue;
                     };
+                    offsets.insert((stream.clone(), key.0.clone()), *offset);
                     let (next, keys) = streams.entry(stream.as_str()).or_default();
                     if let Some(first) = keys.insert(key.0.as_str(), *offset) {
                         problems.push((
@@ -439,6 +451,45 @@ impl Checker {
                     *next = offset + 1;
                 }
                 run = next_of.get(&r).copied();
+            }
+        }
+        // A send from workflow code was answered with the offset its
+        // target's chain committed the key at.
+        for (run, history) in histories {
+            let mut sent = BTreeMap::new();
+            for e in history {
+                match &e.kind {
+                    EventKind::ExternalSendScheduled {
+                        step,
+                        target,
+                        delivery: keel_storage::Delivery::Message { stream, key, .. },
+                    } => {
+                        sent.insert(*step, (target.clone(), stream.clone(), key.0.clone()));
+                    }
+                    EventKind::ExternalSendCompleted {
+                        step,
+                        offset: Some(answered),
+                        ..
+                    } => {
+                        let Some((target, stream, key)) = sent.get(step) else {
+                            continue;
+                        };
+                        let durable = committed
+                            .get(target)
+                            .and_then(|o| o.get(&(stream.clone(), key.clone())));
+                        if durable != Some(answered) {
+                            problems.push((
+                                ViolationKind::WrongAnswer,
+                                format!(
+                                    "run {run} step {step}: send of {key} on {stream} to \
+                                     {target} answered offset {answered}, committed at \
+                                     {durable:?}"
+                                ),
+                            ));
+                        }
+                    }
+                    _ => {}
+                }
             }
         }
         for (kind, detail) in problems {
@@ -533,7 +584,9 @@ fn input_of(kind: &EventKind) -> Option<Input> {
         EventKind::WorkflowCancelRequested { command_id, reason } => {
             Input::CancelRequested { reason, command_id }
         }
-        EventKind::WorkflowTerminated { reason } => Input::Terminate { reason },
+        EventKind::WorkflowTerminated { reason, command_id } => {
+            Input::Terminate { reason, command_id }
+        }
         EventKind::ExternalSendCompleted {
             step,
             offset,

@@ -743,7 +743,7 @@ fn derive_event(
             Outcome::Cancelled(reason.clone()),
             event.at,
         )?,
-        EventKind::WorkflowTerminated { reason } => close(
+        EventKind::WorkflowTerminated { reason, .. } => close(
             out,
             run,
             m,

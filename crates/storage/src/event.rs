@@ -343,7 +343,8 @@ pub const CARRIED_COMMANDS_MAX: usize = 4096;
 /// carries every unread message.
 pub const STREAM_BACKLOG_MAX: usize = 1024;
 
-/// Most streams one run receives messages on.
+/// Most streams of one run holding unread messages at once (a send that
+/// would make one more is refused for now, like a full stream).
 pub const STREAMS_PER_RUN_MAX: usize = 32;
 
 /// Longest stream name, in bytes.
@@ -543,6 +544,9 @@ pub enum EventKind {
     WorkflowTerminated {
         /// Why.
         reason: String,
+        /// The client's command id, deduplicating the termination.
+        #[serde(default)]
+        command_id: Option<CommandId>,
     },
     /// The run closed and a new run of the same instance continues it.
     WorkflowContinuedAsNew {
@@ -969,6 +973,10 @@ impl EventKind {
     /// store refuses a second terminal event for any of them.
     pub fn terminal_keys(&self) -> Vec<DurableKey> {
         match self {
+            EventKind::WorkflowTerminated {
+                command_id: Some(c),
+                ..
+            } => vec![DurableKey::Run, DurableKey::Command(c.clone())],
             EventKind::WorkflowCompleted { .. }
             | EventKind::WorkflowFailed { .. }
             | EventKind::WorkflowCancelled { .. }

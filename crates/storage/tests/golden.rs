@@ -163,6 +163,7 @@ fn samples() -> Vec<Event> {
         },
         EventKind::WorkflowTerminated {
             reason: "operator".into(),
+            command_id: Some(CommandId::new("terminate-1")),
         },
         EventKind::WorkflowContinuedAsNew {
             new_run_id: other_run(),
@@ -375,6 +376,7 @@ fn as_v4(mut e: Event) -> Option<Event> {
         EventKind::MessageReceived { .. }
         | EventKind::ExternalSendScheduled { .. }
         | EventKind::ExternalSendCompleted { .. } => return None,
+        EventKind::WorkflowTerminated { command_id, .. } => *command_id = None,
         EventKind::WorkflowStarted { carried, .. }
         | EventKind::WorkflowContinuedAsNew { carried, .. } => carried.streams.clear(),
         _ => {}

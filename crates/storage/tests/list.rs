@@ -124,6 +124,7 @@ fn populate(store: &dyn Store, rng: &mut Rng) {
             },
             _ => EventKind::WorkflowTerminated {
                 reason: "ops".into(),
+                command_id: None,
             },
         };
         if keep_open {

@@ -81,8 +81,9 @@ pub const DELIVERY_BACKOFF_MS_MIN: u64 = 5;
 pub const DELIVERY_BACKOFF_MS_MAX: u64 = 5_000;
 
 /// Times the outbox delivers a send from workflow code again after the
-/// instance's run answered "closed": it may have continued as new, and the
-/// instance then names the next run. After that many, the send fails.
+/// instance's run answered "closed" (it may have continued as new, and the
+/// instance then names the next run) or the instance was unknown (a child
+/// whose start is in flight). After that many, the send fails.
 pub const SEND_CLOSED_FOLLOWS_MAX: u32 = 4;
 /// Requests waiting for one run (its activation, or its commits in flight)
 /// before more are refused with a retryable answer: the run's mailbox.
@@ -252,6 +253,8 @@ pub enum Request {
         target: String,
         /// Why.
         reason: String,
+        /// Deduplicates retries.
+        command_id: Option<CommandId>,
     },
     /// The run's outcome, once it closes.
     Result {
@@ -881,6 +884,11 @@ enum ReadFor {
         args: Payload,
         reply: ReplyTo,
     },
+    ClosedInput {
+        run: RunId,
+        input: Input,
+        origin: Origin,
+    },
 }
 
 /// What a pending commit is for.
@@ -1165,6 +1173,10 @@ impl Shard {
                 | ReadFor::QueryClosed {
                     reply: ReplyTo::Client(id),
                     ..
+                }
+                | ReadFor::ClosedInput {
+                    origin: Origin::Reply(ReplyTo::Client(id)),
+                    ..
                 } => clients.push(id),
                 ReadFor::Instance(job) => clients.extend(job.client()),
                 _ => {}
@@ -1264,6 +1276,9 @@ impl Shard {
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
             ReadFor::Recover => self.recovered(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
+            ReadFor::ClosedInput { run, input, origin } => {
+                self.closed_input_read(run, input, origin, result)
+            }
             ReadFor::List(reply) => {
                 let answer = match result {
                     Ok(ReadResult::Listed(page)) => Answer::Listed(page),

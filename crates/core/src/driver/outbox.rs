@@ -41,6 +41,9 @@ struct Row {
     /// Its consuming commit was answered in this shard: it is not
     /// delivered again, only its awaited answer is still followed.
     consumed: bool,
+    /// Times a send was delivered again because its target answered
+    /// "closed" or "unknown" (see [`super::SEND_CLOSED_FOLLOWS_MAX`]).
+    follows: u32,
 }
 
 /// The outbox rows one shard delivers.
@@ -71,6 +74,7 @@ fn cancel_input(
         },
         ParentClosePolicy::Terminate => Input::Terminate {
             reason: reason.to_string(),
+            command_id: Some(CommandId::new(format!("keel.terminate/{parent}/{step}"))),
         },
     }
 }
@@ -94,6 +98,7 @@ impl Shard {
                 notify: None,
                 awaiting: None,
                 consumed: false,
+                follows: 0,
             },
         );
         self.deliver_outbox(&key);
@@ -335,19 +340,24 @@ impl Shard {
                 let (offset, failure) = match answer {
                     Answer::Sent { offset, .. } => (Some(offset), None),
                     Answer::Committed | Answer::Duplicate => (None, None),
-                    // Full or parked for now: deliver again later.
-                    Answer::Refused(Refusal::StreamFull { .. } | Refusal::Parked { .. }) => {
+                    // Full, parked or shutting down for now: deliver again
+                    // later (after a restart, the row is read back).
+                    Answer::Refused(
+                        Refusal::StreamFull { .. } | Refusal::Parked { .. } | Refusal::Shutdown,
+                    ) => {
                         let at = again(row);
                         self.due.push(at, Due::Outbox(key.to_vec()));
                         return;
                     }
-                    // The run it reached may have continued as new: the
-                    // instance names the next one.
-                    Answer::Refused(Refusal::RunClosed(_))
-                        if row.tries < super::SEND_CLOSED_FOLLOWS_MAX
+                    // The run it reached may have continued as new (the
+                    // instance names the next one), or the instance may not
+                    // be started yet (a child whose start is in flight).
+                    Answer::Refused(Refusal::RunClosed(_) | Refusal::UnknownRun(_))
+                        if row.follows < super::SEND_CLOSED_FOLLOWS_MAX
                             && matches!(&row.msg, OutboxMessage::Deliver { target, .. }
                                 if RunId::parse(target).is_none()) =>
                     {
+                        row.follows += 1;
                         let at = again(row);
                         self.due.push(at, Due::Outbox(key.to_vec()));
                         return;

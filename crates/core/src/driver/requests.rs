@@ -161,9 +161,14 @@ impl Shard {
                 target,
                 RunOp::Input(Input::CancelRequested { reason, command_id }),
             ),
-            Request::Terminate { target, reason } => {
-                (target, RunOp::Input(Input::Terminate { reason }))
-            }
+            Request::Terminate {
+                target,
+                reason,
+                command_id,
+            } => (
+                target,
+                RunOp::Input(Input::Terminate { reason, command_id }),
+            ),
             Request::Result { target } => (target, RunOp::Result),
             Request::Describe { target } => (target, RunOp::Describe),
             Request::Resume { target } => (target, RunOp::Resume),

@@ -193,11 +193,14 @@ impl Shard {
                     (RunOp::Describe, _) => self.describe_when_drained(run, origin),
                     // Termination runs no workflow code: it works on a
                     // parked run too.
-                    (RunOp::Input(crate::machine::Input::Terminate { reason }), Some(seq)) => {
+                    (
+                        RunOp::Input(crate::machine::Input::Terminate { reason, command_id }),
+                        Some(seq),
+                    ) => {
                         let event = Event {
                             seq,
                             at: self.now,
-                            kind: EventKind::WorkflowTerminated { reason },
+                            kind: EventKind::WorkflowTerminated { reason, command_id },
                         };
                         let batch = CommitBatch {
                             appends: vec![keel_storage::RunAppend {
@@ -227,6 +230,20 @@ impl Shard {
     /// An operation on a run known to be closed.
     fn closed_op(&mut self, run: RunId, op: RunOp, origin: Origin) {
         match op {
+            // A repeat of something the run committed before it closed gets
+            // the first outcome: looked up in its history once every commit
+            // in flight is durable.
+            RunOp::Input(input) if repeatable(&input) => {
+                let slot = self.slot(run);
+                if slot.inflight.is_empty() && slot.markers.is_empty() {
+                    self.read(
+                        ReadQuery::History(run),
+                        ReadFor::ClosedInput { run, input, origin },
+                    );
+                } else {
+                    slot.wait_drained(RunOp::Input(input), origin);
+                }
+            }
             RunOp::Input(_) => {
                 let answer = Answer::Refused(Refusal::RunClosed(run));
                 self.answer_when_durable(run, origin, answer);
@@ -235,6 +252,73 @@ impl Shard {
             RunOp::Query { name, args } => self.query_closed(run, name, args, origin),
             RunOp::Activate | RunOp::Result | RunOp::Resume => {}
         }
+    }
+
+    /// A repeat reached a closed run: its history says whether the run
+    /// committed it (then the first outcome answers) or not (`RunClosed`).
+    pub(super) fn closed_input_read(
+        &mut self,
+        run: RunId,
+        input: Input,
+        origin: Origin,
+        result: Result<ReadResult, StoreError>,
+    ) {
+        let history = match result {
+            Ok(ReadResult::History(h, _)) => h,
+            Ok(_) => return,
+            Err(e) => {
+                let answer = Answer::Retry(format!("history unreadable: {e}"));
+                return self.answer(origin, answer, None);
+            }
+        };
+        let first = history.iter().find_map(|e| match (&input, &e.kind) {
+            (
+                Input::Message { stream, key, .. },
+                EventKind::MessageReceived {
+                    stream: s,
+                    key: k,
+                    offset,
+                    ..
+                },
+            ) if s == stream && k == key => Some(Answer::Sent {
+                offset: *offset,
+                first: false,
+            }),
+            (
+                Input::Update { update_id, .. },
+                EventKind::UpdateCompleted {
+                    update_id: u,
+                    result,
+                    failure,
+                },
+            ) if u == update_id => Some(Answer::Updated(match failure {
+                Some(f) => Err(f.clone()),
+                None => Ok(result.clone()),
+            })),
+            (
+                Input::Signal {
+                    command_id: Some(c),
+                    ..
+                }
+                | Input::CancelRequested {
+                    command_id: Some(c),
+                    ..
+                }
+                | Input::Terminate {
+                    command_id: Some(c),
+                    ..
+                },
+                kind,
+            ) if kind
+                .terminal_keys()
+                .contains(&keel_storage::DurableKey::Command(c.clone())) =>
+            {
+                Some(Answer::Duplicate)
+            }
+            _ => None,
+        });
+        let answer = first.unwrap_or(Answer::Refused(Refusal::RunClosed(run)));
+        self.answer(origin, answer, None);
     }
 
     /// Answers once every commit of `run` in flight is durable.
@@ -677,6 +761,7 @@ impl Shard {
         for (op, origin) in drained {
             match op {
                 RunOp::Query { name, args } => self.query_ready(run, name, args, origin),
+                op @ RunOp::Input(_) => self.closed_op(run, op, origin),
                 _ => self.describe_now(run, origin),
             }
         }
@@ -1010,10 +1095,22 @@ pub(super) fn outcome_of(kind: &EventKind) -> Option<Outcome> {
         EventKind::WorkflowCompleted { result } => Outcome::Completed(result.clone()),
         EventKind::WorkflowFailed { failure } => Outcome::Failed(failure.clone()),
         EventKind::WorkflowCancelled { reason } => Outcome::Cancelled(reason.clone()),
-        EventKind::WorkflowTerminated { reason } => Outcome::Terminated(reason.clone()),
+        EventKind::WorkflowTerminated { reason, .. } => Outcome::Terminated(reason.clone()),
         EventKind::WorkflowContinuedAsNew { new_run_id, .. } => {
             Outcome::ContinuedAsNew(*new_run_id)
         }
         _ => return None,
     })
+}
+
+/// An input whose repeat a closed run answers from its history: it carries
+/// an id the history records (a command id, a message key, an update id).
+fn repeatable(input: &Input) -> bool {
+    match input {
+        Input::Signal { command_id, .. }
+        | Input::CancelRequested { command_id, .. }
+        | Input::Terminate { command_id, .. } => command_id.is_some(),
+        Input::Message { .. } | Input::Update { .. } => true,
+        _ => false,
+    }
 }
