@@ -167,6 +167,18 @@ impl Workflow for SendShape {
     }
 }
 
+/// What the `schedule` shape's schedule starts: its input plus one.
+#[derive(Debug)]
+pub struct TickShape;
+impl Workflow for TickShape {
+    const NAME: &'static str = "shapes.tick";
+    type Input = u64;
+    type Output = u64;
+    async fn run(_: WorkflowContext, n: u64) -> Result<u64, WorkflowError> {
+        Ok(n + 1)
+    }
+}
+
 /// Every shape workflow, plus the seed workflows.
 pub fn workflows() -> WorkflowRegistry {
     let mut r = crate::seeds::workflows();
@@ -175,6 +187,7 @@ pub fn workflows() -> WorkflowRegistry {
         .register::<VersionShape>()
         .register::<SearchShape>()
         .register::<StreamShape>()
-        .register::<SendShape>();
+        .register::<SendShape>()
+        .register::<TickShape>();
     r
 }

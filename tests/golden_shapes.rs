@@ -2,7 +2,8 @@
 //! keeps replaying with the current code (issue "The rest of the workflow
 //! surface", item 10): barrier, nested barrier, select, children, scope,
 //! update with query, version markers, search attributes and memo, a
-//! message stream read across continue-as-new, sends from workflow code. A change to the engine or to these
+//! message stream read across continue-as-new, sends from workflow code,
+//! a schedule's loop (calendar and manual triggers, pause). A change to the engine or to these
 //! workflows that would park such runs fails CI.
 //!
 //! Method: the bundles in `tests/data/histories/shapes/` were written by a
@@ -34,6 +35,7 @@ const SHAPES: &[(&str, &str)] = &[
     ("search", "SearchAttributesUpserted"),
     ("stream", "MessageReceived"),
     ("send", "ExternalSendCompleted"),
+    ("schedule", "ChildCompleted"),
 ];
 
 fn dir() -> PathBuf {
@@ -80,6 +82,23 @@ async fn bless() -> anyhow::Result<()> {
             .await?;
     }
     c.start::<shapes::SendShape>("send", &()).await?;
+    // A schedule of two calendar triggers and one manual one, paused and
+    // unpaused on the way; it closes once its calendar has ended.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
+    let end = keel::Timestamp(now.as_millis() as u64 + 2_500);
+    let spec = keel::ScheduleSpec::every(Duration::from_secs(1)).ending_at(end);
+    let action =
+        keel::ScheduleAction::start::<shapes::TickShape>(&1).map_err(anyhow::Error::msg)?;
+    let schedules = c.schedules();
+    schedules
+        .create(
+            "schedule",
+            keel::NewSchedule::new(spec, action).overlap(keel::OverlapPolicy::AllowAll),
+        )
+        .await?;
+    schedules.trigger("schedule").await?;
+    schedules.pause("schedule", "a moment").await?;
+    schedules.unpause("schedule", "go on").await?;
     let n: u64 = c.update("update", "add", &2u64, Some("add-2")).await?;
     assert_eq!(n, 2);
     let n: u64 = c.update("update", "add", &3u64, Some("add-3")).await?;
@@ -96,6 +115,7 @@ async fn bless() -> anyhow::Result<()> {
         "search",
         "stream",
         "send",
+        "keel.schedule/schedule",
     ] {
         tokio::time::timeout(WAIT, c.outcome(id)).await??;
     }
@@ -120,6 +140,8 @@ async fn bless() -> anyhow::Result<()> {
                 })
                 .expect("children schedules children");
             Bundle::from_store(store.as_ref(), &child.to_string())?
+        } else if *name == "schedule" {
+            Bundle::from_store(store.as_ref(), "keel.schedule/schedule")?
         } else {
             Bundle::from_store(store.as_ref(), name)?
         };

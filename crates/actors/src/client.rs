@@ -160,6 +160,16 @@ pub enum EngineError {
         /// Which limit.
         detail: String,
     },
+    /// A schedule request that does not check (cron syntax, time zone,
+    /// id). Nothing was written.
+    #[error(transparent)]
+    Schedule(#[from] keel_core::schedule::ScheduleError),
+    /// A schedule with this id exists already.
+    #[error("schedule {0:?} exists already")]
+    ScheduleExists(String),
+    /// No schedule has this id (never created, or deleted).
+    #[error("no schedule {0:?} (never created, or deleted)")]
+    UnknownSchedule(String),
 }
 
 /// Where a stream message was committed ([`Client::send_message`]).

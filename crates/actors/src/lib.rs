@@ -13,6 +13,7 @@ mod attempts;
 mod client;
 mod engine;
 mod readers;
+mod schedules;
 mod shard;
 
 pub use client::{
@@ -22,4 +23,5 @@ pub use client::{
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
 pub use readers::{READER_THREADS, READ_QUEUE_MAX};
+pub use schedules::{NewSchedule, ScheduleSummary, Schedules, SCHEDULES_LIST_MAX};
 pub use shard::{SHARD_MAILBOX_MAX, STORE_HEALTH_POLL_MS};

@@ -50,11 +50,17 @@ pub use replay::{Bundle, ReplayOutcome, Replayer};
 
 pub use keel_actors::{
     AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, MessageSent,
-    Resumed, ReusePolicy, RunDescription, SignalWithStart, StartOptions, StartOutcome,
+    NewSchedule, Resumed, ReusePolicy, RunDescription, ScheduleSummary, Schedules, SignalWithStart,
+    StartOptions, StartOutcome,
 };
+pub use keel_core::child;
+pub use keel_core::child::{AnyChild, ChildCall, ChildHandle, ChildResult, StartChild};
 pub use keel_core::concurrency::{
-    All, AllLimited, AsyncCall, Branch, ChildCall, HandleResult, Select, SelectHandle, Selected,
+    All, AllLimited, AsyncCall, Branch, HandleResult, Select, SelectHandle, Selected,
 };
+/// Schedules: calendars, policies and what `describe` shows.
+pub use keel_core::schedule;
+pub use keel_core::schedule::{OverlapPolicy, ScheduleAction, ScheduleChange, ScheduleSpec};
 pub use keel_core::{
     format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, HandlerError,
     MachineError, RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,

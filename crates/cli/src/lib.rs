@@ -26,6 +26,7 @@ pub mod recover_cmd;
 pub mod replay_bench;
 pub mod replay_cmd;
 pub mod resume_cmd;
+pub mod schedule_cmd;
 mod table;
 mod verify;
 
@@ -90,6 +91,9 @@ pub enum Command {
     /// lost (only with --accept-loss; no engine may hold --data). Exit 0
     /// recovered, 1 the prefix fails verify, 2 cannot open.
     Recover(recover_cmd::RecoverArgs),
+    /// Schedules: `list` them, or `describe` one (its calendar, policies,
+    /// open runs, next times and newest triggers).
+    Schedule(schedule_cmd::ScheduleArgs),
 }
 
 /// Runs one command and returns its exit code. Errors are printed to
@@ -105,6 +109,7 @@ pub fn run(command: Command, registry: &WorkflowRegistry) -> ExitCode {
         Command::Replay(args) => replay_cmd::run(args, registry),
         Command::Resume(args) => resume_cmd::run(args, registry),
         Command::Recover(args) => recover_cmd::run(args),
+        Command::Schedule(args) => schedule_cmd::run(args, registry),
     };
     finish(result)
 }

@@ -860,3 +860,66 @@ fn list_finds_runs_by_search_attributes_and_pages() {
         "only `and`",
     );
 }
+
+#[test]
+fn schedule_list_and_describe_read_a_data_directory() {
+    // Goal: `keel schedule list` shows each schedule's calendar, workflow,
+    // policy and pause from its run record, and `keel schedule describe`
+    // replays one and shows what its `describe` query answers, as a table
+    // and as JSON; an unknown schedule is one line and exit 2.
+    // Method: an engine creates and pauses a daily schedule in Berlin
+    // time, shuts down, then the binary reads the directory.
+    let tmp = tempfile::tempdir().unwrap();
+    let workflows = demo_app::workflows();
+    {
+        let engine = demo_engine(tmp.path(), &workflows);
+        let client = engine.client();
+        rt().block_on(async {
+            let spec = keel::ScheduleSpec::cron("30 6 * * MON-FRI").in_time_zone("Europe/Berlin");
+            let action =
+                keel::ScheduleAction::start::<demo_app::ProcessOrder>(&demo_app::order(1)).unwrap();
+            let s = client.schedules();
+            s.create(
+                "morning",
+                keel::NewSchedule::new(spec, action).overlap(keel::OverlapPolicy::BufferOne),
+            )
+            .await
+            .unwrap();
+            s.pause("morning", "holidays").await.unwrap();
+            s.unpause("morning", "back").await.unwrap();
+        });
+        engine.shutdown_blocking();
+    }
+    let data = data_arg(tmp.path());
+    let o = keel(&["schedule", "list", "--data", &data]);
+    expect_code(&o, 0, "schedule list");
+    let out = stdout(&o);
+    assert!(out.contains("morning"), "{out}");
+    assert!(
+        out.contains("cron \"30 6 * * MON-FRI\" in Europe/Berlin"),
+        "{out}"
+    );
+    assert!(
+        out.contains("demo.order") && out.contains("buffer-one"),
+        "{out}"
+    );
+    let o = keel(&["schedule", "list", "--data", &data, "--json"]);
+    expect_code(&o, 0, "schedule list --json");
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["id"], "morning");
+    assert_eq!(v["paused"], false);
+    assert_eq!(v["note"], "back");
+    let o = keel(&["schedule", "describe", "morning", "--data", &data]);
+    expect_code(&o, 0, "schedule describe");
+    let out = stdout(&o);
+    assert!(out.contains("overlap    buffer-one"), "{out}");
+    // The next five weekday mornings, 06:30 in Berlin (05:30 or 04:30 UTC).
+    let next = out.lines().find(|l| l.starts_with("next")).unwrap();
+    assert_eq!(next.matches(":30:00.000Z").count(), 5, "{next}");
+    let o = keel(&["schedule", "describe", "morning", "--data", &data, "--json"]);
+    expect_code(&o, 0, "schedule describe --json");
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["next"].as_array().map(Vec::len), Some(5));
+    let o = keel(&["schedule", "describe", "evening", "--data", &data]);
+    expect_error(&o, 2, "unknown schedule", "no schedule \"evening\"");
+}

@@ -18,15 +18,15 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use keel_storage::{
-    AttemptNo, EventKind, Failure, FailureKind, InstanceId, OperationKind, ParentClosePolicy,
-    Payload, RunId, SelectKey, Step,
+    EventKind, Failure, FailureKind, OperationKind, Payload, RunId, SelectKey, Step,
 };
 use parking_lot::Mutex;
 use serde::{de::DeserializeOwned, Serialize};
 
 use crate::activity::Activity;
+use crate::child::ChildCall;
 use crate::context::{ActivityCall, Timer, WorkflowContext};
-use crate::core::{ActiveGroup, Core, Issued, OpenWait, Resolution, WaitKind};
+use crate::core::{ActiveGroup, Core, Issued};
 use crate::machine::MachineError;
 use crate::workflow::{ErasedWorkflow, Workflow, WorkflowError, WorkflowFuture};
 
@@ -413,129 +413,6 @@ where
     }
 }
 
-/// A call to child workflow `W`, scheduled on first poll. The child gets
-/// its own instance (derived from this run and step) and run ids; its
-/// result comes back through the outbox.
-pub struct ChildCall<W: Workflow> {
-    core: Rc<RefCell<Core>>,
-    input: Option<Result<Payload, String>>,
-    workflow_type: String,
-    close_policy: ParentClosePolicy,
-    step: Option<Step>,
-    _w: PhantomData<fn() -> W>,
-}
-
-impl<W: Workflow> std::fmt::Debug for ChildCall<W> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ChildCall({}, step {:?})", self.workflow_type, self.step)
-    }
-}
-
-impl<W: Workflow> ChildCall<W> {
-    /// What happens to the child if this run closes first.
-    pub fn close_policy(mut self, policy: ParentClosePolicy) -> Self {
-        self.close_policy = policy;
-        self
-    }
-
-    fn poll_raw(&mut self, cx: &mut Context<'_>) -> Poll<Result<Payload, Failure>> {
-        let mut core = self.core.borrow_mut();
-        let step = match self.step {
-            Some(s) => s,
-            None => {
-                let input = match self.input.take() {
-                    Some(Ok(p)) => p,
-                    Some(Err(e)) => {
-                        return Poll::Ready(Err(failure(format!(
-                            "child input does not encode: {e}"
-                        ))))
-                    }
-                    None => return Poll::Pending,
-                };
-                let step = core.take_step();
-                let group = core.group();
-                // Drawn before issuing, live and on replay alike, so the
-                // run's random sequence stays the same.
-                let (a, b) = (core.next_random(), core.next_random());
-                let kind = EventKind::ChildScheduled {
-                    step,
-                    group: group.clone(),
-                    child_instance_id: InstanceId::for_child(core.run_id, step),
-                    child_run_id: RunId::from_u64_pair(a, b),
-                    workflow_type: self.workflow_type.clone(),
-                    input,
-                    close_policy: self.close_policy,
-                };
-                self.step = Some(step);
-                match core.issue(kind) {
-                    Issued::Live(e) | Issued::Replayed(e) => {
-                        let child_run = match &e.kind {
-                            EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
-                            _ => None,
-                        };
-                        let owner = core.current_owner;
-                        core.open.insert(
-                            step,
-                            OpenWait {
-                                step,
-                                kind: WaitKind::Child,
-                                name: self.workflow_type.clone(),
-                                group,
-                                since: e.at,
-                                attempt: AttemptNo::FIRST,
-                                options: None,
-                                fire_at: None,
-                                child_run,
-                                owner,
-                                close_policy: Some(self.close_policy),
-                                child_started: false,
-                            },
-                        );
-                    }
-                    Issued::Diverged => return Poll::Pending,
-                }
-                step
-            }
-        };
-        match core.resolved.remove(&step) {
-            Some(Resolution::Value(p)) => Poll::Ready(Ok(p)),
-            Some(Resolution::Failed(f)) => Poll::Ready(Err(f)),
-            None => {
-                core.wait_on(step, cx.waker());
-                Poll::Pending
-            }
-        }
-    }
-}
-
-impl<W: Workflow> Branch for ChildCall<W> {
-    type Output = W::Output;
-    fn leaf_count(&self) -> u32 {
-        1
-    }
-    fn poll_branch(&mut self, cx: &mut Context<'_>) -> Poll<Result<W::Output, Failure>> {
-        self.poll_raw(cx).map(|r| {
-            r.and_then(|p| {
-                p.decode()
-                    .map_err(|e| failure(format!("child result does not decode: {e}")))
-            })
-        })
-    }
-    fn leaf_step(&self) -> Option<Step> {
-        self.step
-    }
-    fn operation(&self) -> OperationKind {
-        OperationKind::Child
-    }
-}
-
-impl<W: Workflow> Future for ChildCall<W> {
-    type Output = Result<W::Output, Failure>;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut().poll_branch(cx)
-    }
-}
-
 impl WorkflowContext {
     /// A barrier over `members` (a tuple or a vector of activity calls,
     /// child calls and nested barriers). Every leaf is issued in one step;
@@ -595,18 +472,6 @@ impl WorkflowContext {
             keep,
             done: 0,
             step: None,
-        }
-    }
-
-    /// Calls child workflow `W`.
-    pub fn child<W: Workflow>(&self, input: W::Input) -> ChildCall<W> {
-        ChildCall {
-            core: self.core.clone(),
-            input: Some(Payload::encode(&input).map_err(|e| e.to_string())),
-            workflow_type: W::NAME.to_string(),
-            close_policy: ParentClosePolicy::default(),
-            step: None,
-            _w: PhantomData,
         }
     }
 
@@ -1153,14 +1018,7 @@ impl WorkflowContext {
             }) as WorkflowFuture)
         });
         AsyncCall {
-            call: ChildCall {
-                core: self.core.clone(),
-                input: Some(wrapped),
-                workflow_type: ASYNC_WORKFLOW_TYPE.to_string(),
-                close_policy: ParentClosePolicy::default(),
-                step: None,
-                _w: PhantomData,
-            },
+            call: ChildCall::new(self.core.clone(), ASYNC_WORKFLOW_TYPE.to_string(), wrapped),
             closures: self.closures.clone(),
             bind: Some(bind),
             _o: PhantomData,

@@ -589,6 +589,34 @@ impl Core {
         true
     }
 
+    /// Issues `ChildCancelRequested` for the open child at `step` with
+    /// `policy` (cancel or terminate), whatever its close policy. False
+    /// when no child is open there or one was issued already.
+    pub(crate) fn cancel_child(
+        &mut self,
+        step: Step,
+        policy: keel_storage::ParentClosePolicy,
+        reason: &str,
+    ) -> bool {
+        let child_run_id = match self.open.get(&step) {
+            Some(w) if w.kind == WaitKind::Child => match w.child_run {
+                Some(run) => run,
+                None => return false,
+            },
+            _ => return false,
+        };
+        if !self.child_cancelled.insert(step) {
+            return false;
+        }
+        let _ = self.issue(EventKind::ChildCancelRequested {
+            step,
+            child_run_id,
+            policy,
+            reason: reason.to_string(),
+        });
+        true
+    }
+
     /// Coroutines waiting for any change (signal waits, conditions,
     /// cancellation).
     pub(crate) fn general_waiting(&self) -> usize {

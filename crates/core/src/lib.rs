@@ -17,6 +17,7 @@
 //! drawn by the host and handed in.
 
 pub mod activity;
+pub mod child;
 pub mod concurrency;
 pub mod context;
 mod core;
@@ -26,6 +27,7 @@ pub mod handlers;
 pub mod machine;
 mod metadata;
 pub mod retry;
+pub mod schedule;
 pub mod scope;
 pub mod stream;
 pub mod workflow;
@@ -34,7 +36,8 @@ pub use crate::core::{format_group, OpenWait, WaitKind};
 pub use activity::{
     Activity, ActivityContext, ActivityError, ActivityRegistry, CancelSignal, HeartbeatFn,
 };
-pub use concurrency::{All, AllLimited, Branch, ChildCall, Select, SelectHandle, Selected};
+pub use child::{AnyChild, ChildCall, ChildHandle, ChildOutput, ChildResult, StartChild};
+pub use concurrency::{All, AllLimited, Branch, Select, SelectHandle, Selected};
 pub use context::{ActivityCall, RetryPolicy, Timer, WorkflowContext};
 pub use handlers::{HandlerError, HANDLERS_PER_RUN_MAX};
 pub use machine::{

@@ -156,13 +156,14 @@ impl fmt::Debug for WorkflowRegistry {
 }
 
 impl WorkflowRegistry {
-    /// A registry holding only the system workflows (`keel.async`).
+    /// A registry holding only the system workflows (`keel.async`, `keel.schedule`).
     pub fn new() -> Self {
         let mut r = WorkflowRegistry {
             map: BTreeMap::new(),
             closures: Default::default(),
         };
         r.register_erased(Arc::new(crate::concurrency::AsyncSystem));
+        r.register::<crate::schedule::ScheduleWorkflow>();
         r
     }
 

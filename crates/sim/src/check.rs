@@ -66,6 +66,9 @@ pub enum ViolationKind {
     RequestUnanswered,
     /// A message stream of a run chain skipped or repeated an offset.
     StreamBroken,
+    /// A schedule started one trigger time twice (two commands, or two
+    /// runs of its instance).
+    TriggerTwice,
 }
 
 impl ViolationKind {
@@ -90,6 +93,7 @@ impl ViolationKind {
             ViolationKind::WrongAnswer => "wrong-answer",
             ViolationKind::RequestUnanswered => "request-unanswered",
             ViolationKind::StreamBroken => "stream-broken",
+            ViolationKind::TriggerTwice => "trigger-twice",
         }
     }
 }
@@ -494,6 +498,66 @@ impl Checker {
         }
         for (kind, detail) in problems {
             self.violate(kind, now, detail);
+        }
+    }
+
+    /// Schedules: each trigger time is one command in the schedule's
+    /// histories (its whole chain) and one run of the instance it names.
+    pub(crate) fn check_schedules(&mut self, histories: &BTreeMap<RunId, Vec<Event>>, now: u64) {
+        use keel_core::schedule::SCHEDULE_WORKFLOW_TYPE;
+        let mut problems = Vec::new();
+        // Per schedule instance: the trigger instances its runs scheduled.
+        let mut commands: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
+        // Per trigger instance: its runs.
+        let mut runs: BTreeMap<String, Vec<RunId>> = BTreeMap::new();
+        let mut schedule_runs = std::collections::BTreeSet::new();
+        for (run, history) in histories {
+            if let Some(EventKind::WorkflowStarted {
+                instance_id,
+                workflow_type,
+                ..
+            }) = history.first().map(|e| &e.kind)
+            {
+                if workflow_type == SCHEDULE_WORKFLOW_TYPE {
+                    schedule_runs.insert(*run);
+                    let triggers = commands.entry(instance_id.to_string()).or_default();
+                    for e in history {
+                        if let EventKind::ChildScheduled {
+                            child_instance_id, ..
+                        } = &e.kind
+                        {
+                            *triggers.entry(child_instance_id.to_string()).or_default() += 1;
+                        }
+                    }
+                }
+            }
+        }
+        for (run, history) in histories {
+            if let Some(EventKind::WorkflowStarted {
+                instance_id,
+                parent: Some(parent),
+                ..
+            }) = history.first().map(|e| &e.kind)
+            {
+                if schedule_runs.contains(&parent.run_id) {
+                    runs.entry(instance_id.to_string()).or_default().push(*run);
+                }
+            }
+        }
+        for (schedule, triggers) in &commands {
+            for (trigger, n) in triggers {
+                if *n > 1 {
+                    problems.push(format!("{schedule} scheduled {trigger} {n} times"));
+                }
+            }
+        }
+        for (trigger, r) in &runs {
+            if r.len() > 1 {
+                problems.push(format!("trigger instance {trigger} has runs {r:?}"));
+            }
+        }
+        for detail in problems {
+            self.violate(ViolationKind::TriggerTwice, now, detail);
         }
     }
 

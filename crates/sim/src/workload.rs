@@ -403,6 +403,11 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_relay,
     },
+    Shape {
+        name: "schedule",
+        weight: 2,
+        build: plan_schedule,
+    },
 ];
 
 /// The resilience profile of the `guarded` shape: a retry policy of its
@@ -804,6 +809,53 @@ fn plan_relay(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
         to_nobody: rng.random_bool(0.3),
     };
     plan(rng, instance, RelayWf::NAME, encode(&input))
+}
+
+/// A schedule (keel's own `keel.schedule` workflow) triggering
+/// [`SequentialWf`] every second for two to four seconds after its planned
+/// start. Its calendar window is fixed when planned (the cursor starts at
+/// the planned start, and a late start catches up), and its policy starts
+/// every trigger (`AllowAll`, or `BufferAll` one after another), so its
+/// outcome (the counters) does not depend on timing. The checker holds
+/// each trigger time to one start.
+fn plan_schedule(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    use keel_core::schedule::{
+        schedule_instance, OverlapPolicy, ScheduleAction, ScheduleInput, SchedulePolicies,
+        ScheduleSpec,
+    };
+    let start = rng.random_range(0..500u64);
+    let triggers = rng.random_range(2..=4u64);
+    let seq = SeqIn {
+        value: rng.random_range(0..1000),
+        steps: rng.random_range(1..=3),
+    };
+    let overlap = match rng.random_bool(0.5) {
+        true => OverlapPolicy::AllowAll,
+        false => OverlapPolicy::BufferAll,
+    };
+    let input = ScheduleInput {
+        id: instance.to_string(),
+        spec: ScheduleSpec::every(Duration::from_secs(1))
+            .ending_at(keel_storage::Timestamp(start + triggers * 1000)),
+        action: ScheduleAction {
+            workflow_type: SequentialWf::NAME.to_string(),
+            input: encode(&seq),
+        },
+        policies: SchedulePolicies {
+            overlap,
+            catchup_window_ms: 3_600_000,
+        },
+        cursor: keel_storage::Timestamp(start),
+        ..ScheduleInput::default()
+    };
+    let mut p = plan(
+        rng,
+        schedule_instance(instance).as_str(),
+        keel_core::schedule::SCHEDULE_WORKFLOW_TYPE,
+        encode(&input),
+    );
+    p.start_at_ms = start;
+    p
 }
 
 fn plan_async(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {

@@ -326,7 +326,7 @@ impl Shard {
                         child_run_id: *child_run_id,
                         failure: Failure::new(
                             FailureKind::Application,
-                            format!("child did not start: {}", describe(&other)),
+                            format!("{}: {}", crate::child::CHILD_NOT_STARTED, describe(&other)),
                             false,
                         ),
                     },

@@ -322,6 +322,15 @@ impl Shard {
                     return self.reply(job.reply, Answer::Existing(started), None);
                 }
                 if !st.run.status.is_closed() {
+                    if job.reuse.is_none() {
+                        // A child named after an instance another run
+                        // holds: never answered as that run.
+                        let r = Refusal::Store(format!(
+                            "instance {} is running as run {current}",
+                            job.spec.instance_id
+                        ));
+                        return self.reply(job.reply, Answer::Refused(r), None);
+                    }
                     return self.existing(job, current);
                 }
                 match (job.reuse, &st.run.outcome) {

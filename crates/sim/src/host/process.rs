@@ -263,5 +263,6 @@ impl World<'_> {
         self.checker.violations.extend(found);
         self.checker.check_winners(histories, now);
         self.checker.check_streams(histories, now);
+        self.checker.check_schedules(histories, now);
     }
 }

@@ -1,0 +1,404 @@
+//! Child workflows: `ctx.child::<W>(input)` awaited for the child's result,
+//! or `.start()` awaited until the child's run has started, which yields a
+//! [`ChildHandle`] to await, cancel or terminate it later.
+//!
+//! A child is one command, `ChildScheduled`; its commit writes the outbox
+//! row that starts the child, and the parent learns of the start
+//! (`ChildStarted`) and of the close (`ChildCompleted`/`ChildFailed`) as
+//! inputs. Its instance id derives from this run and step unless the code
+//! names one ([`ChildCall::instance_id`]); a named instance that already
+//! has a run (open or closed) is not started again: the child fails with
+//! "child did not start".
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+
+use crate::concurrency::Branch;
+use crate::context::WorkflowContext;
+use crate::core::{Core, Issued, OpenWait, Resolution, WaitKind};
+use crate::workflow::Workflow;
+use keel_storage::{
+    AttemptNo, EventKind, Failure, FailureKind, InstanceId, OperationKind, ParentClosePolicy,
+    Payload, RunId, Step,
+};
+
+/// How the failure of a child whose run never started begins (the outbox
+/// writes it; [`StartChild`] tells it from a child that started and failed).
+pub const CHILD_NOT_STARTED: &str = "child did not start";
+
+fn failure(message: impl Into<String>) -> Failure {
+    Failure::new(FailureKind::Application, message, false)
+}
+
+/// What a child call's result decodes to: a workflow's `Output`, or the
+/// encoded payload for a child named at run time ([`AnyChild`]).
+pub trait ChildOutput: 'static {
+    /// The decoded result.
+    type Output: 'static;
+    /// Decodes a child's committed result.
+    fn decode(result: Payload) -> Result<Self::Output, Failure>;
+}
+
+impl<W: Workflow> ChildOutput for W {
+    type Output = W::Output;
+    fn decode(result: Payload) -> Result<W::Output, Failure> {
+        result
+            .decode()
+            .map_err(|e| failure(format!("child result does not decode: {e}")))
+    }
+}
+
+/// A child workflow chosen by type name at run time
+/// ([`WorkflowContext::child_named`]): its result stays encoded.
+#[derive(Debug)]
+pub enum AnyChild {}
+
+impl ChildOutput for AnyChild {
+    type Output = Payload;
+    fn decode(result: Payload) -> Result<Payload, Failure> {
+        Ok(result)
+    }
+}
+
+/// A call to a child workflow, scheduled on first poll. The child gets
+/// its own instance (derived from this run and step unless named) and run
+/// ids; its result comes back through the outbox.
+pub struct ChildCall<W: ChildOutput> {
+    pub(crate) core: Rc<RefCell<Core>>,
+    pub(crate) input: Option<Result<Payload, String>>,
+    pub(crate) workflow_type: String,
+    pub(crate) close_policy: ParentClosePolicy,
+    pub(crate) instance_id: Option<InstanceId>,
+    pub(crate) step: Option<Step>,
+    pub(crate) _w: PhantomData<fn() -> W>,
+}
+
+impl<W: ChildOutput> std::fmt::Debug for ChildCall<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChildCall({}, step {:?})", self.workflow_type, self.step)
+    }
+}
+
+impl<W: ChildOutput> ChildCall<W> {
+    pub(crate) fn new(
+        core: Rc<RefCell<Core>>,
+        workflow_type: String,
+        input: Result<Payload, String>,
+    ) -> Self {
+        ChildCall {
+            core,
+            input: Some(input),
+            workflow_type,
+            close_policy: ParentClosePolicy::default(),
+            instance_id: None,
+            step: None,
+            _w: PhantomData,
+        }
+    }
+
+    /// What happens to the child if this run closes first.
+    pub fn close_policy(mut self, policy: ParentClosePolicy) -> Self {
+        self.close_policy = policy;
+        self
+    }
+
+    /// Starts the child as instance `id` instead of one derived from this
+    /// run and step. The id is recorded with the command, so replay names
+    /// the same one. An instance that already has a run, open or closed,
+    /// is not started again: the child fails with [`CHILD_NOT_STARTED`].
+    pub fn instance_id(mut self, id: InstanceId) -> Self {
+        self.instance_id = Some(id);
+        self
+    }
+
+    /// Waits only until the child's run has started (or failed to), and
+    /// yields a handle to its result: a start as an awaitable step.
+    pub fn start(self) -> StartChild<W> {
+        StartChild { call: Some(self) }
+    }
+
+    /// Issues the command on first call; the step afterwards.
+    fn issue(&mut self) -> Result<Option<Step>, Failure> {
+        if let Some(step) = self.step {
+            return Ok(Some(step));
+        }
+        let mut core = self.core.borrow_mut();
+        let input = match self.input.take() {
+            Some(Ok(p)) => p,
+            Some(Err(e)) => return Err(failure(format!("child input does not encode: {e}"))),
+            None => return Ok(None),
+        };
+        let step = core.take_step();
+        let group = core.group();
+        // Drawn before issuing, live and on replay alike, so the run's
+        // random sequence stays the same.
+        let (a, b) = (core.next_random(), core.next_random());
+        let child_instance_id = self
+            .instance_id
+            .clone()
+            .unwrap_or_else(|| InstanceId::for_child(core.run_id, step));
+        let kind = EventKind::ChildScheduled {
+            step,
+            group: group.clone(),
+            child_instance_id,
+            child_run_id: RunId::from_u64_pair(a, b),
+            workflow_type: self.workflow_type.clone(),
+            input,
+            close_policy: self.close_policy,
+        };
+        self.step = Some(step);
+        match core.issue(kind) {
+            Issued::Live(e) | Issued::Replayed(e) => {
+                let child_run = match &e.kind {
+                    EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
+                    _ => None,
+                };
+                let owner = core.current_owner;
+                core.open.insert(
+                    step,
+                    OpenWait {
+                        step,
+                        kind: WaitKind::Child,
+                        name: self.workflow_type.clone(),
+                        group,
+                        since: e.at,
+                        attempt: AttemptNo::FIRST,
+                        options: None,
+                        fire_at: None,
+                        child_run,
+                        owner,
+                        close_policy: Some(self.close_policy),
+                        child_started: false,
+                    },
+                );
+                Ok(Some(step))
+            }
+            Issued::Diverged => Ok(None),
+        }
+    }
+
+    pub(crate) fn poll_raw(&mut self, cx: &mut Context<'_>) -> Poll<Result<Payload, Failure>> {
+        let step = match self.issue() {
+            Ok(Some(step)) => step,
+            Ok(None) => return Poll::Pending,
+            Err(f) => return Poll::Ready(Err(f)),
+        };
+        let mut core = self.core.borrow_mut();
+        match core.resolved.remove(&step) {
+            Some(Resolution::Value(p)) => Poll::Ready(Ok(p)),
+            Some(Resolution::Failed(f)) => Poll::Ready(Err(f)),
+            None => {
+                core.wait_on(step, cx.waker());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<W: ChildOutput> Branch for ChildCall<W> {
+    type Output = W::Output;
+    fn leaf_count(&self) -> u32 {
+        1
+    }
+    fn poll_branch(&mut self, cx: &mut Context<'_>) -> Poll<Result<W::Output, Failure>> {
+        self.poll_raw(cx).map(|r| r.and_then(W::decode))
+    }
+    fn leaf_step(&self) -> Option<Step> {
+        self.step
+    }
+    fn operation(&self) -> OperationKind {
+        OperationKind::Child
+    }
+}
+
+impl<W: ChildOutput> Future for ChildCall<W> {
+    type Output = Result<W::Output, Failure>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().poll_branch(cx)
+    }
+}
+
+/// The future of [`ChildCall::start`]: ready once the child's run has
+/// started (`ChildStarted` committed, or its result already in), or with
+/// the failure of a child that could not start.
+pub struct StartChild<W: ChildOutput> {
+    call: Option<ChildCall<W>>,
+}
+
+impl<W: ChildOutput> std::fmt::Debug for StartChild<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StartChild({:?})", self.call)
+    }
+}
+
+impl<W: ChildOutput> Future for StartChild<W> {
+    type Output = Result<ChildHandle<W>, Failure>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let Some(call) = this.call.as_mut() else {
+            return Poll::Pending;
+        };
+        let step = match call.issue() {
+            Ok(Some(step)) => step,
+            Ok(None) => return Poll::Pending,
+            Err(f) => return Poll::Ready(Err(f)),
+        };
+        let mut core = call.core.borrow_mut();
+        let started = match (core.open.get(&step), core.resolved.get(&step)) {
+            (Some(w), _) => w.child_started.then_some(w.child_run),
+            (None, Some(Resolution::Failed(f))) if f.message.starts_with(CHILD_NOT_STARTED) => {
+                let Some(Resolution::Failed(f)) = core.resolved.remove(&step) else {
+                    unreachable!("matched above")
+                };
+                drop(core);
+                this.call = None;
+                return Poll::Ready(Err(f));
+            }
+            // Closed before the start's notice came: it did start.
+            (None, Some(_)) => Some(None),
+            (None, None) => None,
+        };
+        let Some(run) = started else {
+            // `ChildStarted` is an input: woken after every one.
+            core.wait_any(cx.waker());
+            return Poll::Pending;
+        };
+        let instance_id = call
+            .instance_id
+            .clone()
+            .unwrap_or_else(|| InstanceId::for_child(core.run_id, step));
+        drop(core);
+        let call = this.call.take().expect("checked above");
+        Poll::Ready(Ok(ChildHandle {
+            core: call.core,
+            step,
+            instance_id,
+            run_id: run,
+            _w: PhantomData,
+        }))
+    }
+}
+
+/// A started child: await its result, or cancel or terminate it. Clones
+/// name the same child.
+pub struct ChildHandle<W: ChildOutput> {
+    core: Rc<RefCell<Core>>,
+    step: Step,
+    instance_id: InstanceId,
+    run_id: Option<RunId>,
+    _w: PhantomData<fn() -> W>,
+}
+
+impl<W: ChildOutput> Clone for ChildHandle<W> {
+    fn clone(&self) -> Self {
+        ChildHandle {
+            core: self.core.clone(),
+            step: self.step,
+            instance_id: self.instance_id.clone(),
+            run_id: self.run_id,
+            _w: PhantomData,
+        }
+    }
+}
+
+impl<W: ChildOutput> std::fmt::Debug for ChildHandle<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChildHandle({}, step {})", self.instance_id, self.step)
+    }
+}
+
+impl<W: ChildOutput> ChildHandle<W> {
+    /// The step that scheduled the child.
+    pub fn step(&self) -> Step {
+        self.step
+    }
+
+    /// The child's instance.
+    pub fn instance_id(&self) -> &InstanceId {
+        &self.instance_id
+    }
+
+    /// The child's run, when its start was seen before its close.
+    pub fn run_id(&self) -> Option<RunId> {
+        self.run_id
+    }
+
+    /// Whether the child's close is committed in this run (its result is
+    /// ready). Usable in a condition.
+    pub fn is_closed(&self) -> bool {
+        self.core.borrow().resolved.contains_key(&self.step)
+    }
+
+    /// Waits for the child's result. Take it once: a second wait never
+    /// resolves.
+    pub fn result(&self) -> ChildResult<W> {
+        ChildResult {
+            core: self.core.clone(),
+            step: self.step,
+            _w: PhantomData,
+        }
+    }
+
+    /// Asks the child to cancel (it sees a cancellation request), whatever
+    /// its close policy. Nothing is recorded once the child closed.
+    pub fn cancel(&self, reason: &str) {
+        self.core
+            .borrow_mut()
+            .cancel_child(self.step, ParentClosePolicy::RequestCancel, reason);
+    }
+
+    /// Terminates the child, whatever its close policy. Nothing is
+    /// recorded once the child closed.
+    pub fn terminate(&self, reason: &str) {
+        self.core
+            .borrow_mut()
+            .cancel_child(self.step, ParentClosePolicy::Terminate, reason);
+    }
+}
+
+/// The future of [`ChildHandle::result`].
+pub struct ChildResult<W: ChildOutput> {
+    core: Rc<RefCell<Core>>,
+    step: Step,
+    _w: PhantomData<fn() -> W>,
+}
+
+impl<W: ChildOutput> std::fmt::Debug for ChildResult<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChildResult(step {})", self.step)
+    }
+}
+
+impl<W: ChildOutput> Future for ChildResult<W> {
+    type Output = Result<W::Output, Failure>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut core = self.core.borrow_mut();
+        match core.resolved.remove(&self.step) {
+            Some(Resolution::Value(p)) => Poll::Ready(W::decode(p)),
+            Some(Resolution::Failed(f)) => Poll::Ready(Err(f)),
+            None => {
+                core.wait_on(self.step, cx.waker());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl WorkflowContext {
+    /// Calls child workflow `W`.
+    pub fn child<W: Workflow>(&self, input: W::Input) -> ChildCall<W> {
+        let input = Payload::encode(&input).map_err(|e| e.to_string());
+        ChildCall::new(self.core.clone(), W::NAME.to_string(), input)
+    }
+
+    /// Calls the child workflow registered as `workflow_type` with an
+    /// encoded input; its result stays encoded. For code that picks the
+    /// type at run time (a schedule's action).
+    pub fn child_named(&self, workflow_type: &str, input: Payload) -> ChildCall<AnyChild> {
+        ChildCall::new(self.core.clone(), workflow_type.to_string(), Ok(input))
+    }
+}

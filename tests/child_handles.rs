@@ -1,0 +1,115 @@
+//! Goal: a child start as an awaitable step (issue "The rest of the
+//! workflow surface", item 9): `.start().await` returns once the child's
+//! run has started, with a handle the parent awaits later, cancels or
+//! terminates whatever the child's close policy; a child named after an
+//! instance that already has a run is never started again and its start
+//! fails with "child did not start".
+//!
+//! Method: a parent starts two named children (one that waits forever,
+//! one that echoes), starts the echo's instance a second time, terminates
+//! the waiting one through its handle, and returns what it saw; the
+//! children's runs are then read through the client and the store.
+
+use std::time::Duration;
+
+use keel::{
+    Engine, EngineError, InstanceId, ParentClosePolicy, RunStatus, Workflow, WorkflowContext,
+    WorkflowError,
+};
+
+struct Waits;
+impl Workflow for Waits {
+    const NAME: &'static str = "waits";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        let _: () = ctx.wait_signal("never").await?;
+        Ok(())
+    }
+}
+
+struct Echo;
+impl Workflow for Echo {
+    const NAME: &'static str = "echo";
+    type Input = u64;
+    type Output = u64;
+    async fn run(_: WorkflowContext, n: u64) -> Result<u64, WorkflowError> {
+        Ok(n)
+    }
+}
+
+/// (echoed value, the second start's failure, the terminated child's
+/// failure, the waiting child's run id known).
+struct Starter;
+impl Workflow for Starter {
+    const NAME: &'static str = "starter";
+    type Input = ();
+    type Output = (u64, String, String, bool);
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<Self::Output, WorkflowError> {
+        let waiting = ctx
+            .child::<Waits>(())
+            .instance_id(InstanceId::new("job-waits"))
+            // Abandoned at close; terminated below through the handle.
+            .close_policy(ParentClosePolicy::Abandon)
+            .start()
+            .await?;
+        let echo = ctx
+            .child::<Echo>(5)
+            .instance_id(InstanceId::new("job-echo"))
+            .start()
+            .await?;
+        assert_eq!(echo.instance_id().as_str(), "job-echo");
+        let again = ctx
+            .child::<Echo>(6)
+            .instance_id(InstanceId::new("job-echo"))
+            .start()
+            .await;
+        let refused = match again {
+            Ok(_) => String::new(),
+            Err(f) => f.message,
+        };
+        let value = echo.result().await?;
+        waiting.terminate("no longer needed");
+        let stopped = match waiting.result().await {
+            Ok(()) => String::new(),
+            Err(f) => format!("{:?}", f.kind),
+        };
+        Ok((value, refused, stopped, waiting.run_id().is_some()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_started_child_is_awaited_later_and_stopped_through_its_handle() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let e = Engine::builder()
+        .data_dir(dir.path().join("data"))
+        .register_workflow::<Waits>()
+        .register_workflow::<Echo>()
+        .register_workflow::<Starter>()
+        .build()?;
+    let c = e.client();
+    c.start::<Starter>("starter", &()).await?;
+    let (value, refused, stopped, known) =
+        tokio::time::timeout(Duration::from_secs(20), c.result::<Starter>("starter")).await??;
+    assert_eq!(value, 5);
+    assert!(
+        refused.starts_with(keel::child::CHILD_NOT_STARTED),
+        "a named instance with a run is not started again: {refused:?}"
+    );
+    assert_eq!(stopped, "Terminated");
+    assert!(known, "the handle knows the child's run");
+    // One run per named instance; the abandoned child was terminated by
+    // its handle, not by the parent's close.
+    assert_eq!(c.describe("job-waits").await?.status, RunStatus::Terminated);
+    assert_eq!(c.describe("job-echo").await?.status, RunStatus::Completed);
+    let runs = e
+        .store()
+        .runs(&keel::RunFilter::all().workflow_type("echo"))?;
+    assert_eq!(runs.len(), 1, "the second start wrote no run");
+    assert!(matches!(
+        c.describe("job-nothing").await,
+        Err(EngineError::UnknownInstance(_))
+    ));
+    e.shutdown().await;
+    Ok(())
+}
