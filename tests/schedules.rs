@@ -29,14 +29,22 @@ impl Workflow for Tick {
     }
 }
 
-/// Runs until signalled "done" (or cancelled).
+/// Runs until signalled "done", or cancelled.
 struct Long;
 impl Workflow for Long {
     const NAME: &'static str = "long";
     type Input = ();
     type Output = ();
     async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
-        let _: () = ctx.wait_signal("done").await?;
+        let c = ctx.clone();
+        let sel = ctx
+            .select()
+            .signal("done", "done")
+            .condition("cancel", move || c.is_cancel_requested())
+            .await?;
+        if sel.key == "cancel".into() {
+            return Err(WorkflowError::Cancelled("asked to".into()));
+        }
         Ok(())
     }
 }
@@ -324,4 +332,58 @@ fn now() -> Timestamp {
             .expect("after 1970")
             .as_millis() as u64,
     )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffer_one_waits_for_the_open_run_and_cancel_other_cancels_it() -> anyhow::Result<()> {
+    // Goal: `BufferOne` keeps one trigger waiting while a run is open
+    // (later ones skipped) and starts it when the run closes;
+    // `CancelOther` asks the open run to cancel and starts once it did.
+    let dir = tempfile::tempdir()?;
+    let e = engine(&dir.path().join("data"))?;
+    let c = e.client();
+    let s = c.schedules();
+    let action = ScheduleAction::start::<Long>(&()).map_err(anyhow::Error::msg)?;
+    let every = ScheduleSpec::every(Duration::from_secs(1));
+    s.create(
+        "buf",
+        NewSchedule::new(every, action).overlap(OverlapPolicy::BufferOne),
+    )
+    .await?;
+    let d = until(&c, "buf", "one waiting, one skipped", |d| {
+        d.pending.len() == 1 && d.counts.skipped >= 1
+    })
+    .await?;
+    assert_eq!(d.counts.started, 1);
+    let first = d.running[0].clone();
+    c.signal(&first, "done", &(), None).await?;
+    let d = until(&c, "buf", "the waiting trigger started", |d| {
+        d.counts.started >= 2 && d.counts.completed >= 1
+    })
+    .await?;
+    let second = d
+        .running
+        .iter()
+        .find(|r| **r != first)
+        .cloned()
+        .expect("the buffered trigger runs");
+    s.update(
+        "buf",
+        ScheduleChange {
+            policies: Some(keel::schedule::SchedulePolicies {
+                overlap: OverlapPolicy::CancelOther,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await?;
+    until(&c, "buf", "the open run cancelled and replaced", |d| {
+        !d.running.contains(&second) && d.counts.started >= 3
+    })
+    .await?;
+    assert_eq!(c.describe(&second).await?.status, RunStatus::Cancelled);
+    s.delete("buf").await?;
+    e.shutdown().await;
+    Ok(())
 }

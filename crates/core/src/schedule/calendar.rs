@@ -29,8 +29,8 @@ pub const SCHEDULE_INTERVAL_MS_MIN: u64 = 1_000;
 /// One parsed cron expression: a bit set per field.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Cron {
-    minutes: u64,
-    hours: u32,
+    pub(crate) minutes: u64,
+    pub(crate) hours: u32,
     days: u32,
     months: u16,
     weekdays: u8,
@@ -90,7 +90,7 @@ impl Cron {
         })
     }
 
-    fn day_matches(&self, date: Date) -> bool {
+    pub(crate) fn day_matches(&self, date: Date) -> bool {
         if self.months & (1 << date.month()) == 0 {
             return false;
         }

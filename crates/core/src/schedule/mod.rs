@@ -283,9 +283,11 @@ pub enum OverlapPolicy {
     BufferAll,
     /// Start it at once, next to the open runs.
     AllowAll,
-    /// Ask the open run to cancel, then start once it closed.
+    /// Ask the open run to cancel, then start once it closed (the newest
+    /// trigger waits; one it replaces is skipped).
     CancelOther,
-    /// Terminate the open run, then start once it closed.
+    /// Terminate the open run, then start once it closed (the newest
+    /// trigger waits).
     TerminateOther,
 }
 
@@ -830,6 +832,23 @@ impl Scheduler {
     /// Queues a calendar trigger, or skips it per the overlap policy.
     fn enqueue(&self, p: PendingTrigger) {
         let waiting = self.shared.borrow().input.pending.len();
+        if matches!(
+            p.overlap,
+            OverlapPolicy::CancelOther | OverlapPolicy::TerminateOther
+        ) && self.blocked()
+            && waiting >= 1
+        {
+            // The newest trigger replaces the one waiting for the open run
+            // to stop (a run that ignores its cancellation keeps one
+            // trigger waiting, not a growing queue).
+            let old = self.shared.borrow_mut().input.pending.pop_back();
+            if let Some(old) = old {
+                let rec = self.trigger_record(&old, TriggerOutcome::Skipped);
+                self.record(rec);
+            }
+            self.shared.borrow_mut().input.pending.push_back(p);
+            return;
+        }
         let skip = match p.overlap {
             OverlapPolicy::Skip => self.blocked(),
             OverlapPolicy::BufferOne => self.blocked() && waiting >= 1,
@@ -1143,5 +1162,123 @@ fn describe(s: &Shared) -> ScheduleDescription {
         recent: i.recent.iter().cloned().collect(),
         counts: i.counts.clone(),
         deleted: s.deleted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Goal: the pure parts of the schedule loop: what a pass takes in
+    //! after downtime (due, missed, the cursor), jitter (bounded, the
+    //! same for the same trigger), and the names a trigger gets. Method:
+    //! fixed calendars and times; a property over random cron
+    //! expressions against a minute-by-minute search.
+    use super::*;
+    use jiff::tz::TimeZone;
+    use proptest::prelude::*;
+
+    fn every_second() -> Calendar {
+        ScheduleSpec::every(Duration::from_secs(1))
+            .check()
+            .expect("valid")
+    }
+
+    #[test]
+    fn a_pass_takes_in_the_window_and_counts_the_rest_as_missed() {
+        let cal = every_second();
+        // Down from 10 s to 100 s with a 5 s window: 11..=94 missed,
+        // 95..=100 due, the next at 101.
+        let due = take_due(&cal, Timestamp(10_000), Timestamp(100_000), 5_000);
+        assert_eq!(due.missed, 84);
+        assert_eq!(due.last_missed, Some(Timestamp(94_000)));
+        assert_eq!(
+            due.due,
+            (95..=100).map(|s| Timestamp(s * 1000)).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            (due.cursor, due.next),
+            (Timestamp(100_000), Some(Timestamp(101_000)))
+        );
+        // A backlog longer than a batch is taken in over several passes.
+        let due = take_due(&cal, Timestamp(0), Timestamp(1_000_000), u64::MAX);
+        assert_eq!(due.due.len(), SCHEDULE_DUE_BATCH_MAX);
+        assert_eq!(due.cursor, Timestamp(SCHEDULE_DUE_BATCH_MAX as u64 * 1000));
+    }
+
+    #[test]
+    fn jitter_is_bounded_and_the_same_for_the_same_trigger() {
+        let mut seen = std::collections::BTreeSet::new();
+        for s in 0..200u64 {
+            let j = jitter_ms("nightly", Timestamp(s * 1000), 30_000);
+            assert!(j < 30_000);
+            assert_eq!(j, jitter_ms("nightly", Timestamp(s * 1000), 30_000));
+            seen.insert(j);
+        }
+        assert!(seen.len() > 150, "spread over the range: {}", seen.len());
+        assert_eq!(jitter_ms("nightly", Timestamp(5), 0), 0);
+    }
+
+    #[test]
+    fn ids_and_names() {
+        assert_eq!(
+            trigger_instance("nightly", Timestamp(1_796_000_000_000)).as_str(),
+            "nightly@2026-11-30T00:53:20Z"
+        );
+        assert_eq!(
+            trigger_instance("t", Timestamp(1_500)).as_str(),
+            "t@1970-01-01T00:00:01.500Z"
+        );
+        assert_eq!(schedule_id_of(&schedule_instance("a-b")), Some("a-b"));
+        assert_eq!(schedule_id_of(&InstanceId::new("order-1")), None);
+        assert!(check_schedule_id("ok-1").is_ok());
+        for bad in ["", "a@b", "a/b"] {
+            assert!(matches!(
+                check_schedule_id(bad),
+                Err(ScheduleError::BadId(_))
+            ));
+        }
+        assert!(check_schedule_id(&"x".repeat(SCHEDULE_ID_BYTES_MAX + 1)).is_err());
+    }
+
+    fn field(lo: u32, hi: u32) -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("*".to_string()),
+            (lo..=hi).prop_map(|v| v.to_string()),
+            (lo..=hi, 0..=5u32).prop_map(move |(a, w)| format!("{a}-{}", (a + w).min(hi))),
+            (1..=7u32).prop_map(|s| format!("*/{s}")),
+            (lo..=hi, lo..=hi).prop_map(|(a, b)| format!("{a},{b}")),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn cron_next_is_the_first_matching_minute(
+            m in field(0, 59), h in field(0, 23), dom in field(1, 28), mon in field(1, 12),
+            dow in field(0, 6), start in 0u64..(400 * 86_400),
+        ) {
+            let expr = format!("{m} {h} {dom} {mon} {dow}");
+            let cron = Cron::parse(&expr).expect("generated expressions parse");
+            let after = Timestamp(1_767_225_600_000 + start * 1000); // from 2026-01-01
+            let next = cron.next_after(&TimeZone::UTC, after);
+            // Minute by minute for up to 400 days.
+            let mut t = (after.as_millis() / 60_000 + 1) * 60_000;
+            let limit = after.as_millis() + 400 * 86_400_000;
+            let mut expected = None;
+            while t <= limit {
+                let dt = jiff::Timestamp::from_millisecond(t as i64).unwrap().to_zoned(TimeZone::UTC).datetime();
+                if cron.day_matches(dt.date())
+                    && cron.hours & (1 << dt.hour()) != 0
+                    && cron.minutes & (1u64 << dt.minute()) != 0
+                {
+                    expected = Some(Timestamp(t));
+                    break;
+                }
+                t += 60_000;
+            }
+            match expected {
+                Some(e) => prop_assert_eq!(next, Some(e), "{}", expr),
+                None => prop_assert!(next.is_none_or(|n| n.as_millis() > limit), "{}", expr),
+            }
+        }
     }
 }
