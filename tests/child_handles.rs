@@ -5,6 +5,8 @@
 //! instance that already has a run is never started again and its start
 //! fails with "child did not start".
 //!
+//! A child starts with the memo and search attributes its call names.
+//!
 //! Method: a parent starts two named children (one that waits forever,
 //! one that echoes), starts the echo's instance a second time, terminates
 //! the waiting one through its handle, and returns what it saw; the
@@ -44,7 +46,7 @@ struct Starter;
 impl Workflow for Starter {
     const NAME: &'static str = "starter";
     type Input = ();
-    type Output = (u64, String, String, bool);
+    type Output = (u64, String, String, bool, String);
     async fn run(ctx: WorkflowContext, _: ()) -> Result<Self::Output, WorkflowError> {
         let waiting = ctx
             .child::<Waits>(())
@@ -56,8 +58,15 @@ impl Workflow for Starter {
         let echo = ctx
             .child::<Echo>(5)
             .instance_id(InstanceId::new("job-echo"))
+            .memo("note", "from the starter")
+            .search_attribute("batch", "b-1")
             .start()
             .await?;
+        // Metadata the store would refuse fails the call, writing nothing.
+        let bad = match ctx.child::<Echo>(7).search_attribute("1bad", "x").await {
+            Ok(_) => String::new(),
+            Err(f) => f.message,
+        };
         assert_eq!(echo.instance_id().as_str(), "job-echo");
         let again = ctx
             .child::<Echo>(6)
@@ -74,7 +83,7 @@ impl Workflow for Starter {
             Ok(()) => String::new(),
             Err(f) => format!("{:?}", f.kind),
         };
-        Ok((value, refused, stopped, waiting.run_id().is_some()))
+        Ok((value, refused, stopped, waiting.run_id().is_some(), bad))
     }
 }
 
@@ -89,7 +98,7 @@ async fn a_started_child_is_awaited_later_and_stopped_through_its_handle() -> an
         .build()?;
     let c = e.client();
     c.start::<Starter>("starter", &()).await?;
-    let (value, refused, stopped, known) =
+    let (value, refused, stopped, known, bad) =
         tokio::time::timeout(Duration::from_secs(20), c.result::<Starter>("starter")).await??;
     assert_eq!(value, 5);
     assert!(
@@ -98,6 +107,16 @@ async fn a_started_child_is_awaited_later_and_stopped_through_its_handle() -> an
     );
     assert_eq!(stopped, "Terminated");
     assert!(known, "the handle knows the child's run");
+    assert!(bad.contains("child metadata"), "{bad:?}");
+    // The child started with its memo and search attribute: the index
+    // finds it.
+    let found = c
+        .list(&keel::RunFilter::parse("batch = \"b-1\"")?, 10, None)
+        .await?;
+    assert_eq!(found.runs.len(), 1);
+    assert_eq!(found.runs[0].instance_id.as_str(), "job-echo");
+    let note: String = found.runs[0].memo[0].1.decode()?;
+    assert_eq!(note, "from the starter");
     // One run per named instance; the abandoned child was terminated by
     // its handle, not by the parent's close.
     assert_eq!(c.describe("job-waits").await?.status, RunStatus::Terminated);

@@ -137,6 +137,10 @@ async fn each_trigger_starts_once_across_a_restart_and_its_downtime() -> anyhow:
     assert_eq!((d.counts.missed, d.counts.skipped), (0, 0));
     c.schedules().delete("tick").await?;
     let runs = runs_of(&c, "tick").await?;
+    // Every run it started carries the schedule's id as a search
+    // attribute.
+    let filter = RunFilter::parse("schedule_id = \"tick\"")?;
+    assert_eq!(c.list(&filter, 10_000, None).await?.runs.len(), runs.len());
     let names: BTreeSet<&str> = runs.iter().map(|(i, _)| i.as_str()).collect();
     assert_eq!(names.len(), runs.len(), "one run per instance");
     let mut times = Vec::new();

@@ -94,9 +94,7 @@ impl Schedules<'_> {
     pub async fn create(&self, id: &str, schedule: NewSchedule) -> Result<RunId, EngineError> {
         check_schedule_id(id)?;
         schedule.spec.check()?;
-        if schedule.action.workflow_type.is_empty() {
-            return Err(ScheduleError::NoAction.into());
-        }
+        schedule.action.check()?;
         let note = schedule.paused.clone().unwrap_or_default();
         if note.len() > SCHEDULE_NOTE_BYTES_MAX {
             return Err(ScheduleError::NoteTooLong.into());
@@ -234,6 +232,9 @@ impl Schedules<'_> {
     pub async fn update(&self, id: &str, change: ScheduleChange) -> Result<(), EngineError> {
         if let Some(spec) = &change.spec {
             spec.check()?;
+        }
+        if let Some(action) = &change.action {
+            action.check()?;
         }
         self.call(id, "update", &change).await
     }

@@ -637,6 +637,8 @@ fn schedule_child(step: u32, parent: RunId, child: RunId) -> EventKind {
         workflow_type: "test.child".into(),
         input: Payload::encode(&0u32).unwrap(),
         close_policy: ParentClosePolicy::Terminate,
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
     }
 }
 

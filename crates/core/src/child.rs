@@ -21,9 +21,10 @@ use crate::concurrency::Branch;
 use crate::context::WorkflowContext;
 use crate::core::{Core, Issued, OpenWait, Resolution, WaitKind};
 use crate::workflow::Workflow;
+use keel_storage::search;
 use keel_storage::{
     AttemptNo, EventKind, Failure, FailureKind, InstanceId, OperationKind, ParentClosePolicy,
-    Payload, RunId, Step,
+    Payload, RunId, SearchValue, Step,
 };
 
 /// How the failure of a child whose run never started begins (the outbox
@@ -73,6 +74,10 @@ pub struct ChildCall<W: ChildOutput> {
     pub(crate) workflow_type: String,
     pub(crate) close_policy: ParentClosePolicy,
     pub(crate) instance_id: Option<InstanceId>,
+    pub(crate) memo: Vec<(String, Payload)>,
+    pub(crate) search_attributes: Vec<(String, Payload)>,
+    /// A memo value that did not encode: the call fails when issued.
+    pub(crate) bad_metadata: Option<String>,
     pub(crate) step: Option<Step>,
     pub(crate) _w: PhantomData<fn() -> W>,
 }
@@ -95,9 +100,29 @@ impl<W: ChildOutput> ChildCall<W> {
             workflow_type,
             close_policy: ParentClosePolicy::default(),
             instance_id: None,
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            bad_metadata: None,
             step: None,
             _w: PhantomData,
         }
+    }
+
+    /// A memo field the child starts with.
+    pub fn memo<T: serde::Serialize + ?Sized>(mut self, name: &str, value: &T) -> Self {
+        match Payload::encode(value) {
+            Ok(p) => self.memo.push((name.to_string(), p)),
+            Err(e) => self.bad_metadata = Some(format!("memo {name:?} does not encode: {e}")),
+        }
+        self
+    }
+
+    /// A search attribute the child starts with (the index finds it from
+    /// its start on).
+    pub fn search_attribute(mut self, name: &str, value: impl Into<SearchValue>) -> Self {
+        self.search_attributes
+            .push((name.to_string(), value.into().to_payload()));
+        self
     }
 
     /// What happens to the child if this run closes first.
@@ -132,6 +157,14 @@ impl<W: ChildOutput> ChildCall<W> {
             Some(Err(e)) => return Err(failure(format!("child input does not encode: {e}"))),
             None => return Ok(None),
         };
+        // The store's rules, before anything is issued: a child that could
+        // never start is refused here, with nothing written.
+        if let Some(e) = self.bad_metadata.take() {
+            return Err(failure(e));
+        }
+        if let Err(e) = search::start_metadata(None, &self.search_attributes, &self.memo) {
+            return Err(failure(format!("child metadata: {e}")));
+        }
         let step = core.take_step();
         let group = core.group();
         // Drawn before issuing, live and on replay alike, so the run's
@@ -149,6 +182,8 @@ impl<W: ChildOutput> ChildCall<W> {
             workflow_type: self.workflow_type.clone(),
             input,
             close_policy: self.close_policy,
+            memo: std::mem::take(&mut self.memo),
+            search_attributes: std::mem::take(&mut self.search_attributes),
         };
         self.step = Some(step);
         match core.issue(kind) {

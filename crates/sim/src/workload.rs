@@ -840,6 +840,7 @@ fn plan_schedule(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
         action: ScheduleAction {
             workflow_type: SequentialWf::NAME.to_string(),
             input: encode(&seq),
+            ..ScheduleAction::default()
         },
         policies: SchedulePolicies {
             overlap,

@@ -26,9 +26,10 @@ pub const HEADER_BYTES: usize = 8;
 /// `WorkflowStarted::memo` and `search_attributes` and the memo and search
 /// attributes of `Carried`; version 5 added `MessageReceived`,
 /// `ExternalSendScheduled`, `ExternalSendCompleted` and the message streams
-/// of `Carried`; older records decode unchanged (the new
+/// of `Carried`; version 6 added `ChildScheduled::memo` and
+/// `search_attributes`; older records decode unchanged (the new
 /// fields default).
-pub const EVENT_VERSION: u16 = 5;
+pub const EVENT_VERSION: u16 = 6;
 /// Current schema version of every derived-state record. Version 2 added
 /// the cancellation and continue-as-new intents to the outbox, the
 /// `children` records and `TaskEntry::heartbeat`; version 3 added the

@@ -898,8 +898,14 @@ fn derive_event(
             workflow_type,
             input,
             close_policy,
+            memo,
+            search_attributes,
             ..
         } => {
+            // Checked here as the child's start will be: a parent cannot
+            // commit a child that could never start.
+            crate::search::start_metadata(None, search_attributes, memo)
+                .map_err(|e| invalid(format!("child at step {step}: {e}")))?;
             let msg = OutboxMessage::StartChild {
                 parent: ParentRef {
                     instance_id: m.instance_id.clone(),
@@ -911,6 +917,8 @@ fn derive_event(
                 child_run_id: *child_run_id,
                 workflow_type: workflow_type.clone(),
                 input: input.clone(),
+                memo: memo.clone(),
+                search_attributes: search_attributes.clone(),
             };
             out.put(
                 Cf::Outbox,

@@ -641,7 +641,8 @@ pub enum EventKind {
         step: Step,
         /// Enclosing `all` barriers.
         group: GroupPath,
-        /// The child's instance (derived from this run and step).
+        /// The child's instance (derived from this run and step, or named
+        /// by the code).
         child_instance_id: InstanceId,
         /// The child's run.
         child_run_id: RunId,
@@ -651,6 +652,13 @@ pub enum EventKind {
         input: Payload,
         /// What happens to the child when this run closes.
         close_policy: ParentClosePolicy,
+        /// Memo fields the child starts with (event version 6).
+        #[serde(default)]
+        memo: Vec<(String, Payload)>,
+        /// Search attributes the child starts with, each a `SearchValue`
+        /// payload (event version 6).
+        #[serde(default)]
+        search_attributes: Vec<(String, Payload)>,
     },
     /// The child run has started.
     ChildStarted {

@@ -146,6 +146,12 @@ pub enum OutboxMessage {
         workflow_type: String,
         /// The child's input.
         input: Payload,
+        /// Memo fields it starts with.
+        #[serde(default)]
+        memo: Vec<(String, Payload)>,
+        /// Search attributes it starts with.
+        #[serde(default)]
+        search_attributes: Vec<(String, Payload)>,
     },
     /// Deliver a closed child's outcome to its parent.
     ChildResult {

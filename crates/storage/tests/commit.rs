@@ -545,6 +545,8 @@ fn child_start_and_result_flow_through_the_outbox() {
                     workflow_type: "ship".into(),
                     input: Payload::from_bytes(b"in".to_vec()),
                     close_policy: ParentClosePolicy::Terminate,
+                    memo: Vec::new(),
+                    search_attributes: Vec::new(),
                 }],
             )
             .unwrap();
@@ -563,6 +565,8 @@ fn child_start_and_result_flow_through_the_outbox() {
                 child_run_id: child_run,
                 workflow_type: "ship".into(),
                 input: Payload::from_bytes(b"in".to_vec()),
+                memo: Vec::new(),
+                search_attributes: Vec::new(),
             }]
         );
 

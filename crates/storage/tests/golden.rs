@@ -233,6 +233,8 @@ fn samples() -> Vec<Event> {
             workflow_type: "ship".into(),
             input: payload("ship it"),
             close_policy: ParentClosePolicy::Abandon,
+            memo: vec![("shipment".into(), payload("SHP-7"))],
+            search_attributes: vec![("warehouse".into(), SearchValue::from("north").to_payload())],
         },
         EventKind::ChildStarted {
             step: Step(9),
@@ -369,9 +371,25 @@ fn as_v1(e: Event) -> Option<Event> {
     Some(e)
 }
 
+/// What a sample looked like in event version 5: children started
+/// without memo and search attributes.
+fn as_v5(mut e: Event) -> Option<Event> {
+    if let EventKind::ChildScheduled {
+        memo,
+        search_attributes,
+        ..
+    } = &mut e.kind
+    {
+        memo.clear();
+        search_attributes.clear();
+    }
+    Some(e)
+}
+
 /// What a sample looked like in event version 4: no message streams, no
 /// sends from workflow code.
-fn as_v4(mut e: Event) -> Option<Event> {
+fn as_v4(e: Event) -> Option<Event> {
+    let mut e = as_v5(e)?;
     match &mut e.kind {
         EventKind::MessageReceived { .. }
         | EventKind::ExternalSendScheduled { .. }
@@ -564,6 +582,13 @@ fn version_3_still_decodes() {
 fn version_4_still_decodes() {
     // Version 4's files were written before message streams.
     version_still_decodes(4, as_v4);
+}
+
+#[test]
+fn version_5_still_decodes() {
+    // Version 5's files were written before children started with memo
+    // and search attributes.
+    version_still_decodes(5, as_v5);
 }
 
 #[test]

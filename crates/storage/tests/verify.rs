@@ -510,6 +510,8 @@ fn broken_run_does_not_make_its_instance_or_outbox_look_wrong() {
                     workflow_type: "c".into(),
                     input: keel_storage::Payload::default(),
                     close_policy: keel_storage::ParentClosePolicy::Abandon,
+                    memo: Vec::new(),
+                    search_attributes: Vec::new(),
                 },
             ],
         )

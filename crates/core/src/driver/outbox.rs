@@ -148,6 +148,8 @@ impl Shard {
                 child_run_id,
                 workflow_type,
                 input,
+                memo,
+                search_attributes,
             } => {
                 // A cancellation already written for the child rides with
                 // its start, in the same commit.
@@ -164,13 +166,15 @@ impl Shard {
                     }) => Some(cancel_input(parent.run_id, parent.step, *policy, reason)),
                     _ => None,
                 };
-                let spec = StartSpec::child(
+                let mut spec = StartSpec::child(
                     parent,
                     child_instance_id,
                     child_run_id,
                     workflow_type,
                     input,
                 );
+                spec.memo = memo;
+                spec.search_attributes = search_attributes;
                 self.start_message(spec, then, reply, cause);
             }
             OutboxMessage::ChildResult {

@@ -685,7 +685,10 @@ impl Shard {
         };
         let mut entry = slot.inflight.remove(i);
         // Answers resting on this commit also rest on the ones before it.
-        if i > 0 {
+        // Not those of a commit that failed: they rested on state that
+        // never became durable (a duplicate of the input it held, say) and
+        // are answered "retry" below, never with an earlier commit.
+        if i > 0 && result.is_ok() {
             let deferred = std::mem::take(&mut entry.deferred);
             slot.inflight[i - 1].deferred.extend(deferred);
         }

@@ -27,7 +27,7 @@ use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::Duration;
 
-use keel_storage::{InstanceId, ParentClosePolicy, Payload, SelectKey, Timestamp};
+use keel_storage::{InstanceId, ParentClosePolicy, Payload, SearchValue, SelectKey, Timestamp};
 use serde::{Deserialize, Serialize};
 
 use crate::child::{AnyChild, ChildHandle};
@@ -104,6 +104,9 @@ pub enum ScheduleError {
     /// No workflow type to start.
     #[error("the action names no workflow type")]
     NoAction,
+    /// The action's memo or search attributes break the store's rules.
+    #[error("the action's memo or search attributes: {0}")]
+    BadMetadata(String),
 }
 
 /// Checks a schedule id: 1 to [`SCHEDULE_ID_BYTES_MAX`] bytes, no `@`
@@ -250,14 +253,27 @@ fn human_ms(ms: u64) -> String {
     }
 }
 
-/// What a trigger starts: a workflow by type name with an encoded input.
+/// What a trigger starts: a workflow by type name with an encoded input,
+/// memo and search attributes. Every started run also carries the search
+/// attributes [`SCHEDULE_ID_ATTRIBUTE`] and [`SCHEDULE_TIME_ATTRIBUTE`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScheduleAction {
     /// The registered workflow type.
     pub workflow_type: String,
     /// Its input.
     pub input: Payload,
+    /// Memo fields each run starts with.
+    #[serde(default)]
+    pub memo: Vec<(String, Payload)>,
+    /// Search attributes each run starts with (`SearchValue` payloads).
+    #[serde(default)]
+    pub search_attributes: Vec<(String, Payload)>,
 }
+
+/// The search attribute naming the schedule that started a run.
+pub const SCHEDULE_ID_ATTRIBUTE: &str = "schedule_id";
+/// The search attribute holding the trigger time that started a run.
+pub const SCHEDULE_TIME_ATTRIBUTE: &str = "schedule_time";
 
 impl ScheduleAction {
     /// Start workflow `W` with `input`.
@@ -265,7 +281,49 @@ impl ScheduleAction {
         Ok(ScheduleAction {
             workflow_type: W::NAME.to_string(),
             input: Payload::encode(input).map_err(|e| e.to_string())?,
+            ..ScheduleAction::default()
         })
+    }
+
+    /// A memo field each run starts with.
+    pub fn memo<T: Serialize + ?Sized>(mut self, name: &str, value: &T) -> Result<Self, String> {
+        let p = Payload::encode(value).map_err(|e| format!("memo {name:?}: {e}"))?;
+        self.memo.push((name.to_string(), p));
+        Ok(self)
+    }
+
+    /// A search attribute each run starts with.
+    pub fn search_attribute(mut self, name: &str, value: impl Into<SearchValue>) -> Self {
+        self.search_attributes
+            .push((name.to_string(), value.into().to_payload()));
+        self
+    }
+
+    /// The search attributes the run of the trigger at `nominal` starts
+    /// with: the action's, then the schedule's own two.
+    pub fn attributes_for(&self, id: &str, nominal: Timestamp) -> Vec<(String, Payload)> {
+        let mut attrs = self.search_attributes.clone();
+        attrs.push((
+            SCHEDULE_ID_ATTRIBUTE.to_string(),
+            SearchValue::from(id).to_payload(),
+        ));
+        attrs.push((
+            SCHEDULE_TIME_ATTRIBUTE.to_string(),
+            SearchValue::Time(nominal).to_payload(),
+        ));
+        attrs
+    }
+
+    /// Checks the action: a workflow type, and memo and attributes within
+    /// the store's rules.
+    pub fn check(&self) -> Result<(), ScheduleError> {
+        if self.workflow_type.is_empty() {
+            return Err(ScheduleError::NoAction);
+        }
+        let attrs = self.attributes_for("x", Timestamp(0));
+        keel_storage::search::start_metadata(None, &attrs, &self.memo)
+            .map_err(|e| ScheduleError::BadMetadata(e.to_string()))?;
+        Ok(())
     }
 }
 
@@ -747,8 +805,8 @@ impl Scheduler {
                 if let Some(spec) = &c.spec {
                     spec.check().map_err(|e| e.to_string())?;
                 }
-                if matches!(&c.action, Some(a) if a.workflow_type.is_empty()) {
-                    return Err(ScheduleError::NoAction.to_string());
+                if let Some(a) = &c.action {
+                    a.check().map_err(|e| e.to_string())?;
                 }
                 Ok(())
             },
@@ -999,13 +1057,14 @@ impl Scheduler {
                 continue;
             }
             let instance = trigger_instance(&id, head.nominal);
-            let started = self
+            let mut call = self
                 .ctx
                 .child_named(&action.workflow_type, action.input.clone())
                 .instance_id(instance.clone())
-                .close_policy(ParentClosePolicy::Abandon)
-                .start()
-                .await;
+                .close_policy(ParentClosePolicy::Abandon);
+            call.memo = action.memo.clone();
+            call.search_attributes = action.attributes_for(&id, head.nominal);
+            let started = call.start().await;
             match started {
                 Ok(handle) => {
                     let mut rec = self.trigger_record(&head, TriggerOutcome::Running);
@@ -1056,6 +1115,13 @@ impl Scheduler {
             }
             self.take_in()?;
             let ready_at = self.start_ready().await?;
+            if self.running.iter().any(|r| r.handle.is_closed()) {
+                // A run closed while others started: take its result and
+                // start what it held back before waiting.
+                continue;
+            }
+            // Nothing to take in: this publishes the open runs for
+            // `describe`.
             self.reap().await;
             self.write_memo()?;
             if self.shared.borrow().deleted {

@@ -209,6 +209,27 @@ impl World<'_> {
                 Answer::Retry(_) | Answer::Refused(Refusal::Shutdown) => Some(false),
                 _ => None,
             },
+            // A signal with a command id answered as recorded must be in
+            // the durable history of its instance's chain.
+            (
+                _,
+                Some(ClientOpKind::Signal {
+                    command_id: Some(c),
+                    ..
+                }),
+            ) if matches!(answer, Answer::Committed | Answer::Duplicate) => {
+                let key = keel_storage::DurableKey::Command(c.clone());
+                let durable = self
+                    .durable_chain(plan)
+                    .iter()
+                    .any(|k| k.terminal_keys().contains(&key));
+                if !durable {
+                    let detail =
+                        format!("signal {c}: answered {answer:?}, but no durable event holds it");
+                    self.violation(ViolationKind::WrongAnswer, detail);
+                }
+                Some(true)
+            }
             (OpRef::Result, _) => self.result_answered(plan, try_no, &answer),
             (OpRef::Describe, _) => self.describe_answered(plan, &answer),
             (OpRef::Start | OpRef::Planned(_), _) => match &answer {
