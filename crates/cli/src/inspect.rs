@@ -784,11 +784,9 @@ fn child_tree(
     Ok(out)
 }
 
-fn describe_run(
-    store: &dyn Store,
-    meta: &RunMeta,
-    registry: &WorkflowRegistry,
-) -> anyhow::Result<Description> {
+/// A run's history up to its record's last event (a live writer may be
+/// ahead of the record a secondary read).
+pub(crate) fn history_of(store: &dyn Store, meta: &RunMeta) -> anyhow::Result<Vec<Event>> {
     let last = meta.next_seq.0.saturating_sub(1);
     let mut history = Vec::with_capacity(last.min(1 << 20) as usize);
     store
@@ -800,6 +798,16 @@ fn describe_run(
             true
         })
         .with_context(|| format!("reading run {}", meta.run_id))?;
+    Ok(history)
+}
+
+fn describe_run(
+    store: &dyn Store,
+    meta: &RunMeta,
+    registry: &WorkflowRegistry,
+) -> anyhow::Result<Description> {
+    let last = meta.next_seq.0.saturating_sub(1);
+    let history = history_of(store, meta)?;
     let mut pending = Vec::new();
     for p in pending_steps(&history) {
         let task = if p.kind == keel_storage::history::StepKind::Activity {

@@ -17,11 +17,11 @@ use keel::schedule::{
     TriggerRecord, SCHEDULE_MEMO_FIELD, SCHEDULE_WORKFLOW_TYPE,
 };
 use keel::{Payload, WorkflowRegistry};
-use keel_storage::{RunFilter, RunStatus, Seq, Store};
+use keel_storage::{RunFilter, RunStatus, Store};
 use serde_json::json;
 
 use crate::bad_input;
-use crate::inspect::{open, resolve};
+use crate::inspect::{history_of, open, resolve};
 use crate::table::{time, to_stdout, Table};
 
 /// Arguments of `keel schedule`.
@@ -172,17 +172,7 @@ fn describe(
             meta.status.name()
         )));
     }
-    let last = meta.next_seq.0.saturating_sub(1);
-    let mut history = Vec::new();
-    store
-        .for_each_event(meta.run_id, Seq::FIRST, &mut |e| {
-            if e.seq.0 > last {
-                return false;
-            }
-            history.push(e);
-            true
-        })
-        .with_context(|| format!("reading run {}", meta.run_id))?;
+    let history = history_of(&store, &meta)?;
     let mut machine = Replayer::new(registry.clone())
         .rebuild(history)
         .map_err(|e| anyhow::anyhow!("schedule {id:?} does not replay with this build: {e}"))?;

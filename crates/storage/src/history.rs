@@ -17,6 +17,9 @@ pub enum StepKind {
     Timer,
     /// A child workflow.
     Child,
+    /// A signal or stream message sent from workflow code, not yet
+    /// answered.
+    Send,
 }
 
 impl StepKind {
@@ -26,6 +29,7 @@ impl StepKind {
             StepKind::Activity => "activity",
             StepKind::Timer => "timer",
             StepKind::Child => "child",
+            StepKind::Send => "send",
         }
     }
 }
@@ -183,11 +187,29 @@ pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
                     },
                 );
             }
+            EventKind::ExternalSendScheduled { step, target, .. } => {
+                open.insert(
+                    *step,
+                    PendingStep {
+                        step: *step,
+                        kind: StepKind::Send,
+                        name: target.clone(),
+                        group: Vec::new(),
+                        since: e.at,
+                        attempt: None,
+                        due: None,
+                        fire_at: None,
+                        child_run: None,
+                        last_failure: None,
+                    },
+                );
+            }
             EventKind::ActivityAttemptFailed {
                 step,
                 retry_at: None,
                 ..
             }
+            | EventKind::ExternalSendCompleted { step, .. }
             | EventKind::ActivityCompleted { step, .. }
             | EventKind::ActivityCancelled { step, .. }
             | EventKind::TimerFired { step, .. }
@@ -237,4 +259,52 @@ pub fn children(history: &[Event]) -> Vec<ChildRecord> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    //! Goal: a send from workflow code shows as pending until its answer
+    //! is committed (a run held back by an unanswered send says why).
+    //! Method: a hand-made history, before and after the answer.
+    use super::*;
+    use crate::event::{Delivery, Payload};
+    use crate::ids::Seq;
+
+    fn ev(seq: u64, kind: EventKind) -> Event {
+        Event {
+            seq: Seq(seq),
+            at: Timestamp(seq),
+            kind,
+        }
+    }
+
+    #[test]
+    fn an_unanswered_send_is_pending() {
+        let mut h = vec![ev(
+            2,
+            EventKind::ExternalSendScheduled {
+                step: Step(3),
+                target: "billing-7".into(),
+                delivery: Delivery::Signal {
+                    name: "paid".into(),
+                    payload: Payload::default(),
+                },
+            },
+        )];
+        let pending = pending_steps(&h);
+        assert_eq!(pending.len(), 1);
+        assert_eq!(
+            (pending[0].kind, pending[0].name.as_str()),
+            (StepKind::Send, "billing-7")
+        );
+        h.push(ev(
+            3,
+            EventKind::ExternalSendCompleted {
+                step: Step(3),
+                offset: None,
+                failure: None,
+            },
+        ));
+        assert!(pending_steps(&h).is_empty());
+    }
 }
