@@ -536,9 +536,11 @@ impl Checker {
             if let Some(EventKind::WorkflowStarted {
                 instance_id,
                 parent: Some(parent),
+                continued_from: None,
                 ..
             }) = history.first().map(|e| &e.kind)
             {
+                // A trigger's run that continued as new is one chain.
                 if schedule_runs.contains(&parent.run_id) {
                     runs.entry(instance_id.to_string()).or_default().push(*run);
                 }

@@ -823,7 +823,8 @@ fn plan_schedule(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
         schedule_instance, OverlapPolicy, ScheduleAction, ScheduleInput, SchedulePolicies,
         ScheduleSpec,
     };
-    let start = rng.random_range(0..500u64);
+    // Not 0: a cursor of 0 means "from the schedule's creation".
+    let start = rng.random_range(1..500u64);
     let triggers = rng.random_range(2..=4u64);
     let seq = SeqIn {
         value: rng.random_range(0..1000),

@@ -21,6 +21,8 @@ use super::{ScheduleError, ScheduleSpec};
 /// How far ahead a cron search looks for its next match before giving up
 /// (a `30 2 30 2 *` never matches): five years covers every leap-day rule.
 pub const CRON_SEARCH_DAYS_MAX: u32 = 5 * 366;
+/// Bytes in one cron expression.
+pub const CRON_EXPR_BYTES_MAX: usize = 256;
 /// Cron expressions and intervals in one schedule.
 pub const SCHEDULE_CALENDARS_MAX: usize = 16;
 /// The shortest interval a schedule may have.
@@ -47,9 +49,12 @@ impl Cron {
     /// Parses a five-field expression or a macro.
     pub fn parse(expr: &str) -> Result<Cron, ScheduleError> {
         let bad = |why: String| ScheduleError::BadCron {
-            expr: expr.to_string(),
+            expr: expr.chars().take(CRON_EXPR_BYTES_MAX).collect(),
             why,
         };
+        if expr.len() > CRON_EXPR_BYTES_MAX {
+            return Err(bad(format!("longer than {CRON_EXPR_BYTES_MAX} bytes")));
+        }
         let expanded = match expr.trim() {
             "@yearly" | "@annually" => "0 0 1 1 *",
             "@monthly" => "0 0 1 * *",
@@ -85,8 +90,10 @@ impl Cron {
             days: days as u32,
             months: months as u16,
             weekdays: (weekdays & 0x7f) as u8,
-            days_star: fields[2] == "*" || fields[2] == "?",
-            weekdays_star: fields[4] == "*" || fields[4] == "?",
+            // `*/n` counts as unrestricted for the either-day rule, as in
+            // classic cron.
+            days_star: fields[2].starts_with('*') || fields[2] == "?",
+            weekdays_star: fields[4].starts_with('*') || fields[4] == "?",
         })
     }
 
@@ -199,7 +206,10 @@ fn parse_field(text: &str, lo: u32, hi: u32, names: &[&str]) -> Result<u64, Stri
         let mut v = a;
         while v <= b {
             bits |= 1 << v;
-            v += step;
+            match v.checked_add(step) {
+                Some(next) => v = next,
+                None => break,
+            }
         }
     }
     Ok(bits)
@@ -385,6 +395,12 @@ mod tests {
         assert!(spec("0 0 30 2 *", "UTC")
             .next_after(at("2026-01-01T00:00:00Z"))
             .is_none());
+        // A stepped star is unrestricted for the either-day rule.
+        let c = Cron::parse("0 0 */2 * MON").expect("valid");
+        assert!(c.days_star && !c.weekdays_star);
+        // A huge step does not overflow.
+        assert!(Cron::parse("0 0 1/4294967295 * *").is_ok());
+        assert!(Cron::parse(&"* ".repeat(200)).is_err());
     }
 
     #[test]

@@ -858,10 +858,15 @@ impl Scheduler {
             TriggerOutcome::Abandoned => {}
         }
         let recent = &mut s.input.recent;
-        // A run's close updates the record of its start.
+        // A run's close updates the record of its start (nothing else
+        // does: a refused repeat of a running time gets its own record).
+        let closes = matches!(
+            rec.outcome,
+            TriggerOutcome::Completed | TriggerOutcome::Failed(_) | TriggerOutcome::Abandoned
+        );
         if let Some(r) = recent
             .iter_mut()
-            .find(|r| r.instance == rec.instance && r.outcome == TriggerOutcome::Running)
+            .find(|r| closes && r.instance == rec.instance && r.outcome == TriggerOutcome::Running)
         {
             r.outcome = rec.outcome;
             return;
@@ -909,7 +914,9 @@ impl Scheduler {
         }
         let skip = match p.overlap {
             OverlapPolicy::Skip => self.blocked(),
-            OverlapPolicy::BufferOne => self.blocked() && waiting >= 1,
+            // One may wait behind the run; when none runs, the head of
+            // the queue is about to start and one more may wait behind it.
+            OverlapPolicy::BufferOne => waiting >= if self.blocked() { 1 } else { 2 },
             _ => waiting >= SCHEDULE_BUFFER_MAX,
         };
         if skip {
@@ -931,7 +938,7 @@ impl Scheduler {
             let r = self.running.remove(i);
             let outcome = match r.handle.result().await {
                 Ok(_) => TriggerOutcome::Completed,
-                Err(f) => TriggerOutcome::Failed(f.message),
+                Err(f) => TriggerOutcome::Failed(clip(f.message)),
             };
             let id = self.shared.borrow().input.id.clone();
             self.record(TriggerRecord {
@@ -1007,6 +1014,10 @@ impl Scheduler {
     /// or its jitter not yet over).
     async fn start_ready(&mut self) -> Result<Option<Timestamp>, WorkflowError> {
         loop {
+            if self.shared.borrow().deleted {
+                // Deleted while starting: nothing more starts.
+                return Ok(None);
+            }
             let now = self.ctx.now();
             let (head, id, jitter, action) = {
                 let s = self.shared.borrow();
@@ -1078,7 +1089,8 @@ impl Scheduler {
                     });
                 }
                 Err(f) => {
-                    let rec = self.trigger_record(&head, TriggerOutcome::NotStarted(f.message));
+                    let rec =
+                        self.trigger_record(&head, TriggerOutcome::NotStarted(clip(f.message)));
                     self.record(rec);
                 }
             }
@@ -1192,6 +1204,22 @@ impl Scheduler {
         self.write_memo()?;
         Ok(ScheduleClosed { counts })
     }
+}
+
+/// Bytes of a failure message a trigger record keeps (the records ride in
+/// the memo, which has a size limit).
+pub const TRIGGER_MESSAGE_BYTES_MAX: usize = 200;
+
+fn clip(mut message: String) -> String {
+    if message.len() > TRIGGER_MESSAGE_BYTES_MAX {
+        let mut end = TRIGGER_MESSAGE_BYTES_MAX;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push('…');
+    }
+    message
 }
 
 fn check_note(note: &str) -> Result<(), String> {
