@@ -19,12 +19,12 @@ use std::task::{Context, Poll};
 
 use crate::concurrency::Branch;
 use crate::context::WorkflowContext;
-use crate::core::{Core, Issued, OpenWait, Resolution, WaitKind};
+use crate::core::{Core, Issued, Resolution, WaitKind};
 use crate::workflow::Workflow;
 use keel_storage::search;
 use keel_storage::{
-    AttemptNo, EventKind, Failure, FailureKind, InstanceId, OperationKind, ParentClosePolicy,
-    Payload, RunId, SearchValue, Step,
+    EventKind, Failure, FailureKind, InstanceId, OperationKind, ParentClosePolicy, Payload, RunId,
+    SearchValue, Step,
 };
 
 /// How the failure of a child whose run never started begins (the outbox
@@ -192,24 +192,10 @@ impl<W: ChildOutput> ChildCall<W> {
                     EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
                     _ => None,
                 };
-                let owner = core.current_owner;
-                core.open.insert(
-                    step,
-                    OpenWait {
-                        step,
-                        kind: WaitKind::Child,
-                        name: self.workflow_type.clone(),
-                        group,
-                        since: e.at,
-                        attempt: AttemptNo::FIRST,
-                        options: None,
-                        fire_at: None,
-                        child_run,
-                        owner,
-                        close_policy: Some(self.close_policy),
-                        child_started: false,
-                    },
-                );
+                let name = self.workflow_type.clone();
+                let w = core.open_wait(step, WaitKind::Child, name, group, e.at);
+                w.child_run = child_run;
+                w.close_policy = Some(self.close_policy);
                 Ok(Some(step))
             }
             Issued::Diverged => Ok(None),

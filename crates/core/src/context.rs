@@ -12,13 +12,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use keel_storage::{
-    ActivityOptions, AttemptNo, Backoff, EventKind, ExecutionId, Failure, FailureKind, InstanceId,
-    Jitter, Payload, RetrySettings, RunId, Step, Timestamp,
+    ActivityOptions, Backoff, EventKind, ExecutionId, Failure, FailureKind, InstanceId, Jitter,
+    Payload, RetrySettings, RunId, Step, Timestamp,
 };
 use serde::{de::DeserializeOwned, Serialize};
 
 use crate::activity::Activity;
-use crate::core::{Core, Issued, OpenWait, Resolution, WaitKind};
+use crate::core::{Core, Issued, Resolution, WaitKind};
 
 /// A spawned coroutine waiting to be handed to the executor.
 pub(crate) type Spawn = Pin<Box<dyn Future<Output = ()>>>;
@@ -477,24 +477,9 @@ impl<A: Activity> Future for ActivityCall<A> {
                             EventKind::ActivityScheduled { options, .. } => options.clone(),
                             _ => this.options.clone(),
                         };
-                        let owner = core.current_owner;
-                        core.open.insert(
-                            step,
-                            OpenWait {
-                                step,
-                                kind: WaitKind::Activity,
-                                name: A::NAME.to_string(),
-                                group,
-                                since: e.at,
-                                attempt: AttemptNo::FIRST,
-                                options: Some(options),
-                                fire_at: None,
-                                child_run: None,
-                                owner,
-                                close_policy: None,
-                                child_started: false,
-                            },
-                        );
+                        let name = A::NAME.to_string();
+                        core.open_wait(step, WaitKind::Activity, name, group, e.at)
+                            .options = Some(options);
                     }
                     Issued::Diverged => return Poll::Pending,
                 }
@@ -557,24 +542,8 @@ impl Future for Timer {
                             EventKind::TimerStarted { fire_at, .. } => fire_at,
                             _ => fire_at,
                         };
-                        let owner = core.current_owner;
-                        core.open.insert(
-                            step,
-                            OpenWait {
-                                step,
-                                kind: WaitKind::Timer,
-                                name: String::new(),
-                                group,
-                                since: e.at,
-                                attempt: AttemptNo::FIRST,
-                                options: None,
-                                fire_at: Some(fire_at),
-                                child_run: None,
-                                owner,
-                                close_policy: None,
-                                child_started: false,
-                            },
-                        );
+                        core.open_wait(step, WaitKind::Timer, String::new(), group, e.at)
+                            .fire_at = Some(fire_at);
                     }
                     Issued::Diverged => return Poll::Pending,
                 }

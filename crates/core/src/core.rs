@@ -589,6 +589,38 @@ impl Core {
         true
     }
 
+    /// Records an open wait at `step` issued by the current coroutine, with
+    /// the fields every kind shares; the caller sets its own (options,
+    /// fire time, child run, close policy) on what it returns.
+    pub(crate) fn open_wait(
+        &mut self,
+        step: Step,
+        kind: WaitKind,
+        name: String,
+        group: GroupPath,
+        since: Timestamp,
+    ) -> &mut OpenWait {
+        let owner = self.current_owner;
+        self.open.insert(
+            step,
+            OpenWait {
+                step,
+                kind,
+                name,
+                group,
+                since,
+                attempt: AttemptNo::FIRST,
+                options: None,
+                fire_at: None,
+                child_run: None,
+                owner,
+                close_policy: None,
+                child_started: false,
+            },
+        );
+        self.open.get_mut(&step).expect("just inserted")
+    }
+
     /// Issues `ChildCancelRequested` for the open child at `step` with
     /// `policy` (cancel or terminate), whatever its close policy. False
     /// when no child is open there or one was issued already.

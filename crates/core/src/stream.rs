@@ -224,8 +224,8 @@ impl Future for ExternalSend {
     type Output = Result<Option<u64>, Failure>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        use crate::core::{Issued, OpenWait, Resolution, WaitKind};
-        use keel_storage::{AttemptNo, EventKind};
+        use crate::core::{Issued, Resolution, WaitKind};
+        use keel_storage::EventKind;
         let this = self.get_mut();
         let mut core = this.core.borrow_mut();
         let step = match this.step {
@@ -244,25 +244,8 @@ impl Future for ExternalSend {
                     delivery,
                 }) {
                     Issued::Live(e) | Issued::Replayed(e) => {
-                        let owner = core.current_owner;
                         let group = core.group();
-                        core.open.insert(
-                            step,
-                            OpenWait {
-                                step,
-                                kind: WaitKind::Send,
-                                name: this.target.clone(),
-                                group,
-                                since: e.at,
-                                attempt: AttemptNo::FIRST,
-                                options: None,
-                                fire_at: None,
-                                child_run: None,
-                                owner,
-                                close_policy: None,
-                                child_started: false,
-                            },
-                        );
+                        core.open_wait(step, WaitKind::Send, this.target.clone(), group, e.at);
                     }
                     Issued::Diverged => return Poll::Pending,
                 }
