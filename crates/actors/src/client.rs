@@ -111,6 +111,9 @@ pub enum EngineError {
     /// The workflow was terminated.
     #[error("workflow terminated: {0}")]
     WorkflowTerminated(String),
+    /// A run or execution timeout of the workflow passed.
+    #[error("workflow timed out: {0}")]
+    WorkflowTimedOut(String),
     /// The result does not decode into the expected type.
     #[error("result does not decode: {0}")]
     ResultDecode(String),
@@ -191,6 +194,7 @@ pub struct StartOptions {
     reuse: ReusePolicy,
     memo: Vec<(String, Payload)>,
     search_attributes: Vec<(String, Payload)>,
+    timeouts: keel_storage::StartTimeouts,
     encode_error: Option<String>,
 }
 
@@ -230,6 +234,23 @@ impl StartOptions {
         self
     }
 
+    /// Closes each run of the workflow that stays open longer than `d`
+    /// (from that run's start) as timed out, without running more of its
+    /// code: status `timed-out`, [`EngineError::WorkflowTimedOut`] for
+    /// whoever waits, a timeout failure for a parent. Every run a
+    /// continue-as-new makes gets the same timeout.
+    pub fn run_timeout(mut self, d: std::time::Duration) -> Self {
+        self.timeouts.run_ms = Some(duration_ms(d));
+        self
+    }
+
+    /// Like [`StartOptions::run_timeout`], for the whole chain of runs:
+    /// the deadline is fixed at this start and continue-as-new keeps it.
+    pub fn execution_timeout(mut self, d: std::time::Duration) -> Self {
+        self.timeouts.execution_ms = Some(duration_ms(d));
+        self
+    }
+
     /// Checks the memo and search attributes with the store's rules.
     fn check(&self) -> Result<(), EngineError> {
         if let Some(e) = &self.encode_error {
@@ -238,6 +259,12 @@ impl StartOptions {
         search::start_metadata(None, &self.search_attributes, &self.memo)?;
         Ok(())
     }
+}
+
+/// A duration in whole milliseconds, at least 1 (a zero timeout would
+/// close the run before its first step).
+fn duration_ms(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// What `signal_with_start` did.
@@ -612,6 +639,7 @@ impl Client {
             signal,
             memo: options.memo,
             search_attributes: options.search_attributes,
+            timeouts: options.timeouts,
         };
         self.core.call(request).await
     }
@@ -753,6 +781,7 @@ impl Client {
             Outcome::Failed(f) => Err(EngineError::WorkflowFailed(f)),
             Outcome::Cancelled(r) => Err(EngineError::WorkflowCancelled(r)),
             Outcome::Terminated(r) => Err(EngineError::WorkflowTerminated(r)),
+            Outcome::TimedOut(r) => Err(EngineError::WorkflowTimedOut(r)),
             Outcome::ContinuedAsNew(_) => unreachable!("outcome() follows continue-as-new"),
         }
     }

@@ -62,9 +62,9 @@ pub use keel_core::concurrency::{
 pub use keel_core::schedule;
 pub use keel_core::schedule::{OverlapPolicy, ScheduleAction, ScheduleChange, ScheduleSpec};
 pub use keel_core::{
-    format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, HandlerError,
-    MachineError, RetryPolicy, Workflow, WorkflowContext, WorkflowError, WorkflowRegistry,
-    CONTINUE_AS_NEW_SUGGESTED_EVENTS,
+    format_group, Activity, ActivityContext, ActivityError, ActivityRegistry, CancellationType,
+    HandlerError, MachineError, RetryPolicy, Workflow, WorkflowContext, WorkflowError,
+    WorkflowRegistry, CONTINUE_AS_NEW_SUGGESTED_EVENTS,
 };
 pub use keel_core::{
     CoroutineRef, Message, MessageStream, NextMessage, Receiver, Scope, ScopeError, ScopeRef,
@@ -74,7 +74,7 @@ pub use keel_storage::{
     AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind, Field,
     FilterError, GroupEntry, InstanceId, Jitter, MessageKey, MetadataError, Op, OperationKind,
     Outcome, PageToken, ParentClosePolicy, Payload, RunFilter, RunId, RunMeta, RunPage, RunStatus,
-    SearchValue, SelectKey, Seq, Step, StoreHealth, Timestamp, WriteFault,
+    SearchValue, SelectKey, Seq, Step, StoreHealth, Timestamp, WorkflowTimeout, WriteFault,
 };
 
 /// The storage layer, for inspection tools (`keel` CLI) and custom stores.

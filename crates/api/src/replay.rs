@@ -641,6 +641,7 @@ mod tests {
             carried: Default::default(),
             memo: Vec::new(),
             search_attributes: Vec::new(),
+            timeouts: Default::default(),
         };
         let reg = registry::<V1>();
         let (mut m, mut events) = RunMachine::start(&reg, spec, Timestamp(1)).unwrap();

@@ -189,6 +189,7 @@ fn started_event(run: RunId, instance: String, at: u64) -> Event {
             carried: Default::default(),
             memo: Vec::new(),
             search_attributes: Vec::new(),
+            timeouts: Default::default(),
         },
     }
 }

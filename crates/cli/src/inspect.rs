@@ -313,6 +313,7 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
             command_id,
             parent,
             continued_from,
+            timeouts,
             ..
         } => {
             let mut f = vec![
@@ -320,6 +321,12 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
                 ("run", text(run_id)),
                 ("type", text(workflow_type)),
             ];
+            if let Some(ms) = timeouts.run_ms {
+                f.push(("run_timeout_ms", Field::Number(ms)));
+            }
+            if let Some(at) = timeouts.execution_deadline {
+                f.push(("execution_deadline", text(at.to_rfc3339())));
+            }
             if let Some(p) = parent {
                 f.push(("parent", text(format!("{}@{}", p.run_id, p.step))));
             }
@@ -344,6 +351,10 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
         K::WorkflowCancelled { reason } | K::WorkflowTerminated { reason, .. } => {
             vec![("reason", text(reason))]
         }
+        K::WorkflowTimedOut { timeout, deadline } => vec![
+            ("timeout", text(timeout.name())),
+            ("deadline", text(deadline.to_rfc3339())),
+        ],
         K::WorkflowContinuedAsNew {
             new_run_id,
             input,
@@ -748,6 +759,7 @@ fn outcome_text(o: &Outcome) -> String {
         Outcome::Failed(f) => format!("failed: {f}"),
         Outcome::Cancelled(r) => format!("cancelled: {r}"),
         Outcome::Terminated(r) => format!("terminated: {r}"),
+        Outcome::TimedOut(r) => format!("timed out: {r}"),
         Outcome::ContinuedAsNew(r) => format!("continued as new in run {r}"),
     }
 }

@@ -127,6 +127,7 @@ pub fn write_run(
         carried: Default::default(),
         memo: Vec::new(),
         search_attributes: Vec::new(),
+        timeouts: Default::default(),
     };
     let mut now = Timestamp(1_700_000_000_000);
     let (mut machine, first) = RunMachine::start(registry, spec, now)

@@ -625,6 +625,7 @@ fn started(instance: &InstanceId, run: RunId, ty: &str, parent: Option<ParentRef
         carried: Default::default(),
         memo: Vec::new(),
         search_attributes: Vec::new(),
+        timeouts: Default::default(),
     }
 }
 
@@ -639,6 +640,7 @@ fn schedule_child(step: u32, parent: RunId, child: RunId) -> EventKind {
         close_policy: ParentClosePolicy::Terminate,
         memo: Vec::new(),
         search_attributes: Vec::new(),
+        timeouts: Default::default(),
     }
 }
 

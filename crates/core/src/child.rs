@@ -76,6 +76,8 @@ pub struct ChildCall<W: ChildOutput> {
     pub(crate) instance_id: Option<InstanceId>,
     pub(crate) memo: Vec<(String, Payload)>,
     pub(crate) search_attributes: Vec<(String, Payload)>,
+    pub(crate) timeouts: keel_storage::StartTimeouts,
+    pub(crate) cancellation: crate::core::CancellationType,
     /// A memo value that did not encode: the call fails when issued.
     pub(crate) bad_metadata: Option<String>,
     pub(crate) step: Option<Step>,
@@ -102,6 +104,8 @@ impl<W: ChildOutput> ChildCall<W> {
             instance_id: None,
             memo: Vec::new(),
             search_attributes: Vec::new(),
+            timeouts: Default::default(),
+            cancellation: Default::default(),
             bad_metadata: None,
             step: None,
             _w: PhantomData,
@@ -122,6 +126,31 @@ impl<W: ChildOutput> ChildCall<W> {
     pub fn search_attribute(mut self, name: &str, value: impl Into<SearchValue>) -> Self {
         self.search_attributes
             .push((name.to_string(), value.into().to_payload()));
+        self
+    }
+
+    /// Closes each run of the child that stays open longer than `d` (from
+    /// that run's start) as timed out; this run sees a failure of kind
+    /// `Timeout`. Continue-as-new keeps the timeout.
+    pub fn run_timeout(mut self, d: std::time::Duration) -> Self {
+        self.timeouts.run_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self
+    }
+
+    /// Like [`ChildCall::run_timeout`], for the child's whole chain of
+    /// runs, from its first start.
+    pub fn execution_timeout(mut self, d: std::time::Duration) -> Self {
+        self.timeouts.execution_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self
+    }
+
+    /// What cancelling this call does (its scope cancelled, or a lost
+    /// `select`): cancel the child per its close policy and go on (the
+    /// default), do so and wait until the child has closed, or leave it
+    /// running. [`ChildHandle::cancel`] and `terminate` act whatever this
+    /// says.
+    pub fn cancellation(mut self, cancellation: crate::core::CancellationType) -> Self {
+        self.cancellation = cancellation;
         self
     }
 
@@ -184,6 +213,7 @@ impl<W: ChildOutput> ChildCall<W> {
             close_policy: self.close_policy,
             memo: std::mem::take(&mut self.memo),
             search_attributes: std::mem::take(&mut self.search_attributes),
+            timeouts: self.timeouts,
         };
         self.step = Some(step);
         match core.issue(kind) {
@@ -196,6 +226,7 @@ impl<W: ChildOutput> ChildCall<W> {
                 let w = core.open_wait(step, WaitKind::Child, name, group, e.at);
                 w.child_run = child_run;
                 w.close_policy = Some(self.close_policy);
+                w.cancellation = self.cancellation;
                 Ok(Some(step))
             }
             Issued::Diverged => Ok(None),

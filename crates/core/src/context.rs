@@ -93,6 +93,7 @@ impl WorkflowContext {
                 Payload::encode(&input).map_err(|e| format!("activity input does not encode: {e}")),
             ),
             options: ActivityOptions::default(),
+            cancellation: Default::default(),
             step: None,
             _activity: PhantomData,
         }
@@ -371,6 +372,7 @@ pub struct ActivityCall<A: Activity> {
     core: Rc<RefCell<Core>>,
     input: Option<Result<Payload, String>>,
     options: ActivityOptions,
+    cancellation: crate::core::CancellationType,
     step: Option<Step>,
     _activity: PhantomData<fn() -> A>,
 }
@@ -420,6 +422,14 @@ impl<A: Activity> ActivityCall<A> {
     /// due time (waiting behind the worker limit or a resilience profile).
     pub fn schedule_to_start(mut self, d: Duration) -> Self {
         self.options.schedule_to_start_ms = Some(d.as_millis() as u64);
+        self
+    }
+
+    /// What cancelling this call does (its scope cancelled, or a lost
+    /// `select`): ask the activity to stop and go on (the default), ask
+    /// and wait until it has stopped, or leave it running.
+    pub fn cancellation(mut self, cancellation: crate::core::CancellationType) -> Self {
+        self.cancellation = cancellation;
         self
     }
 
@@ -478,8 +488,9 @@ impl<A: Activity> Future for ActivityCall<A> {
                             _ => this.options.clone(),
                         };
                         let name = A::NAME.to_string();
-                        core.open_wait(step, WaitKind::Activity, name, group, e.at)
-                            .options = Some(options);
+                        let w = core.open_wait(step, WaitKind::Activity, name, group, e.at);
+                        w.options = Some(options);
+                        w.cancellation = this.cancellation;
                     }
                     Issued::Diverged => return Poll::Pending,
                 }

@@ -106,6 +106,27 @@ pub(crate) enum Resolution {
     Failed(Failure),
 }
 
+/// What cancelling a wait on an activity or a child does: its scope was
+/// cancelled, or it lost a `select`. Not recorded: the commands it leads
+/// to are, so changing it for running workflows is a code change like any
+/// other (guard it with `ctx.patched`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CancellationType {
+    /// Ask it to stop (an activity's cancel request, a child's cancel or
+    /// termination per its close policy) and go on at once. The default.
+    #[default]
+    TryCancel,
+    /// Ask it to stop, and hold the completion of the scope that owns it
+    /// (and of every scope around that one) and the run's close until it
+    /// has closed: its cancellation, result or failure is committed.
+    WaitCancellationCompleted,
+    /// Do not ask: it runs on to its own end, and whatever it returns is
+    /// committed but read by no one (an abandoned child still follows its
+    /// close policy when this run closes).
+    Abandon,
+}
+
 /// What kind of durable wait is open at a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -148,6 +169,8 @@ pub struct OpenWait {
     pub close_policy: Option<keel_storage::ParentClosePolicy>,
     /// For children: whether `ChildStarted` was committed.
     pub child_started: bool,
+    /// For activities and children: what cancelling the wait does.
+    pub cancellation: CancellationType,
 }
 
 /// The result of issuing a command.
@@ -205,10 +228,19 @@ pub(crate) struct Core {
     pub tearing_down: bool,
     /// Memo fields, sorted by name (as the store keeps them).
     pub memo: Vec<(String, Payload)>,
+    /// The run's timeouts, as its start recorded them (continue-as-new
+    /// hands them on).
+    pub timeouts: keel_storage::RunTimeouts,
     /// Search attributes, sorted by name (as the store keeps them).
     pub search_attributes: Vec<(String, keel_storage::SearchValue)>,
     /// Children whose cancellation was issued (at most once each).
     pub child_cancelled: std::collections::BTreeSet<Step>,
+    /// Waits cancelled with [`CancellationType::WaitCancellationCompleted`]
+    /// that have not closed yet, with the scope that owns each (`None` for
+    /// the workflow's own coroutine).
+    pub draining: BTreeMap<Step, Option<Step>>,
+    /// Every scope the run created, with the scope it is nested in.
+    pub scope_parents: BTreeMap<Step, Option<Step>>,
     /// True while the machine rebuilds the run from its committed history
     /// (`RunMachine::replay`): what the code decides now was decided
     /// before, by whatever code ran then.
@@ -271,8 +303,11 @@ impl Core {
             current_owner: None,
             tearing_down: false,
             memo: Vec::new(),
+            timeouts: keel_storage::RunTimeouts::default(),
             search_attributes: Vec::new(),
             child_cancelled: Default::default(),
+            draining: BTreeMap::new(),
+            scope_parents: BTreeMap::new(),
             historical: false,
             versions: BTreeMap::new(),
             updates: BTreeMap::new(),
@@ -324,6 +359,7 @@ impl Core {
                 .iter()
                 .map(|(name, s)| s.to_carried(name))
                 .collect(),
+            timeouts: self.timeouts,
         }
     }
 
@@ -544,6 +580,26 @@ impl Core {
         if let Some(w) = self.waiters.remove(&step) {
             w.wake();
         }
+        if self.draining.remove(&step).is_some() {
+            // A scope's completion (or the run's close) may wait for it.
+            self.wake_general();
+        }
+    }
+
+    /// Whether a cancelled wait owned by `scope`, or by a scope nested in
+    /// it at any depth, has yet to close.
+    pub(crate) fn draining_under(&self, scope: Step) -> bool {
+        self.draining.values().any(|owner| {
+            let mut at = *owner;
+            // Each scope's parent was created before it: the chain ends.
+            while let Some(s) = at {
+                if s == scope {
+                    return true;
+                }
+                at = self.scope_parents.get(&s).copied().flatten();
+            }
+            false
+        })
     }
 
     /// Issues the command that cancels the open wait at `step`: a timer is
@@ -555,6 +611,16 @@ impl Core {
             return false;
         };
         let (kind, fire_at, child, policy) = (w.kind, w.fire_at, w.child_run, w.close_policy);
+        let (cancellation, owner) = (w.cancellation, w.owner.map(|(s, _)| s));
+        if matches!(kind, WaitKind::Activity | WaitKind::Child) {
+            match cancellation {
+                CancellationType::Abandon => return true,
+                CancellationType::WaitCancellationCompleted => {
+                    self.draining.insert(step, owner);
+                }
+                CancellationType::TryCancel => {}
+            }
+        }
         match kind {
             WaitKind::Timer => {
                 let fire_at = fire_at.unwrap_or(self.now);
@@ -616,6 +682,7 @@ impl Core {
                 owner,
                 close_policy: None,
                 child_started: false,
+                cancellation: CancellationType::TryCancel,
             },
         );
         self.open.get_mut(&step).expect("just inserted")

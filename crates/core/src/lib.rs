@@ -32,7 +32,7 @@ pub mod scope;
 pub mod stream;
 pub mod workflow;
 
-pub use crate::core::{format_group, OpenWait, WaitKind};
+pub use crate::core::{format_group, CancellationType, OpenWait, WaitKind};
 pub use activity::{
     Activity, ActivityContext, ActivityError, ActivityRegistry, CancelSignal, HeartbeatFn,
 };

@@ -15,7 +15,7 @@ use std::rc::Rc;
 use keel_storage::search;
 use keel_storage::{
     AttemptNo, Carried, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, MessageKey,
-    ParentRef, Payload, RunId, Seq, Step, StreamMessage, Timestamp,
+    ParentRef, Payload, RunId, RunTimeouts, Seq, Step, StreamMessage, Timestamp, WorkflowTimeout,
 };
 
 use crate::context::{Spawn, WorkflowContext};
@@ -119,6 +119,8 @@ pub struct StartSpec {
     pub memo: Vec<(String, Payload)>,
     /// Search attributes given at start.
     pub search_attributes: Vec<(String, Payload)>,
+    /// The run's timeouts.
+    pub timeouts: RunTimeouts,
 }
 
 impl StartSpec {
@@ -137,6 +139,7 @@ impl StartSpec {
             carried: self.carried,
             memo: self.memo,
             search_attributes: self.search_attributes,
+            timeouts: self.timeouts,
         }
     }
 
@@ -155,7 +158,8 @@ impl StartSpec {
     }
 
     /// The start of `new_run_id`, continuing run `from` of `instance_id`
-    /// after continue-as-new (a child's continuation keeps its parent).
+    /// after continue-as-new (a child's continuation keeps its parent, and
+    /// every continuation the timeouts `carried` hands on).
     pub fn continuation(
         from: RunId,
         instance_id: InstanceId,
@@ -175,6 +179,7 @@ impl StartSpec {
             continued_from: Some(from),
             random_seed: Self::seed_for(new_run_id),
             previous_run: Some(from),
+            timeouts: carried.timeouts,
             carried,
             memo: Vec::new(),
             search_attributes: Vec::new(),
@@ -202,6 +207,7 @@ impl StartSpec {
             carried: Carried::default(),
             memo: Vec::new(),
             search_attributes: Vec::new(),
+            timeouts: RunTimeouts::default(),
         }
     }
 
@@ -221,6 +227,7 @@ impl StartSpec {
                 carried,
                 memo,
                 search_attributes,
+                timeouts,
             } => Some(StartSpec {
                 run_id,
                 instance_id,
@@ -234,6 +241,7 @@ impl StartSpec {
                 carried,
                 memo,
                 search_attributes,
+                timeouts,
             }),
             _ => None,
         }
@@ -336,6 +344,14 @@ pub enum Input {
         /// The client's command id.
         command_id: Option<CommandId>,
     },
+    /// A deadline of the run passed: closes it without running workflow
+    /// code, like a termination.
+    TimedOut {
+        /// Which timeout.
+        timeout: WorkflowTimeout,
+        /// The deadline that passed.
+        deadline: Timestamp,
+    },
     /// Termination: closes the run without running workflow code.
     Terminate {
         /// Why.
@@ -412,6 +428,11 @@ impl Input {
                 step,
                 child_run_id,
                 failure: Failure::new(FailureKind::Terminated, r, false),
+            },
+            Outcome::TimedOut(r) => Input::ChildFailed {
+                step,
+                child_run_id,
+                failure: Failure::new(FailureKind::Timeout, format!("child timed out: {r}"), false),
             },
             Outcome::ContinuedAsNew(_) => return None,
         })
@@ -701,6 +722,7 @@ impl RunMachine {
                 Some(c) if core.seen_commands.contains(c) => Verdict::Duplicate,
                 _ => Verdict::Accept,
             },
+            Input::TimedOut { .. } => Verdict::Accept,
             Input::Update { update_id, .. } => {
                 match core.updates.contains_key(update_id)
                     || core.carried_commands.contains(update_id)
@@ -895,6 +917,9 @@ impl RunMachine {
                 Input::Terminate { reason, command_id } => {
                     EventKind::WorkflowTerminated { reason, command_id }
                 }
+                Input::TimedOut { timeout, deadline } => {
+                    EventKind::WorkflowTimedOut { timeout, deadline }
+                }
                 Input::Update {
                     update_id,
                     name,
@@ -923,8 +948,10 @@ impl RunMachine {
                     carried,
                     memo,
                     search_attributes,
+                    timeouts,
                     ..
                 } => {
+                    core.timeouts = *timeouts;
                     // What the store derives for the run, from the same
                     // function; the commit refuses what does not check.
                     (core.search_attributes, core.memo) =
@@ -1042,7 +1069,7 @@ impl RunMachine {
                         core.see_command(c.clone());
                     }
                 }
-                EventKind::WorkflowTerminated { .. } => {
+                EventKind::WorkflowTerminated { .. } | EventKind::WorkflowTimedOut { .. } => {
                     core.closed = true;
                     return Ok(());
                 }
@@ -1139,14 +1166,17 @@ impl RunMachine {
         if let Some(err) = self.core.borrow_mut().error.take() {
             return Err(err);
         }
-        // A run closes only once every send its code made is answered: the
-        // outbox row that delivers it is consumed by that answer.
-        let sending = self
-            .core
-            .borrow()
-            .open
-            .values()
-            .any(|w| w.kind == crate::core::WaitKind::Send);
+        // A run closes only once every send its code made is answered (the
+        // outbox row that delivers it is consumed by that answer) and every
+        // cancellation it asked to wait for has completed.
+        let sending = {
+            let core = self.core.borrow();
+            !core.draining.is_empty()
+                || core
+                    .open
+                    .values()
+                    .any(|w| w.kind == crate::core::WaitKind::Send)
+        };
         let finished = match sending {
             true => None,
             false => self.outcome.borrow_mut().take(),

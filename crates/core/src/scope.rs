@@ -188,7 +188,9 @@ impl WorkflowContext {
     pub fn scope(&self) -> Scope {
         let (step, parent) = {
             let mut core = self.core.borrow_mut();
-            (core.take_step(), core.current_owner.map(|(s, _)| s))
+            let (step, parent) = (core.take_step(), core.current_owner.map(|(s, _)| s));
+            core.scope_parents.insert(step, parent);
+            (step, parent)
         };
         let state = Rc::new(RefCell::new(ScopeState {
             step,
@@ -446,10 +448,16 @@ impl<C: Future<Output = ()> + Unpin> Future for AwaitCompletion<C> {
         {
             let mut st = self.scope.state.borrow_mut();
             if st.running() == 0 {
-                return Poll::Ready(match st.first_error.clone() {
-                    Some(f) => Err(ScopeError::Failed(f)),
-                    None => Ok(()),
-                });
+                // Cancelled waits that asked to be waited for hold the
+                // completion until they have closed.
+                let mut core = self.scope.ctx.core.borrow_mut();
+                if !core.draining_under(st.step) {
+                    return Poll::Ready(match st.first_error.clone() {
+                        Some(f) => Err(ScopeError::Failed(f)),
+                        None => Ok(()),
+                    });
+                }
+                core.wait_any(cx.waker());
             }
             st.waiters.push(cx.waker().clone());
         }

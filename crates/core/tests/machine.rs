@@ -92,6 +92,7 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
         carried: Default::default(),
         memo: Vec::new(),
         search_attributes: Vec::new(),
+        timeouts: Default::default(),
     };
     RunMachine::start(&registry(), spec, Timestamp(1000)).unwrap()
 }

@@ -69,6 +69,13 @@ pub enum ViolationKind {
     /// A schedule started one trigger time twice (two commands, or two
     /// runs of its instance).
     TriggerTwice,
+    /// A run closed as timed out before its deadline, or on a deadline its
+    /// start did not record, or a continue-as-new changed its timeouts.
+    TimeoutWrong,
+    /// A cancelled activity was handled against its cancellation type: an
+    /// abandoned one was asked to cancel, or a scope completed before a
+    /// waited-for one closed.
+    CancellationBroken,
 }
 
 impl ViolationKind {
@@ -94,6 +101,8 @@ impl ViolationKind {
             ViolationKind::RequestUnanswered => "request-unanswered",
             ViolationKind::StreamBroken => "stream-broken",
             ViolationKind::TriggerTwice => "trigger-twice",
+            ViolationKind::TimeoutWrong => "timeout-wrong",
+            ViolationKind::CancellationBroken => "cancellation-broken",
         }
     }
 }
@@ -563,6 +572,122 @@ impl Checker {
         }
     }
 
+    /// Timeouts: a run closes as timed out at or after the deadline its
+    /// start recorded, and a continuation keeps the timeouts of the run
+    /// it continues.
+    pub(crate) fn check_timeouts(&mut self, histories: &BTreeMap<RunId, Vec<Event>>, now: u64) {
+        let mut problems = Vec::new();
+        for (run, history) in histories {
+            let Some(first) = history.first() else {
+                continue;
+            };
+            let EventKind::WorkflowStarted {
+                timeouts, carried, ..
+            } = &first.kind
+            else {
+                continue;
+            };
+            if let Some(EventKind::WorkflowContinuedAsNew { carried: next, .. }) =
+                history.last().map(|e| &e.kind)
+            {
+                if next.timeouts != *timeouts {
+                    problems.push(format!(
+                        "run {run} continued as new with timeouts {:?}, its own are {timeouts:?}",
+                        next.timeouts
+                    ));
+                }
+            }
+            if !carried.timeouts.is_none() && carried.timeouts != *timeouts {
+                problems.push(format!(
+                    "run {run} started with timeouts {timeouts:?}, handed {:?}",
+                    carried.timeouts
+                ));
+            }
+            let Some(last) = history.last() else {
+                continue;
+            };
+            if let EventKind::WorkflowTimedOut { timeout, deadline } = &last.kind {
+                let recorded = timeouts
+                    .deadlines(first.at)
+                    .into_iter()
+                    .find(|(t, _)| t == timeout)
+                    .map(|(_, at)| at);
+                if recorded != Some(*deadline) {
+                    problems.push(format!(
+                        "run {run} timed out on {timeout:?} at {deadline:?}; its start recorded {recorded:?}"
+                    ));
+                }
+                if last.at < *deadline {
+                    problems.push(format!(
+                        "run {run} timed out at {:?}, before its deadline {deadline:?}",
+                        last.at
+                    ));
+                }
+            }
+        }
+        for detail in problems {
+            self.violate(ViolationKind::TimeoutWrong, now, detail);
+        }
+    }
+
+    /// Cancellation types, on the `cancel-types` shape: its first long
+    /// activity (wait for the cancellation) has closed before the third
+    /// activity is scheduled, and its second (abandon) is never asked to
+    /// cancel.
+    pub(crate) fn check_cancellation_types(
+        &mut self,
+        histories: &BTreeMap<RunId, Vec<Event>>,
+        now: u64,
+    ) {
+        let mut problems = Vec::new();
+        for (run, history) in histories {
+            let is_shape = matches!(history.first().map(|e| &e.kind),
+                Some(EventKind::WorkflowStarted { workflow_type, .. })
+                    if workflow_type == crate::workload::CANCEL_TYPES_WORKFLOW);
+            if !is_shape {
+                continue;
+            }
+            let scheduled: Vec<(Step, Seq)> = history
+                .iter()
+                .filter_map(|e| match &e.kind {
+                    EventKind::ActivityScheduled { step, .. } => Some((*step, e.seq)),
+                    _ => None,
+                })
+                .collect();
+            let (Some(&(waited, _)), Some(&(abandoned, _))) = (scheduled.first(), scheduled.get(1))
+            else {
+                continue;
+            };
+            if history.iter().any(|e| {
+                matches!(&e.kind, EventKind::ActivityCancelRequested { step, .. } if *step == abandoned)
+            }) {
+                problems.push(format!(
+                    "run {run}: the abandoned activity at step {abandoned} was asked to cancel"
+                ));
+            }
+            let Some(&(_, last_at)) = scheduled.get(2) else {
+                continue;
+            };
+            let closed = history.iter().find(|e| {
+                e.kind.step() == Some(waited)
+                    && e.kind
+                        .terminal_keys()
+                        .contains(&keel_storage::DurableKey::Execution(waited))
+            });
+            match closed {
+                Some(e) if e.seq < last_at => {}
+                other => problems.push(format!(
+                    "run {run}: the activity at step {waited} closed at {:?}, after the scope's \
+                     completion let seq {last_at} schedule the next one",
+                    other.map(|e| e.seq)
+                )),
+            }
+        }
+        for detail in problems {
+            self.violate(ViolationKind::CancellationBroken, now, detail);
+        }
+    }
+
     /// The winners acknowledged so far must match the final histories.
     pub(crate) fn check_winners(&mut self, histories: &BTreeMap<RunId, Vec<Event>>, now: u64) {
         let mut problems = Vec::new();
@@ -752,6 +877,7 @@ mod tests {
                 carried: Default::default(),
                 memo: Vec::new(),
                 search_attributes: Vec::new(),
+                timeouts: Default::default(),
             },
         }
     }

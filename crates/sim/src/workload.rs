@@ -112,6 +112,8 @@ pub struct WorkflowPlan {
     /// Search attributes the run starts with (each a `SearchValue`
     /// payload).
     pub search_attributes: Vec<(String, Payload)>,
+    /// The run and execution timeouts it starts with.
+    pub timeouts: keel_storage::StartTimeouts,
 }
 
 /// The instances a simulation runs.
@@ -144,6 +146,7 @@ impl Workload {
                 ignores_cancel: false,
                 start_signal: None,
                 search_attributes: Vec::new(),
+                timeouts: Default::default(),
             }),
             Err(e) => self.fail(format!("input of {instance} does not encode: {e}")),
         }
@@ -408,6 +411,16 @@ pub const SHAPES: &[Shape] = &[
         weight: 2,
         build: plan_schedule,
     },
+    Shape {
+        name: "deadline",
+        weight: 2,
+        build: plan_deadline,
+    },
+    Shape {
+        name: "cancel-types",
+        weight: 2,
+        build: plan_cancel_types,
+    },
 ];
 
 /// The resilience profile of the `guarded` shape: a retry policy of its
@@ -480,6 +493,8 @@ pub fn register_default(sim: Simulation) -> Simulation {
         .register_workflow::<SearchWf>()
         .register_workflow::<StreamWf>()
         .register_workflow::<RelayWf>()
+        .register_workflow::<DeadlineWf>()
+        .register_workflow::<CancelTypesWf>()
         .mock_activity::<Transform, _>(|x, _| Ok(transform(x)))
         .mock_activity::<Flaky, _>(|input, attempt| flaky(&input, attempt))
         .mock_fallback::<Flaky, _>(|input| input.value + 100)
@@ -497,6 +512,7 @@ fn plan(rng: &mut ChaCha8Rng, instance: &str, workflow_type: &str, input: Payloa
         ignores_cancel: true,
         start_signal: None,
         search_attributes: Vec::new(),
+        timeouts: Default::default(),
     }
 }
 
@@ -860,6 +876,31 @@ fn plan_schedule(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     p
 }
 
+/// A workflow that can only end by a timeout: a run that waits for a
+/// signal nobody sends (run timeout), a chain that continues as new every
+/// 300 ms (execution timeout), or a parent whose child waits forever under
+/// a run timeout (the parent returns the failure's kind). The outcome does
+/// not depend on timing; the checker holds each close to its deadline.
+fn plan_deadline(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let input = match rng.random_range(0..3) {
+        0 => DeadlineIn::Wait,
+        1 => DeadlineIn::Chain(0),
+        _ => DeadlineIn::Parent(rng.random_range(200..2_000)),
+    };
+    let mut p = plan(rng, instance, DeadlineWf::NAME, encode(&input));
+    match input {
+        DeadlineIn::Wait => p.timeouts.run_ms = Some(rng.random_range(200..3_000)),
+        DeadlineIn::Chain(_) => p.timeouts.execution_ms = Some(rng.random_range(500..3_000)),
+        DeadlineIn::Parent(_) => {}
+    }
+    p
+}
+
+fn plan_cancel_types(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
+    let value: u64 = rng.random_range(0..1000);
+    plan(rng, instance, CancelTypesWf::NAME, encode(&value))
+}
+
 fn plan_async(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
     let values: Vec<u64> = (0..rng.random_range(1..=3))
         .map(|_| rng.random_range(0..1000))
@@ -1190,6 +1231,93 @@ pub struct TimersIn {
     pub value: u64,
     /// A timer of each length, each followed by an activity.
     pub delays_ms: Vec<u64>,
+}
+
+/// Input of [`DeadlineWf`].
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub enum DeadlineIn {
+    /// Wait for a signal nobody sends.
+    Wait,
+    /// Continue as new every 300 ms, forever.
+    Chain(u32),
+    /// Call a `Wait` child with this run timeout in milliseconds.
+    Parent(u64),
+}
+
+/// `sim.deadline`: workflows only a run or execution timeout ends.
+#[derive(Debug)]
+pub struct DeadlineWf;
+
+impl Workflow for DeadlineWf {
+    const NAME: &'static str = "sim.deadline";
+    type Input = DeadlineIn;
+    type Output = String;
+
+    async fn run(ctx: WorkflowContext, input: DeadlineIn) -> Result<String, WorkflowError> {
+        match input {
+            DeadlineIn::Wait => {
+                let _: () = ctx.wait_signal("keel.sim.never").await?;
+                Ok("signalled".into())
+            }
+            DeadlineIn::Chain(n) => {
+                ctx.timer(Duration::from_millis(300)).await;
+                Err(WorkflowError::continue_as_new(&DeadlineIn::Chain(n + 1)))
+            }
+            DeadlineIn::Parent(ms) => {
+                let child = ctx
+                    .child::<DeadlineWf>(DeadlineIn::Wait)
+                    .run_timeout(Duration::from_millis(ms))
+                    .await;
+                Ok(match child {
+                    Ok(s) => s,
+                    Err(f) => format!("{:?}", f.kind),
+                })
+            }
+        }
+    }
+}
+
+/// `sim.cancel-types`: a scope runs two long activities, one that asks
+/// to be waited for when cancelled and one that asks to be abandoned; the
+/// scope is cancelled, its completion awaited, and one more activity
+/// runs. The checker holds the history to the cancellation types: no
+/// cancel request for the abandoned one, and the waited-for one closed
+/// before the last activity was scheduled.
+#[derive(Debug)]
+pub struct CancelTypesWf;
+
+/// The workflow type of [`CancelTypesWf`], for the checker.
+pub const CANCEL_TYPES_WORKFLOW: &str = "sim.cancel-types";
+
+impl Workflow for CancelTypesWf {
+    const NAME: &'static str = CANCEL_TYPES_WORKFLOW;
+    type Input = u64;
+    type Output = u64;
+
+    async fn run(ctx: WorkflowContext, value: u64) -> Result<u64, WorkflowError> {
+        use keel_core::CancellationType;
+        let scope = ctx.scope();
+        let waited = ctx.clone();
+        scope.spawn(async move {
+            let call = waited
+                .activity::<Long>(value)
+                .cancellation(CancellationType::WaitCancellationCompleted);
+            let _ = call.await;
+            Ok(())
+        });
+        let abandoned = ctx.clone();
+        scope.spawn(async move {
+            let call = abandoned
+                .activity::<Long>(value + 1)
+                .cancellation(CancellationType::Abandon);
+            let _ = call.await;
+            Ok(())
+        });
+        ctx.timer(Duration::from_millis(10)).await;
+        scope.cancel();
+        let _ = scope.await_completion(std::future::pending()).await;
+        Ok(ctx.activity::<Transform>(value).await?)
+    }
 }
 
 /// `sim.timers`: durable timers between activities.

@@ -35,6 +35,7 @@ fn started(run: RunId, instance: String) -> Event {
             carried: Default::default(),
             memo: Vec::new(),
             search_attributes: Vec::new(),
+            timeouts: Default::default(),
         },
     }
 }

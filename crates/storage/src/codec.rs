@@ -27,9 +27,11 @@ pub const HEADER_BYTES: usize = 8;
 /// attributes of `Carried`; version 5 added `MessageReceived`,
 /// `ExternalSendScheduled`, `ExternalSendCompleted` and the message streams
 /// of `Carried`; version 6 added `ChildScheduled::memo` and
-/// `search_attributes`; older records decode unchanged (the new
-/// fields default).
-pub const EVENT_VERSION: u16 = 6;
+/// `search_attributes`; version 7 added workflow timeouts
+/// (`WorkflowStarted::timeouts`, `Carried::timeouts`,
+/// `ChildScheduled::timeouts`, `WorkflowTimedOut`); older records decode
+/// unchanged (the new fields default).
+pub const EVENT_VERSION: u16 = 7;
 /// Current schema version of every derived-state record. Version 2 added
 /// the cancellation and continue-as-new intents to the outbox, the
 /// `children` records and `TaskEntry::heartbeat`; version 3 added the

@@ -523,6 +523,18 @@ fn close(
         let step = keys::parse_run_step_key(&k).map_or(Step(0), |(_, s)| s);
         out.delete(Cf::Children, k);
         out.delete(Cf::Outbox, keys::outbox_result_key(entry.child_run_id));
+        // A child that started keeps its start row only for this run's
+        // notice, which it will never take now; one not started yet still
+        // starts (its start commit drops the row, seeing this run closed).
+        let started: Option<RunMeta> = read_record(
+            out,
+            Cf::Runs,
+            RecordKind::Run,
+            &keys::run_key(entry.child_run_id),
+        )?;
+        if started.is_some() {
+            out.delete(Cf::Outbox, keys::outbox_start_key(run, step));
+        }
         if entry.close_policy != ParentClosePolicy::Abandon {
             let parent = ParentRef {
                 instance_id: meta.instance_id.clone(),
@@ -539,7 +551,7 @@ fn close(
     // Sends still in flight: a run closes only once they are answered
     // (the machine holds its close back), except when terminated, which
     // drops them.
-    if matches!(outcome, Outcome::Terminated(_)) {
+    if matches!(outcome, Outcome::Terminated(_) | Outcome::TimedOut(_)) {
         let prefix = keys::outbox_deliver_key(run, Step(0));
         let prefix = &prefix[..prefix.len() - 4];
         let mut sends = Vec::new();
@@ -628,6 +640,7 @@ fn derive_event(
         carried,
         memo,
         search_attributes,
+        timeouts,
         ..
     } = &event.kind
     {
@@ -679,11 +692,18 @@ fn derive_event(
             }
             let parent_meta: Option<RunMeta> =
                 read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(p.run_id))?;
-            if parent_meta.is_some_and(|m| m.status.is_closed())
-                && p.close_policy != ParentClosePolicy::Abandon
-            {
+            let parent_closed = parent_meta.as_ref().is_some_and(|m| m.status.is_closed());
+            if parent_closed && p.close_policy != ParentClosePolicy::Abandon {
                 let reason = format!("parent {} closed", p.run_id);
                 cancel_child(out, p.clone(), run, p.close_policy, reason)?;
+            }
+            // The start row stays until the parent commits `ChildStarted`
+            // (its delivery tells the parent, again after a crash); a
+            // parent that closed will never take the notice (nor one not
+            // derived yet, as `verify` rebuilds runs in any order: its
+            // commits write the row again).
+            if (parent_closed || parent_meta.is_none()) && continued_from.is_none() {
+                out.delete(Cf::Outbox, keys::outbox_start_key(p.run_id, p.step));
             }
         }
         let inst = InstanceMeta {
@@ -691,9 +711,6 @@ fn derive_event(
             started_at: event.at,
         };
         out.put(Cf::Instances, ikey, enc(RecordKind::Instance, &inst)?);
-        if let Some(p) = parent {
-            out.delete(Cf::Outbox, keys::outbox_start_key(p.run_id, p.step));
-        }
         let mut started = RunMeta {
             run_id: run,
             instance_id: instance_id.clone(),
@@ -712,6 +729,22 @@ fn derive_event(
         (started.search_attributes, started.memo) =
             search::start_metadata(Some(carried), search_attributes, memo)
                 .map_err(|source| Error::Metadata { run, source })?;
+        // Each deadline is a timer at its reserved step, an intent like any
+        // other: the close removes it, recovery re-arms it.
+        for (timeout, fire_at) in timeouts.deadlines(event.at) {
+            let entry = TimerEntry {
+                run_id: run,
+                step: timeout.timer_step(),
+                fire_at,
+            };
+            let bytes = enc(RecordKind::Timer, &entry)?;
+            out.put(
+                Cf::Timers,
+                keys::timer_key(fire_at, run, entry.step),
+                bytes.clone(),
+            );
+            out.put(Cf::RunTimers, keys::run_step_key(run, entry.step), bytes);
+        }
         *meta = Some(started);
         return Ok(());
     }
@@ -749,6 +782,14 @@ fn derive_event(
             m,
             RunStatus::Terminated,
             Outcome::Terminated(reason.clone()),
+            event.at,
+        )?,
+        EventKind::WorkflowTimedOut { timeout, deadline } => close(
+            out,
+            run,
+            m,
+            RunStatus::TimedOut,
+            timeout.outcome(*deadline),
             event.at,
         )?,
         EventKind::WorkflowContinuedAsNew {
@@ -900,6 +941,7 @@ fn derive_event(
             close_policy,
             memo,
             search_attributes,
+            timeouts,
             ..
         } => {
             // Checked here as the child's start will be: a parent cannot
@@ -919,6 +961,7 @@ fn derive_event(
                 input: input.clone(),
                 memo: memo.clone(),
                 search_attributes: search_attributes.clone(),
+                timeouts: *timeouts,
             };
             out.put(
                 Cf::Outbox,
@@ -987,8 +1030,13 @@ fn derive_event(
         EventKind::ExternalSendCompleted { step, .. } => {
             out.delete(Cf::Outbox, keys::outbox_deliver_key(run, *step));
         }
-        EventKind::ChildStarted { .. }
-        | EventKind::SignalReceived { .. }
+        // The parent heard of the start: the start row, kept until now so
+        // a crash between the child's start and this commit cannot lose
+        // the notice, is done with.
+        EventKind::ChildStarted { step, .. } => {
+            out.delete(Cf::Outbox, keys::outbox_start_key(run, *step));
+        }
+        EventKind::SignalReceived { .. }
         | EventKind::UpdateAccepted { .. }
         | EventKind::UpdateCompleted { .. }
         | EventKind::SideEffectRecorded { .. }

@@ -319,6 +319,8 @@ pub enum Outcome {
     Terminated(String),
     /// Closed and continued as a new run.
     ContinuedAsNew(RunId),
+    /// Closed by one of its timeouts (the message names which and when).
+    TimedOut(String),
 }
 
 /// One committed fact in a run's history.
@@ -375,6 +377,109 @@ pub fn check_stream_message(stream: &str, key: &MessageKey) -> Result<(), String
     Ok(())
 }
 
+/// The timeouts a start asks for, relative to when its first run starts
+/// (a client's start, a child's schedule, a schedule's action).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct StartTimeouts {
+    /// Longest one run may stay open, from its own start, in milliseconds.
+    pub run_ms: Option<u64>,
+    /// Longest the instance's chain of runs (continue-as-new included) may
+    /// stay open, from the first run's start, in milliseconds.
+    pub execution_ms: Option<u64>,
+}
+
+impl StartTimeouts {
+    /// The timeouts of a first run starting at `now`.
+    pub fn at(self, now: Timestamp) -> RunTimeouts {
+        RunTimeouts {
+            run_ms: self.run_ms,
+            execution_deadline: self.execution_ms.map(|ms| now.plus_ms(ms)),
+        }
+    }
+}
+
+/// A run's timeouts as its `WorkflowStarted` records them: the run timeout
+/// (each run of the chain gets its own) and the execution deadline
+/// (fixed at the first run's start and handed on by continue-as-new).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct RunTimeouts {
+    /// Longest this run may stay open, from its start, in milliseconds.
+    pub run_ms: Option<u64>,
+    /// When the instance's chain of runs must have closed.
+    pub execution_deadline: Option<Timestamp>,
+}
+
+impl RunTimeouts {
+    /// No timeout.
+    pub fn is_none(&self) -> bool {
+        self.run_ms.is_none() && self.execution_deadline.is_none()
+    }
+
+    /// The deadlines of a run started at `started_at`, each with the
+    /// reserved timer step that fires it.
+    pub fn deadlines(&self, started_at: Timestamp) -> Vec<(WorkflowTimeout, Timestamp)> {
+        let mut out = Vec::new();
+        if let Some(ms) = self.run_ms {
+            out.push((WorkflowTimeout::Run, started_at.plus_ms(ms)));
+        }
+        if let Some(at) = self.execution_deadline {
+            out.push((WorkflowTimeout::Execution, at));
+        }
+        out
+    }
+
+    /// The earliest deadline of a run started at `started_at`.
+    pub fn first_deadline(&self, started_at: Timestamp) -> Option<(WorkflowTimeout, Timestamp)> {
+        self.deadlines(started_at)
+            .into_iter()
+            .min_by_key(|(_, at)| *at)
+    }
+}
+
+/// Which of a run's timeouts closed it.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub enum WorkflowTimeout {
+    /// The run timeout: one run stayed open too long.
+    Run,
+    /// The execution timeout: the instance's chain of runs did.
+    Execution,
+}
+
+impl WorkflowTimeout {
+    /// The reserved timer step that fires this timeout. No command takes
+    /// it: steps of workflow code stay far below (the history limit).
+    pub fn timer_step(self) -> Step {
+        match self {
+            WorkflowTimeout::Run => Step(u32::MAX),
+            WorkflowTimeout::Execution => Step(u32::MAX - 1),
+        }
+    }
+
+    /// The timeout a reserved timer step fires, if it is one.
+    pub fn of_timer_step(step: Step) -> Option<WorkflowTimeout> {
+        [WorkflowTimeout::Run, WorkflowTimeout::Execution]
+            .into_iter()
+            .find(|t| t.timer_step() == step)
+    }
+
+    /// The outcome of a run this timeout closed at `deadline`.
+    pub fn outcome(self, deadline: Timestamp) -> Outcome {
+        Outcome::TimedOut(format!(
+            "{} passed at {}",
+            self.name(),
+            deadline.to_rfc3339()
+        ))
+    }
+
+    /// Lowercase name, as messages and the CLI print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkflowTimeout::Run => "run timeout",
+            WorkflowTimeout::Execution => "execution timeout",
+        }
+    }
+}
+
 /// What a run that continues as new hands to the next run of its
 /// instance, recorded in both runs' histories.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
@@ -398,6 +503,10 @@ pub struct Carried {
     /// Each message stream's position, unread messages and newest keys.
     #[serde(default)]
     pub streams: Vec<CarriedStream>,
+    /// The run timeout and execution deadline every run of the chain
+    /// keeps (event version 7).
+    #[serde(default)]
+    pub timeouts: RunTimeouts,
 }
 
 /// A message stream's state handed to the next run.
@@ -434,6 +543,7 @@ impl Carried {
             && self.commands.is_empty()
             && self.memo.is_empty()
             && self.search_attributes.is_empty()
+            && self.timeouts.is_none()
             && self.streams.is_empty()
     }
 }
@@ -480,6 +590,9 @@ impl Delivery {
 }
 
 /// Every kind of history event. Variants are only ever added at the end.
+// A start is the largest event (what continue-as-new carries); events are
+// built once per commit and moved, so boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
 pub enum EventKind {
     /// The run started. Always seq 1.
@@ -517,6 +630,10 @@ pub enum EventKind {
         /// [`EventKind::SearchAttributesUpserted`] holds them.
         #[serde(default)]
         search_attributes: Vec<(String, Payload)>,
+        /// The run's timeouts (event version 7): the commit arms a timer
+        /// for each deadline, at a reserved step.
+        #[serde(default)]
+        timeouts: RunTimeouts,
     },
     /// The workflow returned a value.
     WorkflowCompleted {
@@ -659,6 +776,10 @@ pub enum EventKind {
         /// payload (event version 6).
         #[serde(default)]
         search_attributes: Vec<(String, Payload)>,
+        /// The child's run and execution timeouts, counted from its start
+        /// (event version 7).
+        #[serde(default)]
+        timeouts: StartTimeouts,
     },
     /// The child run has started.
     ChildStarted {
@@ -820,6 +941,14 @@ pub enum EventKind {
         /// Why it was not delivered.
         failure: Option<Failure>,
     },
+    /// A deadline of the run passed before it closed: the run closed
+    /// without running more workflow code (event version 7).
+    WorkflowTimedOut {
+        /// Which timeout.
+        timeout: WorkflowTimeout,
+        /// The deadline that passed.
+        deadline: Timestamp,
+    },
 }
 
 /// The two kinds of history event. Every [`EventKind`] is exactly one: an
@@ -924,6 +1053,7 @@ impl EventKind {
             EventKind::MessageReceived { .. } => "MessageReceived",
             EventKind::ExternalSendScheduled { .. } => "ExternalSendScheduled",
             EventKind::ExternalSendCompleted { .. } => "ExternalSendCompleted",
+            EventKind::WorkflowTimedOut { .. } => "WorkflowTimedOut",
         }
     }
 
@@ -944,7 +1074,8 @@ impl EventKind {
             | K::ExternalSendCompleted { .. }
             | K::UpdateAccepted { .. }
             | K::WorkflowCancelRequested { .. }
-            | K::WorkflowTerminated { .. } => EventClass::Input,
+            | K::WorkflowTerminated { .. }
+            | K::WorkflowTimedOut { .. } => EventClass::Input,
             K::WorkflowCompleted { .. }
             | K::WorkflowFailed { .. }
             | K::WorkflowCancelled { .. }
@@ -989,6 +1120,7 @@ impl EventKind {
             | EventKind::WorkflowFailed { .. }
             | EventKind::WorkflowCancelled { .. }
             | EventKind::WorkflowTerminated { .. }
+            | EventKind::WorkflowTimedOut { .. }
             | EventKind::WorkflowContinuedAsNew { .. } => vec![DurableKey::Run],
             EventKind::ActivityAttemptFailed {
                 step,

@@ -22,17 +22,20 @@ pub enum RunStatus {
     Terminated,
     /// Closed and continued in a new run.
     ContinuedAsNew,
+    /// Closed by its run or execution timeout.
+    TimedOut,
 }
 
 impl RunStatus {
     /// Every status, in a fixed order.
-    pub const ALL: [RunStatus; 6] = [
+    pub const ALL: [RunStatus; 7] = [
         RunStatus::Running,
         RunStatus::Completed,
         RunStatus::Failed,
         RunStatus::Cancelled,
         RunStatus::Terminated,
         RunStatus::ContinuedAsNew,
+        RunStatus::TimedOut,
     ];
 
     /// True for every status but `Running`.
@@ -49,6 +52,7 @@ impl RunStatus {
             RunStatus::Cancelled => 4,
             RunStatus::Terminated => 5,
             RunStatus::ContinuedAsNew => 6,
+            RunStatus::TimedOut => 7,
         }
     }
 
@@ -61,6 +65,7 @@ impl RunStatus {
             RunStatus::Cancelled => "cancelled",
             RunStatus::Terminated => "terminated",
             RunStatus::ContinuedAsNew => "continued-as-new",
+            RunStatus::TimedOut => "timed-out",
         }
     }
 
@@ -152,6 +157,9 @@ pub enum OutboxMessage {
         /// Search attributes it starts with.
         #[serde(default)]
         search_attributes: Vec<(String, Payload)>,
+        /// Its run and execution timeouts, counted from its start.
+        #[serde(default)]
+        timeouts: crate::event::StartTimeouts,
     },
     /// Deliver a closed child's outcome to its parent.
     ChildResult {

@@ -144,6 +144,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
                     carried: Default::default(),
                     memo: Vec::new(),
                     search_attributes: Vec::new(),
+                    timeouts: Default::default(),
                 }
             }),
         payload().prop_map(|result| EventKind::WorkflowCompleted { result }),

@@ -547,6 +547,7 @@ fn child_start_and_result_flow_through_the_outbox() {
                     close_policy: ParentClosePolicy::Terminate,
                     memo: Vec::new(),
                     search_attributes: Vec::new(),
+                    timeouts: Default::default(),
                 }],
             )
             .unwrap();
@@ -567,10 +568,13 @@ fn child_start_and_result_flow_through_the_outbox() {
                 input: Payload::from_bytes(b"in".to_vec()),
                 memo: Vec::new(),
                 search_attributes: Vec::new(),
+                timeouts: Default::default(),
             }]
         );
 
-        // The child's start removes the start message.
+        // The child's start keeps the start message until the parent has
+        // heard of it: a crash in between re-delivers the start, which
+        // tells the parent.
         let mut child = RunBuilder::new(child_run, 5_000);
         child
             .commit(
@@ -588,13 +592,27 @@ fn child_start_and_result_flow_through_the_outbox() {
                     carried: Default::default(),
                     memo: Vec::new(),
                     search_attributes: Vec::new(),
+                    timeouts: Default::default(),
                 }],
             )
             .unwrap();
-        assert!(store.outbox(10).unwrap().is_empty());
+        assert_eq!(store.outbox(10).unwrap().len(), 1, "kept for the notice");
         assert_eq!(
             store.run_meta(child_run).unwrap().unwrap().parent,
             Some(parent_ref.clone())
+        );
+        parent
+            .commit(
+                store,
+                vec![EventKind::ChildStarted {
+                    step: Step(1),
+                    child_run_id: child_run,
+                }],
+            )
+            .unwrap();
+        assert!(
+            store.outbox(10).unwrap().is_empty(),
+            "the notice consumed it"
         );
 
         // The child's close queues its result for the parent.
@@ -619,6 +637,58 @@ fn child_start_and_result_flow_through_the_outbox() {
             )
             .unwrap();
         assert!(store.outbox(10).unwrap().is_empty());
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+/// A child that started, and a parent that closes before hearing of it:
+/// the parent's close drops the start row. A child that starts after its
+/// parent closed drops it itself.
+#[test]
+fn a_start_row_never_outlives_a_closed_parent() {
+    for_each_store(|store| {
+        for (n, child_first) in [(1u64, true), (3, false)] {
+            let mut parent = start(store, n, &format!("parent-{n}"), "order");
+            let child_run = run_id(n + 1);
+            let child_instance = InstanceId::for_child(parent.run, Step(1));
+            parent
+                .commit(
+                    store,
+                    vec![EventKind::ChildScheduled {
+                        step: Step(1),
+                        group: Vec::new(),
+                        child_instance_id: child_instance.clone(),
+                        child_run_id: child_run,
+                        workflow_type: "ship".into(),
+                        input: Payload::from_bytes(b"in".to_vec()),
+                        close_policy: ParentClosePolicy::Abandon,
+                        memo: Vec::new(),
+                        search_attributes: Vec::new(),
+                        timeouts: Default::default(),
+                    }],
+                )
+                .unwrap();
+            let parent_ref = ParentRef {
+                instance_id: InstanceId::new(format!("parent-{n}")),
+                run_id: parent.run,
+                step: Step(1),
+                close_policy: ParentClosePolicy::Abandon,
+            };
+            let mut child = RunBuilder::new(child_run, 5_000);
+            let mut child_start = started(child_run, child_instance.as_str(), "ship");
+            if let EventKind::WorkflowStarted { parent, .. } = &mut child_start {
+                *parent = Some(parent_ref);
+            }
+            if child_first {
+                child.commit(store, vec![child_start.clone()]).unwrap();
+                parent.commit(store, vec![workflow_completed()]).unwrap();
+            } else {
+                parent.commit(store, vec![workflow_completed()]).unwrap();
+                assert_eq!(store.outbox(10).unwrap().len(), 1, "still to start");
+                child.commit(store, vec![child_start.clone()]).unwrap();
+            }
+            assert!(store.outbox(10).unwrap().is_empty(), "case {n}");
+        }
         assert!(store.verify().unwrap().ok);
     });
 }

@@ -18,12 +18,12 @@ use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::{
     ActivityOptions, AttemptNo, Backoff, Carried, CarriedSignal, CarriedStream, CommandId,
     Delivery, Event, EventKind, Failure, FailureKind, GroupEntry, InstanceId, Jitter, MessageKey,
-    OperationKind, ParentClosePolicy, ParentRef, Payload, RetrySettings, RunId, SearchValue,
-    SelectKey, Seq, Step, StreamMessage, Timestamp,
+    OperationKind, ParentClosePolicy, ParentRef, Payload, RetrySettings, RunId, RunTimeouts,
+    SearchValue, SelectKey, Seq, StartTimeouts, Step, StreamMessage, Timestamp, WorkflowTimeout,
 };
 
 /// Number of `EventKind` variants; `ordinal` must map onto `0..VARIANTS`.
-const VARIANTS: usize = 33;
+const VARIANTS: usize = 34;
 
 /// A dense number per variant. No wildcard arm: adding a variant to
 /// `EventKind` fails to compile until it is listed here (and then the
@@ -63,6 +63,7 @@ fn ordinal(kind: &EventKind) -> usize {
         EventKind::MessageReceived { .. } => 30,
         EventKind::ExternalSendScheduled { .. } => 31,
         EventKind::ExternalSendCompleted { .. } => 32,
+        EventKind::WorkflowTimedOut { .. } => 33,
     }
 }
 
@@ -109,6 +110,14 @@ fn carried() -> Carried {
                 (MessageKey::new("order-6"), 6),
             ],
         }],
+        timeouts: timeouts(),
+    }
+}
+
+fn timeouts() -> RunTimeouts {
+    RunTimeouts {
+        run_ms: Some(30_000),
+        execution_deadline: Some(Timestamp(1_700_000_600_000)),
     }
 }
 
@@ -149,6 +158,7 @@ fn samples() -> Vec<Event> {
             carried: carried(),
             memo: vec![("tier".into(), payload("gold"))],
             search_attributes: vec![("amount".into(), SearchValue::Int(1250).to_payload())],
+            timeouts: timeouts(),
         },
         EventKind::WorkflowCompleted {
             result: payload("result"),
@@ -235,6 +245,10 @@ fn samples() -> Vec<Event> {
             close_policy: ParentClosePolicy::Abandon,
             memo: vec![("shipment".into(), payload("SHP-7"))],
             search_attributes: vec![("warehouse".into(), SearchValue::from("north").to_payload())],
+            timeouts: StartTimeouts {
+                run_ms: Some(60_000),
+                execution_ms: Some(3_600_000),
+            },
         },
         EventKind::ChildStarted {
             step: Step(9),
@@ -330,6 +344,10 @@ fn samples() -> Vec<Event> {
             offset: Some(6),
             failure: Some(failure()),
         },
+        EventKind::WorkflowTimedOut {
+            timeout: WorkflowTimeout::Execution,
+            deadline: Timestamp(1_700_000_600_000),
+        },
     ];
     kinds
         .into_iter()
@@ -371,9 +389,29 @@ fn as_v1(e: Event) -> Option<Event> {
     Some(e)
 }
 
+/// What a sample looked like in event version 6: no workflow timeouts.
+fn as_v6(mut e: Event) -> Option<Event> {
+    match &mut e.kind {
+        EventKind::WorkflowTimedOut { .. } => return None,
+        EventKind::WorkflowStarted {
+            timeouts, carried, ..
+        } => {
+            *timeouts = RunTimeouts::default();
+            carried.timeouts = RunTimeouts::default();
+        }
+        EventKind::WorkflowContinuedAsNew { carried, .. } => {
+            carried.timeouts = RunTimeouts::default()
+        }
+        EventKind::ChildScheduled { timeouts, .. } => *timeouts = Default::default(),
+        _ => {}
+    }
+    Some(e)
+}
+
 /// What a sample looked like in event version 5: children started
 /// without memo and search attributes.
-fn as_v5(mut e: Event) -> Option<Event> {
+fn as_v5(e: Event) -> Option<Event> {
+    let mut e = as_v6(e)?;
     if let EventKind::ChildScheduled {
         memo,
         search_attributes,
@@ -539,7 +577,9 @@ fn every_earlier_version_still_decodes() {
             Err(e) => failures.push(format!("{name}: v1 does not decode: {e}")),
         }
     }
-    assert_eq!(checked, VARIANTS - 4, "every v1 variant has a file");
+    // Version 1 lacked `ChildCancelRequested`, the three message-stream
+    // events and `WorkflowTimedOut`.
+    assert_eq!(checked, VARIANTS - 5, "every v1 variant has a file");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -589,6 +629,13 @@ fn version_5_still_decodes() {
     // Version 5's files were written before children started with memo
     // and search attributes.
     version_still_decodes(5, as_v5);
+}
+
+#[test]
+fn version_6_still_decodes() {
+    // Version 6's files were written before workflow run and execution
+    // timeouts.
+    version_still_decodes(6, as_v6);
 }
 
 #[test]

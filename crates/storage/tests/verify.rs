@@ -512,6 +512,7 @@ fn broken_run_does_not_make_its_instance_or_outbox_look_wrong() {
                     close_policy: keel_storage::ParentClosePolicy::Abandon,
                     memo: Vec::new(),
                     search_attributes: Vec::new(),
+                    timeouts: Default::default(),
                 },
             ],
         )

@@ -214,6 +214,8 @@ pub enum Request {
         /// Search attributes to start with, each a `SearchValue` payload:
         /// the start's commit indexes them.
         search_attributes: Vec<(String, Payload)>,
+        /// The run and execution timeouts, from the start.
+        timeouts: keel_storage::StartTimeouts,
     },
     /// A signal to the instance's current run (or a run by id).
     Signal {
@@ -1362,14 +1364,18 @@ impl Shard {
     }
 
     fn fire_timer(&mut self, run: RunId, step: Step) {
-        if !self.timers.contains_key(&(run, step)) {
+        let Some(&fire_at) = self.timers.get(&(run, step)) else {
             return; // cancelled, fired, or its run closed
-        }
-        self.run_op(
-            run,
-            RunOp::Input(Input::TimerFired { step }),
-            Origin::Timer(run, step),
-        );
+        };
+        // A run's deadline is a timer at a reserved step: it closes the run.
+        let input = match keel_storage::WorkflowTimeout::of_timer_step(step) {
+            Some(timeout) => Input::TimedOut {
+                timeout,
+                deadline: fire_at,
+            },
+            None => Input::TimerFired { step },
+        };
+        self.run_op(run, RunOp::Input(input), Origin::Timer(run, step));
     }
 
     fn fire_answered(&mut self, run: RunId, step: Step, answer: Answer) {

@@ -150,6 +150,7 @@ impl Shard {
                 input,
                 memo,
                 search_attributes,
+                timeouts,
             } => {
                 // A cancellation already written for the child rides with
                 // its start, in the same commit.
@@ -175,6 +176,7 @@ impl Shard {
                 );
                 spec.memo = memo;
                 spec.search_attributes = search_attributes;
+                spec.timeouts = timeouts.at(self.now);
                 self.start_message(spec, then, reply, cause);
             }
             OutboxMessage::ChildResult {

@@ -76,6 +76,7 @@ impl Shard {
                 signal,
                 memo,
                 search_attributes,
+                timeouts,
             } => {
                 let Some(w) = self.workflows.get(&workflow_type) else {
                     let r = Refusal::UnknownWorkflowType(workflow_type);
@@ -106,6 +107,7 @@ impl Shard {
                     carried: Default::default(),
                     memo,
                     search_attributes,
+                    timeouts: timeouts.at(self.now),
                 };
                 let then = signal.map(|s| Input::Signal {
                     name: s.name,
@@ -306,8 +308,10 @@ impl Shard {
             None => None,
             Some(st) => {
                 let current = st.run.run_id;
-                if current == run {
-                    // Delivered again after it committed.
+                if current == run || st.starts.iter().any(|(r, _)| *r == run) {
+                    // Delivered again after it committed (a child's start
+                    // after a crash, to tell its parent; the run may have
+                    // continued as new since).
                     return self.reply(job.reply, Answer::Existing(run), None);
                 }
                 // A retried start is the run it started, open or closed,

@@ -191,16 +191,25 @@ impl Shard {
                 let next = slot.parked_next.filter(|_| slot.inflight.is_empty());
                 match (op, next) {
                     (RunOp::Describe, _) => self.describe_when_drained(run, origin),
-                    // Termination runs no workflow code: it works on a
-                    // parked run too.
+                    // Termination and a timeout run no workflow code: they
+                    // close a parked run too.
                     (
-                        RunOp::Input(crate::machine::Input::Terminate { reason, command_id }),
+                        RunOp::Input(input @ (Input::Terminate { .. } | Input::TimedOut { .. })),
                         Some(seq),
                     ) => {
+                        let kind = match input {
+                            Input::Terminate { reason, command_id } => {
+                                EventKind::WorkflowTerminated { reason, command_id }
+                            }
+                            Input::TimedOut { timeout, deadline } => {
+                                EventKind::WorkflowTimedOut { timeout, deadline }
+                            }
+                            _ => unreachable!("matched above"),
+                        };
                         let event = Event {
                             seq,
                             at: self.now,
-                            kind: EventKind::WorkflowTerminated { reason, command_id },
+                            kind,
                         };
                         let batch = CommitBatch {
                             appends: vec![keel_storage::RunAppend {
@@ -1099,6 +1108,7 @@ pub(super) fn outcome_of(kind: &EventKind) -> Option<Outcome> {
         EventKind::WorkflowFailed { failure } => Outcome::Failed(failure.clone()),
         EventKind::WorkflowCancelled { reason } => Outcome::Cancelled(reason.clone()),
         EventKind::WorkflowTerminated { reason, .. } => Outcome::Terminated(reason.clone()),
+        EventKind::WorkflowTimedOut { timeout, deadline } => timeout.outcome(*deadline),
         EventKind::WorkflowContinuedAsNew { new_run_id, .. } => {
             Outcome::ContinuedAsNew(*new_run_id)
         }

@@ -91,6 +91,7 @@ impl World<'_> {
                     // a second run.
                     reuse: ReusePolicy::RejectDuplicate,
                     random_seed: h.rotate_left(17),
+                    timeouts: p.timeouts,
                     signal: match &p.start_signal {
                         Some(ClientOpKind::Signal {
                             name,

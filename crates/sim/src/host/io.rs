@@ -235,6 +235,7 @@ fn op_name(op: &keel_core::driver::RunOp) -> &'static str {
             Input::SendCompleted { .. } => "SendCompleted",
             Input::CancelRequested { .. } => "CancelRequested",
             Input::Terminate { .. } => "Terminate",
+            Input::TimedOut { .. } => "TimedOut",
             Input::Update { .. } => "Update",
         },
         RunOp::Query { .. } => "Query",
@@ -339,6 +340,7 @@ fn folded_meta(history: &[keel_storage::Event]) -> Option<keel_storage::RunMeta>
             K::WorkflowFailed { .. } => Some(RunStatus::Failed),
             K::WorkflowCancelled { .. } => Some(RunStatus::Cancelled),
             K::WorkflowTerminated { .. } => Some(RunStatus::Terminated),
+            K::WorkflowTimedOut { .. } => Some(RunStatus::TimedOut),
             K::WorkflowContinuedAsNew { .. } => Some(RunStatus::ContinuedAsNew),
             _ => None,
         };

@@ -264,5 +264,7 @@ impl World<'_> {
         self.checker.check_winners(histories, now);
         self.checker.check_streams(histories, now);
         self.checker.check_schedules(histories, now);
+        self.checker.check_timeouts(histories, now);
+        self.checker.check_cancellation_types(histories, now);
     }
 }

@@ -41,6 +41,7 @@ pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
         carried: Default::default(),
         memo: Vec::new(),
         search_attributes: Vec::new(),
+        timeouts: Default::default(),
     }
 }
 
