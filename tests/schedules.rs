@@ -391,3 +391,44 @@ async fn buffer_one_waits_for_the_open_run_and_cancel_other_cancels_it() -> anyh
     e.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_drops_calendar_triggers_queued_before_it() -> anyhow::Result<()> {
+    // Goal: a paused schedule starts no calendar trigger, not even one
+    // buffered before the pause behind an open run; a manual trigger
+    // still starts. Method: `BufferOne` over a run that waits for a
+    // signal, so one trigger waits; pause, let the run finish, and check
+    // the waiting trigger was skipped instead of started.
+    let dir = tempfile::tempdir()?;
+    let e = engine(&dir.path().join("data"))?;
+    let c = e.client();
+    let s = c.schedules();
+    let action = ScheduleAction::start::<Long>(&()).map_err(anyhow::Error::msg)?;
+    let every = ScheduleSpec::every(Duration::from_secs(1));
+    s.create(
+        "held",
+        NewSchedule::new(every, action).overlap(OverlapPolicy::BufferOne),
+    )
+    .await?;
+    let d = until(&c, "held", "one running, one waiting", |d| {
+        d.pending.len() == 1 && d.running.len() == 1
+    })
+    .await?;
+    let first = d.running[0].clone();
+    s.pause("held", "maintenance").await?;
+    c.signal(&first, "done", &(), None).await?;
+    let d = until(&c, "held", "the first run closed, the queue dropped", |d| {
+        d.running.is_empty() && d.pending.is_empty()
+    })
+    .await?;
+    assert_eq!(d.counts.started, 1, "nothing started while paused");
+    // A manual trigger ignores the pause.
+    s.trigger("held").await?;
+    until(&c, "held", "the manual trigger started", |d| {
+        d.counts.started == 2
+    })
+    .await?;
+    s.delete("held").await?;
+    e.shutdown().await;
+    Ok(())
+}

@@ -62,6 +62,10 @@ pub const SCHEDULE_CATCHUP_WINDOW_MS_DEFAULT: u64 = 60 * 60 * 1000;
 pub const SCHEDULE_RUNNING_MAX: usize = 1_000;
 /// Bytes in a pause note.
 pub const SCHEDULE_NOTE_BYTES_MAX: usize = 1_024;
+/// The change id under which a paused schedule drops the calendar
+/// triggers it had queued before the pause (schedules started by older
+/// builds started them, and still do when replayed).
+pub const PAUSE_DROPS_QUEUED_CHANGE: &str = "keel.schedule.pause-drops-queued";
 
 /// A schedule request that cannot be accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1037,6 +1041,14 @@ impl Scheduler {
             };
             if ready_at > now {
                 return Ok(Some(ready_at));
+            }
+            // A pause skips calendar triggers, those queued before it too.
+            let paused = self.shared.borrow().input.paused;
+            if paused && !head.manual && self.ctx.patched(PAUSE_DROPS_QUEUED_CHANGE) {
+                self.shared.borrow_mut().input.pending.pop_front();
+                let rec = self.trigger_record(&head, TriggerOutcome::Skipped);
+                self.record(rec);
+                continue;
             }
             if head.overlap != OverlapPolicy::AllowAll && self.blocked() {
                 match head.overlap {
