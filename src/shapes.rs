@@ -179,6 +179,48 @@ impl Workflow for TickShape {
     }
 }
 
+/// A scope whose slow activity is cancelled with
+/// `WaitCancellationCompleted`: the scope completes once the activity has
+/// stopped, and one more activity follows.
+#[derive(Debug)]
+pub struct CancelWaitShape;
+impl Workflow for CancelWaitShape {
+    const NAME: &'static str = "shapes.cancel-wait";
+    type Input = ();
+    type Output = String;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<String, WorkflowError> {
+        let scope = ctx.scope();
+        let c = ctx.clone();
+        scope.spawn(async move {
+            let call = c
+                .activity::<crate::seeds::ResolveRequest>("slow-1".to_string())
+                .cancellation(keel::CancellationType::WaitCancellationCompleted);
+            let _ = call.await;
+            Ok(())
+        });
+        ctx.timer(std::time::Duration::from_millis(50)).await;
+        scope.cancel();
+        scope
+            .await_completion(std::future::pending::<()>())
+            .await
+            .map_err(WorkflowError::msg)?;
+        Ok(ctx.activity::<MyActivity1>(()).await?)
+    }
+}
+
+/// A run only its run timeout ends: it waits for a signal nobody sends.
+#[derive(Debug)]
+pub struct DeadlineShape;
+impl Workflow for DeadlineShape {
+    const NAME: &'static str = "shapes.deadline";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        let _: () = ctx.wait_signal("never").await?;
+        Ok(())
+    }
+}
+
 /// Every shape workflow, plus the seed workflows.
 pub fn workflows() -> WorkflowRegistry {
     let mut r = crate::seeds::workflows();
@@ -188,6 +230,8 @@ pub fn workflows() -> WorkflowRegistry {
         .register::<SearchShape>()
         .register::<StreamShape>()
         .register::<SendShape>()
-        .register::<TickShape>();
+        .register::<TickShape>()
+        .register::<CancelWaitShape>()
+        .register::<DeadlineShape>();
     r
 }

@@ -3,7 +3,9 @@
 //! surface", item 10): barrier, nested barrier, select, children, scope,
 //! update with query, version markers, search attributes and memo, a
 //! message stream read across continue-as-new, sends from workflow code,
-//! a schedule's loop (calendar and manual triggers, pause). A change to the engine or to these
+//! a schedule's loop (calendar and manual triggers, pause), a scope that
+//! waits for a cancelled activity to stop, a run closed by its run
+//! timeout. A change to the engine or to these
 //! workflows that would park such runs fails CI.
 //!
 //! Method: the bundles in `tests/data/histories/shapes/` were written by a
@@ -36,6 +38,8 @@ const SHAPES: &[(&str, &str)] = &[
     ("stream", "MessageReceived"),
     ("send", "ExternalSendCompleted"),
     ("schedule", "ChildCompleted"),
+    ("cancel-wait", "ActivityCancelRequested"),
+    ("timed-out", "WorkflowTimedOut"),
 ];
 
 fn dir() -> PathBuf {
@@ -82,6 +86,11 @@ async fn bless() -> anyhow::Result<()> {
             .await?;
     }
     c.start::<shapes::SendShape>("send", &()).await?;
+    c.start::<shapes::CancelWaitShape>("cancel-wait", &())
+        .await?;
+    let options = keel::StartOptions::new().run_timeout(Duration::from_millis(300));
+    c.start_with::<shapes::DeadlineShape>("timed-out", &(), options)
+        .await?;
     // A schedule of two calendar triggers and one manual one, paused and
     // unpaused on the way; it closes once its calendar has ended.
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?;
@@ -115,6 +124,8 @@ async fn bless() -> anyhow::Result<()> {
         "search",
         "stream",
         "send",
+        "cancel-wait",
+        "timed-out",
         "keel.schedule/schedule",
     ] {
         tokio::time::timeout(WAIT, c.outcome(id)).await??;
