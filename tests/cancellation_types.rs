@@ -65,7 +65,7 @@ impl Workflow for Tidy {
 
 fn mode(name: &str) -> CancellationType {
     match name {
-        "wait" => CancellationType::WaitCancellationCompleted,
+        "wait" | "wait-abandoned-child" => CancellationType::WaitCancellationCompleted,
         "abandon" => CancellationType::Abandon,
         _ => CancellationType::TryCancel,
     }
@@ -87,9 +87,15 @@ impl Workflow for Cleanup {
         let c = ctx.clone();
         let how2 = how.clone();
         scope.spawn(async move {
+            // A child abandoned at close is never asked to cancel, so
+            // there is no cancellation to wait for.
+            let policy = match how2.as_str() {
+                "wait-abandoned-child" => ParentClosePolicy::Abandon,
+                _ => ParentClosePolicy::RequestCancel,
+            };
             let _ = c
                 .child::<Tidy>(())
-                .close_policy(ParentClosePolicy::RequestCancel)
+                .close_policy(policy)
                 .cancellation(mode(&how2))
                 .await;
             Ok(())
@@ -252,6 +258,28 @@ async fn an_abandoned_call_is_not_asked_to_stop_and_a_try_cancel_does_not_wait(
         o.activity_closed.is_none_or(|a| a > o.last_scheduled),
         "try-cancel does not wait for the activity to stop"
     );
+    e.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_child_that_is_never_asked_does_not_hang() -> anyhow::Result<()> {
+    // Goal: a child whose close policy is `Abandon` is not asked to cancel,
+    // so waiting for its cancellation would wait forever: the scope only
+    // waits for what was asked (here the activity).
+    let dir = tempfile::tempdir()?;
+    let e = engine(dir.path())?;
+    let c = e.client();
+    c.start::<Cleanup>("w", &"wait-abandoned-child".to_string())
+        .await?;
+    assert_eq!(
+        tokio::time::timeout(WAIT, c.result::<Cleanup>("w")).await??,
+        5
+    );
+    let d = c.describe("w").await?;
+    let o = order(&e.store().history(d.run_id)?);
+    assert!(o.activity_asked && !o.child_asked);
+    assert!(o.activity_closed.expect("the activity closed") < o.last_scheduled);
     e.shutdown().await;
     Ok(())
 }

@@ -64,9 +64,21 @@ impl Workflow for Parent {
     }
 }
 
+/// Panics at once: its run is parked.
+struct Broken;
+impl Workflow for Broken {
+    const NAME: &'static str = "broken";
+    type Input = ();
+    type Output = ();
+    async fn run(_: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        panic!("a bug in the first step")
+    }
+}
+
 fn engine(dir: &std::path::Path) -> anyhow::Result<Engine> {
     Ok(Engine::builder()
         .data_dir(dir)
+        .register_workflow::<Broken>()
         .register_workflow::<Waits>()
         .register_workflow::<Chain>()
         .register_workflow::<Parent>()
@@ -166,6 +178,34 @@ async fn a_child_past_its_run_timeout_fails_its_parent_wait_with_a_timeout() -> 
     let (kind, message) = tokio::time::timeout(WAIT, c.result::<Parent>("p")).await??;
     assert_eq!(kind, format!("{:?}", FailureKind::Timeout));
     assert!(message.contains("run timeout"), "{message}");
+    e.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_run_still_times_out_after_a_restart() -> anyhow::Result<()> {
+    // A parked run runs no code, but its deadline still closes it, also
+    // when the engine restarted and the run is no longer in memory.
+    let dir = tempfile::tempdir()?;
+    {
+        let e = engine(dir.path())?;
+        let options = StartOptions::new().run_timeout(Duration::from_millis(800));
+        e.client().start_with::<Broken>("b", &(), options).await?;
+        e.shutdown().await;
+    }
+    let e = engine(dir.path())?;
+    let c = e.client();
+    let err = tokio::time::timeout(WAIT, c.result::<Broken>("b"))
+        .await?
+        .expect_err("the parked run times out");
+    assert!(matches!(err, EngineError::WorkflowTimedOut(_)), "{err}");
+    let d = c.describe("b").await?;
+    assert_eq!(d.status, RunStatus::TimedOut);
+    assert!(
+        d.parked.is_none(),
+        "closing clears the park marker: {:?}",
+        d.parked
+    );
     e.shutdown().await;
     Ok(())
 }

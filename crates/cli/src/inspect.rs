@@ -43,7 +43,7 @@ pub struct ListArgs {
     #[arg(long, default_value = "keel-data")]
     pub data: PathBuf,
     /// Only runs in this status: running, completed, failed, cancelled,
-    /// terminated, continued-as-new.
+    /// terminated, continued-as-new, timed-out.
     #[arg(long, value_parser = parse_status)]
     pub status: Option<RunStatus>,
     /// Only runs of this workflow type.

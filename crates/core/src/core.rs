@@ -121,9 +121,10 @@ pub enum CancellationType {
     /// (and of every scope around that one) and the run's close until it
     /// has closed: its cancellation, result or failure is committed.
     WaitCancellationCompleted,
-    /// Do not ask: it runs on to its own end, and whatever it returns is
-    /// committed but read by no one (an abandoned child still follows its
-    /// close policy when this run closes).
+    /// Do not ask: it runs on while this run is open, and whatever it
+    /// returns is committed but read by no one. When this run closes, an
+    /// activity's pending attempts are dropped with it and a child follows
+    /// its close policy.
     Abandon,
 }
 
@@ -613,12 +614,17 @@ impl Core {
         let (kind, fire_at, child, policy) = (w.kind, w.fire_at, w.child_run, w.close_policy);
         let (cancellation, owner) = (w.cancellation, w.owner.map(|(s, _)| s));
         if matches!(kind, WaitKind::Activity | WaitKind::Child) {
+            // A child with an `Abandon` close policy is never asked: there
+            // is no cancellation to wait for.
+            let asked = kind == WaitKind::Activity
+                || (child.is_some()
+                    && policy.unwrap_or_default() != keel_storage::ParentClosePolicy::Abandon);
             match cancellation {
                 CancellationType::Abandon => return true,
-                CancellationType::WaitCancellationCompleted => {
+                CancellationType::WaitCancellationCompleted if asked => {
                     self.draining.insert(step, owner);
                 }
-                CancellationType::TryCancel => {}
+                CancellationType::WaitCancellationCompleted | CancellationType::TryCancel => {}
             }
         }
         match kind {

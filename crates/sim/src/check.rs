@@ -778,6 +778,7 @@ fn input_of(kind: &EventKind) -> Option<Input> {
         EventKind::WorkflowTerminated { reason, command_id } => {
             Input::Terminate { reason, command_id }
         }
+        EventKind::WorkflowTimedOut { timeout, deadline } => Input::TimedOut { timeout, deadline },
         EventKind::ExternalSendCompleted {
             step,
             offset,

@@ -699,10 +699,11 @@ fn derive_event(
             }
             // The start row stays until the parent commits `ChildStarted`
             // (its delivery tells the parent, again after a crash); a
-            // parent that closed will never take the notice (nor one not
-            // derived yet, as `verify` rebuilds runs in any order: its
-            // commits write the row again).
-            if (parent_closed || parent_meta.is_none()) && continued_from.is_none() {
+            // parent that closed will never take the notice. (A parent not
+            // derived yet, as `verify` rebuilds runs in any order, removes
+            // the row its `ChildScheduled` writes by its own later events,
+            // as it did live.)
+            if parent_closed && continued_from.is_none() {
                 out.delete(Cf::Outbox, keys::outbox_start_key(p.run_id, p.step));
             }
         }

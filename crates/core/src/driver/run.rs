@@ -880,6 +880,13 @@ impl Shard {
         for (op, origin) in waiting {
             if op == RunOp::Describe {
                 self.describe_when_drained(run, origin);
+            } else if matches!(
+                op,
+                RunOp::Input(Input::Terminate { .. } | Input::TimedOut { .. })
+            ) {
+                // They run no workflow code: they close the parked run (a
+                // deadline timer is not retried like a client's request).
+                self.run_op(run, op, origin);
             } else {
                 let answer = Answer::Refused(Refusal::Parked {
                     run,
