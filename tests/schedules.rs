@@ -432,3 +432,40 @@ async fn a_pause_drops_calendar_triggers_queued_before_it() -> anyhow::Result<()
     e.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_run_timeout_frees_the_schedule_from_a_stuck_run() -> anyhow::Result<()> {
+    // Goal: a schedule's action can carry a run timeout, so a run that
+    // never finishes times out and the trigger waiting behind it starts.
+    // Method: `BufferOne` over a run that waits for a signal nobody sends,
+    // with a 1.5 s run timeout; the first run must close as timed out and
+    // a second start follow.
+    let dir = tempfile::tempdir()?;
+    let e = engine(&dir.path().join("data"))?;
+    let c = e.client();
+    let s = c.schedules();
+    let action = ScheduleAction::start::<Long>(&())
+        .map_err(anyhow::Error::msg)?
+        .run_timeout(Duration::from_millis(1_500));
+    let every = ScheduleSpec::every(Duration::from_secs(1));
+    s.create(
+        "bounded",
+        NewSchedule::new(every, action).overlap(OverlapPolicy::BufferOne),
+    )
+    .await?;
+    let d = until(
+        &c,
+        "bounded",
+        "the first run timed out, the next started",
+        |d| d.counts.failed >= 1 && d.counts.started >= 2,
+    )
+    .await?;
+    let timed_out = d
+        .recent
+        .iter()
+        .any(|r| matches!(&r.outcome, TriggerOutcome::Failed(m) if m.contains("run timeout")));
+    assert!(timed_out, "{:?}", d.recent);
+    s.delete("bounded").await?;
+    e.shutdown().await;
+    Ok(())
+}

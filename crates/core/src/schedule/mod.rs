@@ -272,6 +272,9 @@ pub struct ScheduleAction {
     /// Search attributes each run starts with (`SearchValue` payloads).
     #[serde(default)]
     pub search_attributes: Vec<(String, Payload)>,
+    /// The run and execution timeouts each run starts with.
+    #[serde(default)]
+    pub timeouts: keel_storage::StartTimeouts,
 }
 
 /// The search attribute naming the schedule that started a run.
@@ -300,6 +303,21 @@ impl ScheduleAction {
     pub fn search_attribute(mut self, name: &str, value: impl Into<SearchValue>) -> Self {
         self.search_attributes
             .push((name.to_string(), value.into().to_payload()));
+        self
+    }
+
+    /// Each run closes as timed out once open longer than `d` (see
+    /// `StartOptions::run_timeout`). Under an overlap policy that waits
+    /// for the open run, this bounds how long later triggers wait.
+    pub fn run_timeout(mut self, d: std::time::Duration) -> Self {
+        self.timeouts.run_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self
+    }
+
+    /// Each run's chain (continue-as-new included) closes as timed out
+    /// once open longer than `d` from the trigger's start.
+    pub fn execution_timeout(mut self, d: std::time::Duration) -> Self {
+        self.timeouts.execution_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
         self
     }
 
@@ -1087,6 +1105,7 @@ impl Scheduler {
                 .close_policy(ParentClosePolicy::Abandon);
             call.memo = action.memo.clone();
             call.search_attributes = action.attributes_for(&id, head.nominal);
+            call.timeouts = action.timeouts;
             let started = call.start().await;
             match started {
                 Ok(handle) => {
