@@ -490,10 +490,21 @@ impl Shard {
     /// written, durable or not; a decision may only rest on what is durable,
     /// which reads show. So when another run holds the instance, or the run
     /// exists already, the start is decided again from a fresh read (which
-    /// answers `Existing` once that run's start is durable).
+    /// answers `Existing` once that run's start is durable). A child's start
+    /// whose run exists is answered `Existing` at once: no read is needed.
     pub(super) fn start_failed(&mut self, job: StartJob, e: StoreError) {
         let run = job.spec.run_id;
         match e {
+            // A child's start delivered again after it committed (its run
+            // id is its own, and the run is not in memory here, so its
+            // start is durable): however many runs the child has continued
+            // to since, the parent is told it started.
+            StoreError::SeqGap { run: r, .. } | StoreError::RunClosed { run: r }
+                if r == run && job.reuse.is_none() && job.spec.parent.is_some() =>
+            {
+                self.forget_failed_start(run);
+                self.reply(job.reply, Answer::Existing(run), None);
+            }
             StoreError::InstanceRunning { .. }
             | StoreError::InstanceMoved { .. }
             | StoreError::SeqGap { .. }
