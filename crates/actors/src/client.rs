@@ -240,14 +240,14 @@ impl StartOptions {
     /// whoever waits, a timeout failure for a parent. Every run a
     /// continue-as-new makes gets the same timeout.
     pub fn run_timeout(mut self, d: std::time::Duration) -> Self {
-        self.timeouts.run_ms = Some(duration_ms(d));
+        self.timeouts = self.timeouts.with_run(d);
         self
     }
 
     /// Like [`StartOptions::run_timeout`], for the whole chain of runs:
     /// the deadline is fixed at this start and continue-as-new keeps it.
     pub fn execution_timeout(mut self, d: std::time::Duration) -> Self {
-        self.timeouts.execution_ms = Some(duration_ms(d));
+        self.timeouts = self.timeouts.with_execution(d);
         self
     }
 
@@ -259,12 +259,6 @@ impl StartOptions {
         search::start_metadata(None, &self.search_attributes, &self.memo)?;
         Ok(())
     }
-}
-
-/// A duration in whole milliseconds, at least 1 (a zero timeout would
-/// close the run before its first step).
-fn duration_ms(d: std::time::Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// What `signal_with_start` did.

@@ -133,14 +133,14 @@ impl<W: ChildOutput> ChildCall<W> {
     /// that run's start) as timed out; this run sees a failure of kind
     /// `Timeout`. Continue-as-new keeps the timeout.
     pub fn run_timeout(mut self, d: std::time::Duration) -> Self {
-        self.timeouts.run_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.timeouts = self.timeouts.with_run(d);
         self
     }
 
     /// Like [`ChildCall::run_timeout`], for the child's whole chain of
     /// runs, from its first start.
     pub fn execution_timeout(mut self, d: std::time::Duration) -> Self {
-        self.timeouts.execution_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.timeouts = self.timeouts.with_execution(d);
         self
     }
 

@@ -389,6 +389,19 @@ pub struct StartTimeouts {
 }
 
 impl StartTimeouts {
+    /// With a run timeout of `d` (whole milliseconds, at least 1: a zero
+    /// timeout would close the run before its first step).
+    pub fn with_run(mut self, d: std::time::Duration) -> Self {
+        self.run_ms = Some(timeout_ms(d));
+        self
+    }
+
+    /// With an execution timeout of `d` (as [`StartTimeouts::with_run`]).
+    pub fn with_execution(mut self, d: std::time::Duration) -> Self {
+        self.execution_ms = Some(timeout_ms(d));
+        self
+    }
+
     /// The timeouts of a first run starting at `now`.
     pub fn at(self, now: Timestamp) -> RunTimeouts {
         RunTimeouts {
@@ -396,6 +409,10 @@ impl StartTimeouts {
             execution_deadline: self.execution_ms.map(|ms| now.plus_ms(ms)),
         }
     }
+}
+
+fn timeout_ms(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// A run's timeouts as its `WorkflowStarted` records them: the run timeout

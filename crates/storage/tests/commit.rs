@@ -528,6 +528,26 @@ fn fired_timer_leaves_no_due_entry_even_if_the_event_misstates_fire_at() {
     });
 }
 
+/// `ChildScheduled` at step 1 of a `ship` child with input `in`.
+fn ship_child(
+    instance: &InstanceId,
+    run: keel_storage::RunId,
+    policy: ParentClosePolicy,
+) -> EventKind {
+    EventKind::ChildScheduled {
+        step: Step(1),
+        group: Vec::new(),
+        child_instance_id: instance.clone(),
+        child_run_id: run,
+        workflow_type: "ship".into(),
+        input: Payload::from_bytes(b"in".to_vec()),
+        close_policy: policy,
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
+        timeouts: Default::default(),
+    }
+}
+
 #[test]
 fn child_start_and_result_flow_through_the_outbox() {
     for_each_store(|store| {
@@ -537,18 +557,11 @@ fn child_start_and_result_flow_through_the_outbox() {
         parent
             .commit(
                 store,
-                vec![EventKind::ChildScheduled {
-                    step: Step(1),
-                    group: Vec::new(),
-                    child_instance_id: child_instance.clone(),
-                    child_run_id: child_run,
-                    workflow_type: "ship".into(),
-                    input: Payload::from_bytes(b"in".to_vec()),
-                    close_policy: ParentClosePolicy::Terminate,
-                    memo: Vec::new(),
-                    search_attributes: Vec::new(),
-                    timeouts: Default::default(),
-                }],
+                vec![ship_child(
+                    &child_instance,
+                    child_run,
+                    ParentClosePolicy::Terminate,
+                )],
             )
             .unwrap();
         let parent_ref = ParentRef {
@@ -654,18 +667,11 @@ fn a_start_row_is_dropped_once_its_parent_closed_and_its_child_started() {
             parent
                 .commit(
                     store,
-                    vec![EventKind::ChildScheduled {
-                        step: Step(1),
-                        group: Vec::new(),
-                        child_instance_id: child_instance.clone(),
-                        child_run_id: child_run,
-                        workflow_type: "ship".into(),
-                        input: Payload::from_bytes(b"in".to_vec()),
-                        close_policy: ParentClosePolicy::Abandon,
-                        memo: Vec::new(),
-                        search_attributes: Vec::new(),
-                        timeouts: Default::default(),
-                    }],
+                    vec![ship_child(
+                        &child_instance,
+                        child_run,
+                        ParentClosePolicy::Abandon,
+                    )],
                 )
                 .unwrap();
             let parent_ref = ParentRef {
@@ -700,18 +706,11 @@ fn a_start_row_is_dropped_once_its_parent_closed_and_its_child_started() {
         parent
             .commit(
                 store,
-                vec![EventKind::ChildScheduled {
-                    step: Step(1),
-                    group: Vec::new(),
-                    child_instance_id: child_instance.clone(),
-                    child_run_id: child_run,
-                    workflow_type: "ship".into(),
-                    input: Payload::from_bytes(b"in".to_vec()),
-                    close_policy: ParentClosePolicy::Abandon,
-                    memo: Vec::new(),
-                    search_attributes: Vec::new(),
-                    timeouts: Default::default(),
-                }],
+                vec![ship_child(
+                    &child_instance,
+                    child_run,
+                    ParentClosePolicy::Abandon,
+                )],
             )
             .unwrap();
         let mut child = RunBuilder::new(child_run, 10_000);

@@ -310,14 +310,14 @@ impl ScheduleAction {
     /// `StartOptions::run_timeout`). Under an overlap policy that waits
     /// for the open run, this bounds how long later triggers wait.
     pub fn run_timeout(mut self, d: std::time::Duration) -> Self {
-        self.timeouts.run_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.timeouts = self.timeouts.with_run(d);
         self
     }
 
     /// Each run's chain (continue-as-new included) closes as timed out
     /// once open longer than `d` from the trigger's start.
     pub fn execution_timeout(mut self, d: std::time::Duration) -> Self {
-        self.timeouts.execution_ms = Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        self.timeouts = self.timeouts.with_execution(d);
         self
     }
 
