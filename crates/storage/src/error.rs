@@ -198,6 +198,39 @@ pub enum Error {
     /// An error from RocksDB.
     #[error("rocksdb: {0}")]
     Rocks(String),
+    /// A database store could not do what was asked (see
+    /// [`DatabaseFault`]); nothing was acknowledged.
+    #[error("database {target}: {fault}: {detail}")]
+    Database {
+        /// The database, as host, port, database name and schema (never
+        /// the password).
+        target: String,
+        /// What went wrong, for callers that react differently.
+        fault: DatabaseFault,
+        /// The driver's or the server's message.
+        detail: String,
+    },
+    /// A database holds keel tables of another schema version.
+    #[error(
+        "database {target} has keel schema version {found}, this build reads version {expected}{}",
+        schema_hint(*.found, *.expected)
+    )]
+    DatabaseSchemaVersion {
+        /// The database and schema.
+        target: String,
+        /// The version its tables record.
+        found: u32,
+        /// The version this build reads and writes.
+        expected: u32,
+    },
+    /// Another engine process holds the database for writing.
+    #[error("database {target} is held for writing by another engine process ({detail}); open it read-only, or stop the other process")]
+    DatabaseLocked {
+        /// The database and schema.
+        target: String,
+        /// Who holds it, as far as the database tells.
+        detail: String,
+    },
     /// An error from the file system.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
@@ -206,6 +239,37 @@ pub enum Error {
 impl From<rocksdb::Error> for Error {
     fn from(e: rocksdb::Error) -> Self {
         Error::Rocks(e.into_string())
+    }
+}
+
+/// What kind of trouble a database store ran into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DatabaseFault {
+    /// No connection could be made (wrong host or port, server down).
+    Unreachable,
+    /// The server refused the credentials or the database name.
+    Refused,
+    /// The connection broke while a request was in flight.
+    Lost,
+    /// The server answered a statement with an error.
+    Statement,
+    /// No keel tables in the database (a read-only open does not create
+    /// them).
+    Missing,
+    /// The connection string or the schema name does not parse.
+    Config,
+}
+
+impl std::fmt::Display for DatabaseFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DatabaseFault::Unreachable => "cannot connect",
+            DatabaseFault::Refused => "the server refused the connection",
+            DatabaseFault::Lost => "the connection was lost",
+            DatabaseFault::Statement => "a statement failed",
+            DatabaseFault::Missing => "no keel tables",
+            DatabaseFault::Config => "invalid connection settings",
+        })
     }
 }
 

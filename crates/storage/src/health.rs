@@ -37,6 +37,9 @@ pub enum WriteFault {
     Io,
     /// A flush or compaction found damaged data.
     Corruption,
+    /// Another engine process took over the database's write lease (this
+    /// one paused, or lost the database, for longer than the lease).
+    Fenced,
 }
 
 impl WriteFault {
@@ -55,7 +58,7 @@ impl WriteFault {
     /// Whether the store waits for the cause to go away rather than giving
     /// up at once.
     pub fn waits(self) -> bool {
-        !matches!(self, WriteFault::Corruption)
+        !matches!(self, WriteFault::Corruption | WriteFault::Fenced)
     }
 
     /// What an operator does about it.
@@ -64,6 +67,7 @@ impl WriteFault {
             WriteFault::NoSpace => "free space on the data directory's file system (at least 64 MiB, one memtable); commits resume by themselves within seconds",
             WriteFault::Io => "check the disk and the kernel log; keel retries for 60 s (RocksDB resumes by itself only from errors it deems retryable), then stops: restart the engine once the disk is fixed",
             WriteFault::Corruption => "stop keel, keep a copy of the directory and run `keel verify`; restore from a checkpoint if it reports damage",
+            WriteFault::Fenced => "another engine process owns the database now and carries on this one's work; restart this process and it waits as a standby",
         }
     }
 }
@@ -74,6 +78,7 @@ impl fmt::Display for WriteFault {
             WriteFault::NoSpace => "no space left on device",
             WriteFault::Io => "I/O error",
             WriteFault::Corruption => "corruption",
+            WriteFault::Fenced => "write lease lost",
         })
     }
 }

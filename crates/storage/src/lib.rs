@@ -21,6 +21,7 @@ pub mod ids;
 pub mod keys;
 pub mod kv;
 pub mod mem;
+pub mod pg;
 pub mod rocks;
 pub mod search;
 pub mod state;
@@ -29,7 +30,7 @@ pub mod verify;
 pub mod wal;
 
 pub use derive::{AppendAck, CommitAck, CommitBatch, Intent, IntentKey, RunAppend};
-pub use error::{Error, Result};
+pub use error::{DatabaseFault, Error, Result};
 pub use event::{
     check_stream_message, ActivityOptions, Backoff, Carried, CarriedSignal, CarriedStream,
     Delivery, DurableKey, Event, EventClass, EventKind, Failure, FailureKind, GroupEntry,
@@ -44,6 +45,7 @@ pub use ids::{
     Step, Timestamp,
 };
 pub use mem::{CrashMode, MemStore, SyncedView};
+pub use pg::{PgOptions, PgStore};
 pub use rocks::{LossReport, OpenMode, RocksStore};
 pub use search::{
     Condition, Field, FilterError, ListError, MetadataError, Op, PageToken, RunFilter, RunPage,

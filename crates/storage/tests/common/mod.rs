@@ -9,7 +9,8 @@ use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::keys::Cf;
 use keel_storage::{
     ActivityOptions, AttemptNo, CommitAck, CommitBatch, Durability, Event, EventKind, Failure,
-    FailureKind, InstanceId, MemStore, Payload, RocksStore, RunId, Seq, Step, Store, Timestamp,
+    FailureKind, InstanceId, MemStore, Payload, PgOptions, PgStore, RocksStore, RunId, Seq, Step,
+    Store, Timestamp,
 };
 
 /// A deterministic run id; `n` tells runs of one test apart.
@@ -191,34 +192,89 @@ pub fn dump(store: &dyn Store) -> Dump {
     out
 }
 
-/// A store under test with whatever keeps it alive.
+/// A store under test with whatever keeps it alive (fields drop in order:
+/// the store before its directory or schema).
 pub struct Subject {
     pub name: &'static str,
     pub store: Box<dyn Store>,
     _dir: Option<tempfile::TempDir>,
+    _schema: Option<PgScratch>,
 }
 
-/// One of each store kind: in-memory (both durabilities) and RocksDB.
+/// The test PostgreSQL server's address, exported by `scripts/postgres.sh`
+/// (which `.ci/run` sources). Without it the PostgreSQL store's tests are
+/// skipped with a line on stderr, unless `KEEL_REQUIRE_POSTGRES=1` (set by
+/// `.ci/run`), which makes a missing server a failure.
+pub fn postgres_url() -> Option<String> {
+    match std::env::var("KEEL_TEST_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("KEEL_REQUIRE_POSTGRES").as_deref() != Ok("1"),
+                "KEEL_REQUIRE_POSTGRES=1 but KEEL_TEST_POSTGRES_URL is not set: run the tests through .ci/run, which starts PostgreSQL"
+            );
+            eprintln!("KEEL_TEST_POSTGRES_URL is not set: skipping the PostgreSQL store");
+            None
+        }
+    }
+}
+
+/// A schema of its own for one test, dropped afterwards.
+pub struct PgScratch(pub PgOptions);
+
+impl PgScratch {
+    /// Options for a fresh schema on the test server.
+    pub fn new(url: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        PgScratch(PgOptions::new(url).schema(format!("t{}_{n}", std::process::id())))
+    }
+}
+
+impl Drop for PgScratch {
+    fn drop(&mut self) {
+        if let Err(e) = PgStore::drop_schema(&self.0) {
+            eprintln!("dropping test schema {}: {e}", self.0.schema);
+        }
+    }
+}
+
+/// One of each store kind: in-memory (both durabilities), RocksDB, and
+/// PostgreSQL when the test server is up (see [`postgres_url`]).
 pub fn subjects() -> Vec<Subject> {
     let dir = tempfile::tempdir().expect("tempdir");
     let rocks = RocksStore::open(dir.path().join("db"), Durability::Sync).expect("open rocks");
-    vec![
+    let mut subjects = vec![
         Subject {
             name: "mem-sync",
             store: Box::new(MemStore::new(Durability::Sync)),
             _dir: None,
+            _schema: None,
         },
         Subject {
             name: "mem-buffered",
             store: Box::new(MemStore::new(Durability::Buffered)),
             _dir: None,
+            _schema: None,
         },
         Subject {
             name: "rocks",
             store: Box::new(rocks),
             _dir: Some(dir),
+            _schema: None,
         },
-    ]
+    ];
+    if let Some(url) = postgres_url() {
+        let scratch = PgScratch::new(&url);
+        let store = PgStore::open(scratch.0.clone()).expect("open postgres");
+        subjects.push(Subject {
+            name: "postgres",
+            store: Box::new(store),
+            _dir: None,
+            _schema: Some(scratch),
+        });
+    }
+    subjects
 }
 
 /// Runs `body` once per store kind; a failure names the store.

@@ -1,0 +1,1488 @@
+//! The PostgreSQL store: the same [`Store`] as RocksDB, over tables.
+//!
+//! Layout (all in one PostgreSQL schema, `keel` unless told otherwise):
+//! `events (run bytea, seq int8, v bytea, primary key (run, seq))` holds the
+//! histories, one row per event; every other column family is a table
+//! `kv_<family> (k bytea primary key, v bytea)` holding the same bytes the
+//! RocksDB store keeps, so the validation, derived state, reads and
+//! `verify` of [`crate::derive`] and [`crate::store`] run unchanged over it;
+//! `version` records the schema version.
+//!
+//! Commits go through one writer thread, as with RocksDB: it takes every
+//! commit waiting, validates each against the rows and the group's earlier
+//! writes, and writes the whole group in one transaction (one WAL flush)
+//! whose statements are pipelined on one connection.
+//!
+//! One engine process writes at a time, under the database's write lease:
+//! the row `lease` names the owner, a fencing epoch and when the lease
+//! ends (by the database's clock, so the processes' clocks do not matter).
+//! The owner renews it every fifth of its length; another process takes it
+//! only once it ended, and taking it raises the epoch. Every commit's
+//! transaction first calls `fence(epoch, owner)`, which locks the lease row
+//! (a takeover waits for a commit in flight, and a commit for a takeover in
+//! flight) and aborts the transaction unless the epoch is still this
+//! process's: a process that paused or lost the database past its lease
+//! can never commit again, and reports [`WriteFault::Fenced`] so its engine
+//! stops. A process opening a held database waits for the lease (a
+//! predecessor that crashed stops renewing, so its lease ends within its
+//! length), as a standby forever if told so.
+//!
+//! When the connection breaks while a group's transaction is in flight,
+//! the writer reconnects and reads one of the group's rows back to learn
+//! whether it committed, and answers accordingly: the engine never acts on
+//! a commit whose outcome it does not know.
+//!
+//! The driver is `tokio-postgres` on a small runtime of the store's own;
+//! callers block on its futures, so the store works from any thread, inside
+//! an async runtime or not.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use futures::channel::oneshot;
+use parking_lot::{Condvar, Mutex};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls, Statement};
+use tracing::{debug, info_span, warn};
+
+use crate::derive::{apply_batch_checked, Checks, CommitAck, CommitBatch, PreparedBatch};
+use crate::error::{DatabaseFault, Error, Result};
+use crate::health::{HealthCell, StoreHealth, WriteFault};
+use crate::keys::{prefix_end, Cf};
+use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
+use crate::store::{CommitHandle, Durability, Store};
+use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
+
+/// Most connections one store opens for reads (the writer has its own).
+pub const PG_READ_CONNECTIONS_MAX: usize = 8;
+
+/// Rows one scan fetches per round trip.
+pub const PG_SCAN_PAGE_ROWS: i64 = 512;
+
+/// How long a connection attempt may take before it counts as unreachable.
+pub const PG_CONNECT_TIMEOUT_MS: u64 = 5_000;
+
+/// How long a reader waits for a free connection before giving up.
+pub const PG_POOL_WAIT_MS: u64 = 30_000;
+
+/// How long the writer keeps trying to reconnect, after the connection
+/// broke, before it answers the commits waiting with an error.
+pub const PG_RECONNECT_MS_MAX: u64 = 10_000;
+
+/// Pause between reconnection attempts.
+pub const PG_RECONNECT_PAUSE_MS: u64 = 200;
+
+/// How long the write lease lasts unless renewed, by default.
+pub const PG_LEASE_MS_DEFAULT: u64 = 5_000;
+
+/// Shortest write lease keel accepts.
+pub const PG_LEASE_MS_MIN: u64 = 500;
+
+/// How often a process waiting for the write lease asks for it.
+pub const PG_LEASE_POLL_MS: u64 = 250;
+
+/// The SQLSTATE `fence` raises when the lease is no longer this process's.
+const FENCED_SQLSTATE: &str = "KL001";
+
+/// Longest PostgreSQL schema name keel accepts.
+pub const PG_SCHEMA_NAME_BYTES_MAX: usize = 48;
+
+/// How a [`PgStore`] is opened.
+#[derive(Clone, Debug)]
+pub struct PgOptions {
+    /// A libpq-style connection string: `postgres://user:pass@host:port/db`
+    /// or `host=... user=... dbname=...`.
+    pub url: String,
+    /// The PostgreSQL schema keel's tables live in.
+    pub schema: String,
+    /// How commits are acknowledged: `Sync` waits for PostgreSQL's WAL
+    /// flush (`synchronous_commit = on`), `Buffered` does not
+    /// (`synchronous_commit = off`: survives a crash of the engine process,
+    /// not of the database server).
+    pub durability: Durability,
+    /// Most connections for reads.
+    pub read_connections: usize,
+    /// How long the write lease lasts unless renewed: a process that stops
+    /// renewing (killed, paused, cut off) is replaced after at most this
+    /// long.
+    pub lease_ms: u64,
+    /// How long opening waits for another process's lease to end before it
+    /// gives up with [`Error::DatabaseLocked`]; `None` waits as long as it
+    /// takes (a standby).
+    pub lease_wait_ms: Option<u64>,
+}
+
+impl PgOptions {
+    /// Options for `url` with the defaults: schema `keel`, `Sync`.
+    pub fn new(url: impl Into<String>) -> Self {
+        PgOptions {
+            url: url.into(),
+            schema: "keel".into(),
+            durability: Durability::Sync,
+            read_connections: PG_READ_CONNECTIONS_MAX,
+            lease_ms: PG_LEASE_MS_DEFAULT,
+            lease_wait_ms: Some(2 * PG_LEASE_MS_DEFAULT),
+        }
+    }
+
+    /// The same options with another lease length (at least
+    /// [`PG_LEASE_MS_MIN`]); the wait for another's lease follows it.
+    pub fn lease_ms(mut self, ms: u64) -> Self {
+        self.lease_ms = ms.max(PG_LEASE_MS_MIN);
+        if self.lease_wait_ms.is_some() {
+            self.lease_wait_ms = Some(2 * self.lease_ms);
+        }
+        self
+    }
+
+    /// The same options waiting at most `ms` for another process's lease
+    /// (0: refuse at once when the database is held).
+    pub fn lease_wait_ms(mut self, ms: u64) -> Self {
+        self.lease_wait_ms = Some(ms);
+        self
+    }
+
+    /// The same options as a standby: opening waits until the process
+    /// holding the database stops, then takes over its work.
+    pub fn standby(mut self) -> Self {
+        self.lease_wait_ms = None;
+        self
+    }
+
+    /// The same options with another schema.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The same options with another durability.
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
+    }
+}
+
+/// True when `text` names a PostgreSQL store rather than a directory.
+pub fn is_postgres_url(text: &str) -> bool {
+    text.starts_with("postgres://") || text.starts_with("postgresql://")
+}
+
+/// The SQL text of every statement, with the schema filled in.
+#[derive(Debug)]
+struct Sql {
+    get: [String; Cf::ALL.len()],
+    scan_bounded: [String; Cf::ALL.len()],
+    scan_open: [String; Cf::ALL.len()],
+    put: [String; Cf::ALL.len()],
+    delete: [String; Cf::ALL.len()],
+    event_get: String,
+    event_scan: String,
+    event_scan_run: String,
+    event_put: String,
+    fence: String,
+}
+
+fn table(schema: &str, cf: Cf) -> String {
+    match cf {
+        Cf::Events => format!("\"{schema}\".events"),
+        other => format!("\"{schema}\".kv_{}", other.name()),
+    }
+}
+
+impl Sql {
+    fn new(schema: &str) -> Self {
+        let each = |f: &dyn Fn(&str) -> String| -> [String; Cf::ALL.len()] {
+            std::array::from_fn(|i| f(&table(schema, Cf::ALL[i])))
+        };
+        let events = table(schema, Cf::Events);
+        Sql {
+            get: each(&|t| format!("select v from {t} where k = $1")),
+            scan_bounded: each(&|t| {
+                format!("select k, v from {t} where k >= $1 and k < $2 order by k limit $3")
+            }),
+            scan_open: each(&|t| format!("select k, v from {t} where k >= $1 order by k limit $2")),
+            put: each(&|t| {
+                format!(
+                    "insert into {t} (k, v) select * from unnest($1::bytea[], $2::bytea[]) \
+                     on conflict (k) do update set v = excluded.v"
+                )
+            }),
+            delete: each(&|t| format!("delete from {t} where k = any($1::bytea[])")),
+            event_get: format!("select v from {events} where run = $1 and seq = $2"),
+            event_scan: format!(
+                "select run, seq, v from {events} where (run, seq) >= ($1, $2) \
+                 order by run, seq limit $3"
+            ),
+            event_scan_run: format!(
+                "select run, seq, v from {events} where run = $1 and seq >= $2 \
+                 order by seq limit $3"
+            ),
+            fence: format!("select \"{schema}\".fence($1, $2)"),
+            event_put: format!(
+                "insert into {events} (run, seq, v) \
+                 select * from unnest($1::bytea[], $2::int8[], $3::bytea[])"
+            ),
+        }
+    }
+
+    /// Statements creating the schema, in order (idempotent).
+    fn create(schema: &str) -> Vec<String> {
+        let mut out = vec![
+            format!("create schema if not exists \"{schema}\""),
+            format!(
+                "create table if not exists \"{schema}\".version (\
+                 schema_version int4 not null, created_by text not null, \
+                 created_at timestamptz not null default now())"
+            ),
+            format!(
+                "create table if not exists {} (run bytea not null, seq int8 not null, \
+                 v bytea not null, primary key (run, seq))",
+                table(schema, Cf::Events)
+            ),
+        ];
+        for cf in Cf::ALL {
+            if cf != Cf::Events {
+                out.push(format!(
+                    "create table if not exists {} (k bytea primary key, v bytea not null)",
+                    table(schema, cf)
+                ));
+            }
+        }
+        out.push(format!(
+            "create table if not exists \"{schema}\".lease (shard int4 primary key, \
+             owner text not null, epoch int8 not null, expires_at timestamptz not null)"
+        ));
+        out.push(format!(
+            "insert into \"{schema}\".lease values (0, '', 0, '-infinity') on conflict do nothing"
+        ));
+        out.push(format!(
+            "create or replace function \"{schema}\".fence(p_epoch int8, p_owner text) \
+             returns void language plpgsql as $fence$ begin \
+             perform 1 from \"{schema}\".lease \
+             where shard = 0 and epoch = p_epoch and owner = p_owner for share; \
+             if not found then raise exception \
+             'keel: the write lease of epoch % is no longer held by %', p_epoch, p_owner \
+             using errcode = '{FENCED_SQLSTATE}'; end if; end $fence$"
+        ));
+        out
+    }
+}
+
+/// One connection with its prepared statements.
+struct Conn {
+    client: Client,
+    prepared: Mutex<HashMap<String, Statement>>,
+}
+
+impl Conn {
+    fn statement(&self, shared: &Shared, sql: &str) -> Result<Statement> {
+        if let Some(s) = self.prepared.lock().get(sql) {
+            return Ok(s.clone());
+        }
+        let s = block(self.client.prepare(sql)).map_err(|e| shared.error(&e))?;
+        self.prepared.lock().insert(sql.to_string(), s.clone());
+        Ok(s)
+    }
+
+    fn query(
+        &self,
+        shared: &Shared,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<tokio_postgres::Row>> {
+        let st = self.statement(shared, sql)?;
+        block(self.client.query(&st, params)).map_err(|e| shared.error(&e))
+    }
+}
+
+/// What the store's threads share.
+struct Shared {
+    config: tokio_postgres::Config,
+    /// Runs the connections' tasks; `None` only while dropping.
+    runtime: Option<tokio::runtime::Runtime>,
+    target: String,
+    schema: String,
+    sql: Sql,
+    durability: Durability,
+    /// This process's name in the lease row (host, pid and a random part).
+    owner: String,
+    lease_ms: u64,
+    /// The epoch of the lease this store holds (0 before it took one).
+    epoch: AtomicI64,
+    health: HealthCell,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The store may be dropped inside an async runtime (an engine
+        // shutting down), where a blocking runtime shutdown panics.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PgStore({})", self.target)
+    }
+}
+
+/// Blocks the calling thread on a driver future. The futures of a
+/// `tokio-postgres` client only talk to its connection task (which runs on
+/// the store's runtime) through channels, so any thread may wait on them.
+fn block<F: std::future::Future>(f: F) -> F::Output {
+    futures::executor::block_on(f)
+}
+
+impl Shared {
+    /// The typed error for a driver error.
+    fn error(&self, e: &tokio_postgres::Error) -> Error {
+        let fault = match e.code() {
+            Some(c)
+                if *c == SqlState::INVALID_PASSWORD
+                    || *c == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+                    || *c == SqlState::INVALID_CATALOG_NAME
+                    || *c == SqlState::TOO_MANY_CONNECTIONS =>
+            {
+                DatabaseFault::Refused
+            }
+            Some(c)
+                if *c == SqlState::ADMIN_SHUTDOWN
+                    || *c == SqlState::CRASH_SHUTDOWN
+                    || *c == SqlState::CANNOT_CONNECT_NOW =>
+            {
+                DatabaseFault::Lost
+            }
+            Some(_) => DatabaseFault::Statement,
+            None => DatabaseFault::Lost,
+        };
+        self.fault(fault, describe(e))
+    }
+
+    fn fault(&self, fault: DatabaseFault, detail: impl Into<String>) -> Error {
+        Error::Database {
+            target: self.target.clone(),
+            fault,
+            detail: detail.into(),
+        }
+    }
+
+    /// A new connection, its task running on the store's runtime.
+    fn connect(&self) -> Result<Conn> {
+        let config = self.config.clone();
+        let Some(runtime) = self.runtime.as_ref() else {
+            return Err(Error::Closed);
+        };
+        let task = runtime.spawn(async move {
+            let (client, connection) = config.connect(NoTls).await?;
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    debug!(error = %e, "postgres connection ended");
+                }
+            });
+            Ok::<_, tokio_postgres::Error>(client)
+        });
+        let client = match block(task) {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => {
+                return Err(match e.code() {
+                    Some(_) => self.error(&e),
+                    None => self.fault(DatabaseFault::Unreachable, describe(&e)),
+                })
+            }
+            Err(join) => return Err(self.fault(DatabaseFault::Unreachable, join.to_string())),
+        };
+        Ok(Conn {
+            client,
+            prepared: Mutex::new(HashMap::new()),
+        })
+    }
+}
+
+/// A driver error with its cause (the driver's own text is terse: "db
+/// error", "error connecting to server").
+fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        return format!("{} ({}): {}", db.severity(), db.code().code(), db.message());
+    }
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Connections for reads, opened on demand up to a limit.
+struct Pool {
+    idle: Mutex<PoolState>,
+    freed: Condvar,
+    max: usize,
+}
+
+struct PoolState {
+    idle: Vec<Conn>,
+    open: usize,
+}
+
+impl Pool {
+    fn take(&self, shared: &Shared) -> Result<Conn> {
+        let mut state = self.idle.lock();
+        loop {
+            while let Some(c) = state.idle.pop() {
+                if !c.client.is_closed() {
+                    return Ok(c);
+                }
+                state.open -= 1;
+            }
+            if state.open < self.max {
+                state.open += 1;
+                drop(state);
+                return shared.connect().inspect_err(|_| self.idle.lock().open -= 1);
+            }
+            if self
+                .freed
+                .wait_for(&mut state, Duration::from_millis(PG_POOL_WAIT_MS))
+                .timed_out()
+            {
+                return Err(shared.fault(
+                    DatabaseFault::Unreachable,
+                    format!(
+                        "all {} read connections stayed busy for {PG_POOL_WAIT_MS} ms",
+                        self.max
+                    ),
+                ));
+            }
+        }
+    }
+
+    fn give(&self, conn: Conn) {
+        let mut state = self.idle.lock();
+        if conn.client.is_closed() {
+            state.open -= 1;
+        } else {
+            state.idle.push(conn);
+        }
+        drop(state);
+        self.freed.notify_one();
+    }
+}
+
+/// A commit waiting for the writer.
+struct Request {
+    prepared: PreparedBatch,
+    reply: oneshot::Sender<Result<CommitAck>>,
+}
+
+/// A keel store in a PostgreSQL database.
+pub struct PgStore {
+    shared: Arc<Shared>,
+    pool: Pool,
+    tx: Option<Sender<Request>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PgStore({}, {})",
+            self.shared.target,
+            if self.tx.is_some() {
+                "read-write"
+            } else {
+                "read-only"
+            }
+        )
+    }
+}
+
+impl PgStore {
+    /// Opens the store for reading and writing: creates the schema if it is
+    /// not there, checks its version, and takes the database's write lease
+    /// (waiting for it as [`PgOptions::lease_wait_ms`] says).
+    pub fn open(options: PgOptions) -> Result<Self> {
+        let (shared, pool) = Self::connect_shared(&options)?;
+        let conn = shared.connect()?;
+        create_or_check(&shared, &conn)?;
+        let epoch = take_lease(&shared, &conn, options.lease_wait_ms)?;
+        shared.epoch.store(epoch, Ordering::Release);
+        if shared.durability == Durability::Buffered {
+            block(conn.client.batch_execute("set synchronous_commit = off"))
+                .map_err(|e| shared.error(&e))?;
+        }
+        let (tx, rx) = crossbeam_channel::bounded(COMMIT_QUEUE_MAX);
+        let writer_shared = shared.clone();
+        let writer = std::thread::Builder::new()
+            .name("keel-pg-writer".into())
+            .spawn(move || writer_loop(&writer_shared, conn, rx))
+            .map_err(Error::Io)?;
+        Ok(PgStore {
+            shared,
+            pool,
+            tx: Some(tx),
+            writer: Some(writer),
+        })
+    }
+
+    /// Opens the store for reading only, beside a running engine: creates
+    /// nothing and takes no lock; commits are refused.
+    pub fn open_read_only(options: PgOptions) -> Result<Self> {
+        let (shared, pool) = Self::connect_shared(&options)?;
+        let conn = pool.take(&shared)?;
+        let found = read_version(&shared, &conn);
+        pool.give(conn);
+        match found? {
+            None => Err(shared.fault(
+                DatabaseFault::Missing,
+                format!(
+                    "schema \"{}\" has no keel tables (an engine creates them)",
+                    shared.schema
+                ),
+            )),
+            Some(v) if v != SCHEMA_VERSION => Err(Error::DatabaseSchemaVersion {
+                target: shared.target.clone(),
+                found: v,
+                expected: SCHEMA_VERSION,
+            }),
+            Some(_) => Ok(PgStore {
+                shared,
+                pool,
+                tx: None,
+                writer: None,
+            }),
+        }
+    }
+
+    fn connect_shared(options: &PgOptions) -> Result<(Arc<Shared>, Pool)> {
+        let bad = |detail: String| Error::Database {
+            target: redact(&options.url),
+            fault: DatabaseFault::Config,
+            detail,
+        };
+        let schema = &options.schema;
+        if schema.is_empty()
+            || schema.len() > PG_SCHEMA_NAME_BYTES_MAX
+            || !schema.starts_with(|c: char| c.is_ascii_lowercase())
+            || !schema
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            return Err(bad(format!(
+                "schema name {schema:?} must be 1 to {PG_SCHEMA_NAME_BYTES_MAX} lowercase letters, digits or underscores, starting with a letter"
+            )));
+        }
+        let mut config =
+            tokio_postgres::Config::from_str(&options.url).map_err(|e| bad(format!("{e}")))?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_millis(PG_CONNECT_TIMEOUT_MS));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("keel");
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("keel-pg")
+            .enable_all()
+            .build()
+            .map_err(Error::Io)?;
+        let shared = Arc::new(Shared {
+            target: target_of(&config, schema),
+            sql: Sql::new(schema),
+            schema: schema.clone(),
+            durability: options.durability,
+            config,
+            runtime: Some(runtime),
+            owner: format!(
+                "{} pid {} {}",
+                hostname(),
+                std::process::id(),
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            ),
+            lease_ms: options.lease_ms.max(PG_LEASE_MS_MIN),
+            epoch: AtomicI64::new(0),
+            health: HealthCell::default(),
+        });
+        let pool = Pool {
+            idle: Mutex::new(PoolState {
+                idle: Vec::new(),
+                open: 0,
+            }),
+            freed: Condvar::new(),
+            max: options.read_connections.max(1),
+        };
+        Ok((shared, pool))
+    }
+
+    /// The database and schema this store is in (no password).
+    pub fn target(&self) -> &str {
+        &self.shared.target
+    }
+
+    /// Drops every keel table of `options.schema` (tests and `keel`'s
+    /// clean-up of a scratch schema). Close the stores on it first.
+    pub fn drop_schema(options: &PgOptions) -> Result<()> {
+        let (shared, _pool) = Self::connect_shared(options)?;
+        let conn = shared.connect()?;
+        block(conn.client.batch_execute(&format!(
+            "drop schema if exists \"{}\" cascade",
+            shared.schema
+        )))
+        .map_err(|e| shared.error(&e))
+    }
+
+    fn with_conn<T>(&self, f: impl Fn(&Conn) -> Result<T>) -> Result<T> {
+        // A read is retried once on a fresh connection when the one taken
+        // from the pool turns out to be broken (the server restarted).
+        for tries_left in (0..2).rev() {
+            let conn = self.pool.take(&self.shared)?;
+            let result = f(&conn);
+            self.pool.give(conn);
+            match result {
+                Err(Error::Database {
+                    fault: DatabaseFault::Lost,
+                    ..
+                }) if tries_left > 0 => continue,
+                other => return other,
+            }
+        }
+        unreachable!("the loop returns on its last try")
+    }
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// This machine's name, for the lease's owner.
+fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// `host:port/dbname schema S`, never the password.
+fn target_of(config: &tokio_postgres::Config, schema: &str) -> String {
+    use tokio_postgres::config::Host;
+    let host = config
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            Host::Tcp(h) => h.clone(),
+            #[cfg(unix)]
+            Host::Unix(p) => p.display().to_string(),
+        })
+        .unwrap_or_else(|| "localhost".into());
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let db = config
+        .get_dbname()
+        .or(config.get_user())
+        .unwrap_or("postgres");
+    format!("{host}:{port}/{db} schema {schema}")
+}
+
+/// A connection string with any password replaced.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url
+            .split_whitespace()
+            .map(|kv| {
+                if kv.starts_with("password=") {
+                    "password=***"
+                } else {
+                    kv
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+    }
+}
+
+/// Takes the write lease, waiting up to `wait_ms` (forever for `None`)
+/// while another process holds it; returns the new epoch.
+fn take_lease(shared: &Shared, conn: &Conn, wait_ms: Option<u64>) -> Result<i64> {
+    let started = std::time::Instant::now();
+    let mut announced = false;
+    loop {
+        let rows = conn.query(
+            shared,
+            &format!(
+                "update \"{}\".lease set owner = $1, epoch = epoch + 1, \
+                 expires_at = clock_timestamp() + make_interval(secs => $2::float8 / 1000) \
+                 where shard = 0 and (expires_at < clock_timestamp() or owner = $1) \
+                 returning epoch",
+                shared.schema
+            ),
+            &[&shared.owner, &(shared.lease_ms as f64)],
+        )?;
+        if let Some(row) = rows.first() {
+            let epoch: i64 = row.get(0);
+            tracing::info!(target = %shared.target, epoch, owner = %shared.owner, "took the write lease");
+            return Ok(epoch);
+        }
+        let holder = conn
+            .query(
+                shared,
+                &format!(
+                    "select owner, (extract(epoch from greatest(expires_at, clock_timestamp()) - clock_timestamp()) * 1000)::int8 \
+                     from \"{}\".lease where shard = 0",
+                    shared.schema
+                ),
+                &[],
+            )?
+            .first()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+            .unwrap_or_default();
+        let waited = started.elapsed().as_millis() as u64;
+        if wait_ms.is_some_and(|w| waited >= w) {
+            return Err(Error::DatabaseLocked {
+                target: shared.target.clone(),
+                detail: format!(
+                    "its write lease is held by {} and renewed; it ends {} ms after the holder stops",
+                    holder.0, holder.1
+                ),
+            });
+        }
+        if !announced {
+            tracing::info!(target = %shared.target, holder = %holder.0, "waiting for the write lease");
+            announced = true;
+        }
+        std::thread::sleep(Duration::from_millis(PG_LEASE_POLL_MS));
+    }
+}
+
+/// Extends this store's lease; `Ok(false)` when it is no longer ours.
+fn renew_lease(shared: &Shared, conn: &Conn) -> Result<bool> {
+    let rows = conn.query(
+        shared,
+        &format!(
+            "update \"{}\".lease set expires_at = clock_timestamp() + make_interval(secs => $3::float8 / 1000) \
+             where shard = 0 and epoch = $1 and owner = $2 returning epoch",
+            shared.schema
+        ),
+        &[
+            &shared.epoch.load(Ordering::Acquire),
+            &shared.owner,
+            &(shared.lease_ms as f64),
+        ],
+    )?;
+    Ok(!rows.is_empty())
+}
+
+/// Ends this store's lease at once (a clean close), so the next process
+/// does not wait for it to run out.
+fn release_lease(shared: &Shared, conn: &Conn) -> Result<()> {
+    conn.query(
+        shared,
+        &format!(
+            "update \"{}\".lease set expires_at = '-infinity' \
+             where shard = 0 and epoch = $1 and owner = $2 returning epoch",
+            shared.schema
+        ),
+        &[&shared.epoch.load(Ordering::Acquire), &shared.owner],
+    )
+    .map(|_| ())
+}
+
+impl Shared {
+    /// Marks the store fenced: another process owns the database now.
+    fn fenced(&self, detail: String) {
+        let before = self.health.set(StoreHealth::Failed {
+            fault: WriteFault::Fenced,
+            detail: detail.clone(),
+        });
+        if before.is_healthy() {
+            tracing::error!(target = %self.target, %detail, "write lease lost: this process no longer commits");
+        }
+    }
+}
+
+/// The recorded schema version, `None` when there are no keel tables.
+fn read_version(shared: &Shared, conn: &Conn) -> Result<Option<u32>> {
+    let rows = block(conn.client.query(
+        "select to_regclass($1) is not null",
+        &[&format!("\"{}\".version", shared.schema)],
+    ))
+    .map_err(|e| shared.error(&e))?;
+    if !rows.first().map(|r| r.get::<_, bool>(0)).unwrap_or(false) {
+        return Ok(None);
+    }
+    let rows = block(conn.client.query(
+        &format!(
+            "select schema_version from \"{}\".version limit 1",
+            shared.schema
+        ),
+        &[],
+    ))
+    .map_err(|e| shared.error(&e))?;
+    Ok(rows.first().map(|r| r.get::<_, i32>(0) as u32))
+}
+
+/// Creates the tables if they are missing and records the version, or
+/// checks the version recorded. Concurrent openers serialise on a
+/// transaction-scoped advisory lock, so exactly one creates.
+fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
+    if let Some(found) = read_version(shared, conn)? {
+        return check_version(shared, found);
+    }
+    let mut script = String::from("begin;\n");
+    script.push_str(&format!(
+        "select pg_advisory_xact_lock(hashtext('keel-create:{}')::int8);\n",
+        shared.schema
+    ));
+    for s in Sql::create(&shared.schema) {
+        script.push_str(&s);
+        script.push_str(";\n");
+    }
+    script.push_str(&format!(
+        "insert into \"{s}\".version (schema_version, created_by) \
+         select {SCHEMA_VERSION}, 'keel {}' \
+         where not exists (select 1 from \"{s}\".version);\ncommit;",
+        env!("CARGO_PKG_VERSION"),
+        s = shared.schema
+    ));
+    block(conn.client.batch_execute(&script)).map_err(|e| shared.error(&e))?;
+    match read_version(shared, conn)? {
+        Some(found) => check_version(shared, found),
+        None => Err(shared.fault(
+            DatabaseFault::Missing,
+            "the tables were created but the version row is missing",
+        )),
+    }
+}
+
+fn check_version(shared: &Shared, found: u32) -> Result<()> {
+    if found == SCHEMA_VERSION {
+        Ok(())
+    } else {
+        Err(Error::DatabaseSchemaVersion {
+            target: shared.target.clone(),
+            found,
+            expected: SCHEMA_VERSION,
+        })
+    }
+}
+
+/// Rows of one scan page, as (key, value).
+type KvRows = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Reads the page of rows from a start key, under an end key if any.
+type ReadPage<'a> = dyn FnMut(&[u8], Option<&[u8]>) -> Result<KvRows> + 'a;
+
+/// Reads through one connection.
+struct ConnView<'a> {
+    shared: &'a Shared,
+    conn: &'a Conn,
+}
+
+fn event_key_parts(key: &[u8]) -> Option<(&[u8], i64)> {
+    if key.len() != 24 {
+        return None;
+    }
+    let seq = u64::from_be_bytes(key[16..24].try_into().ok()?);
+    Some((&key[..16], i64::try_from(seq).ok()?))
+}
+
+impl ConnView<'_> {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let sql = &self.shared.sql;
+        let rows = if cf == Cf::Events {
+            let Some((run, seq)) = event_key_parts(key) else {
+                return Ok(None);
+            };
+            self.conn
+                .query(self.shared, &sql.event_get, &[&run, &seq])?
+        } else {
+            self.conn
+                .query(self.shared, &sql.get[cf.index()], &[&key])?
+        };
+        Ok(rows.first().map(|r| r.get::<_, Vec<u8>>(0)))
+    }
+
+    /// One page of a scan: rows with key `>= start` (and under `end`), in
+    /// key order, as (key, value).
+    fn page(&self, cf: Cf, start: &[u8], end: Option<&[u8]>) -> Result<KvRows> {
+        let sql = &self.shared.sql;
+        if cf == Cf::Events {
+            return self.event_page(start, end);
+        }
+        let rows = match end {
+            Some(end) => self.conn.query(
+                self.shared,
+                &sql.scan_bounded[cf.index()],
+                &[&start, &end, &PG_SCAN_PAGE_ROWS],
+            )?,
+            None => self.conn.query(
+                self.shared,
+                &sql.scan_open[cf.index()],
+                &[&start, &PG_SCAN_PAGE_ROWS],
+            )?,
+        };
+        Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    fn event_page(&self, start: &[u8], end: Option<&[u8]>) -> Result<KvRows> {
+        // Keys are `run ‖ seq`: a start key becomes a (run, seq) lower
+        // bound; an end within one run keeps the scan on that run's rows.
+        let mut run = [0u8; 16];
+        let n = start.len().min(16);
+        run[..n].copy_from_slice(&start[..n]);
+        let mut seq_bytes = [0u8; 8];
+        if start.len() > 16 {
+            let m = (start.len() - 16).min(8);
+            seq_bytes[..m].copy_from_slice(&start[16..16 + m]);
+        }
+        let mut seq = u64::from_be_bytes(seq_bytes);
+        if start.len() > 24 {
+            // A key past `run ‖ seq` (the next page starts at the last
+            // key plus a zero byte): every key at or after it has a later
+            // seq.
+            seq = seq.saturating_add(1);
+        }
+        let seq = i64::try_from(seq).unwrap_or(i64::MAX);
+        let one_run = end.is_some_and(|e| {
+            e.len() == 16 && start.len() >= 16 && {
+                // The end of a 16-byte prefix is that run plus one.
+                prefix_end(&start[..16]).as_deref() == Some(e)
+            }
+        });
+        let sql = &self.shared.sql;
+        let rows = if one_run {
+            self.conn.query(
+                self.shared,
+                &sql.event_scan_run,
+                &[&&run[..], &seq, &PG_SCAN_PAGE_ROWS],
+            )?
+        } else {
+            self.conn.query(
+                self.shared,
+                &sql.event_scan,
+                &[&&run[..], &seq, &PG_SCAN_PAGE_ROWS],
+            )?
+        };
+        let mut out = Vec::with_capacity(rows.len());
+        for r in rows {
+            let run: Vec<u8> = r.get(0);
+            let seq: i64 = r.get(1);
+            let mut key = run;
+            key.extend_from_slice(&(seq as u64).to_be_bytes());
+            if end.is_some_and(|e| key.as_slice() >= e) {
+                break;
+            }
+            out.push((key, r.get(2)));
+        }
+        Ok(out)
+    }
+}
+
+/// Visits keys `>= from` under `prefix` page by page: each page is read
+/// through a connection that is given back before `visit` runs, so `visit`
+/// may read the store again.
+fn scan_pages(
+    prefix: &[u8],
+    from: &[u8],
+    read_page: &mut ReadPage<'_>,
+    visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+) -> Result<()> {
+    let end = prefix_end(prefix);
+    let mut start = if from > prefix {
+        from.to_vec()
+    } else {
+        prefix.to_vec()
+    };
+    loop {
+        let page = read_page(&start, end.as_deref())?;
+        let full = page.len() as i64 >= PG_SCAN_PAGE_ROWS;
+        let Some(last) = page.last().map(|(k, _)| k.clone()) else {
+            return Ok(());
+        };
+        for (k, v) in &page {
+            if !k.starts_with(prefix) || !visit(k, v) {
+                return Ok(());
+            }
+        }
+        if !full {
+            return Ok(());
+        }
+        // The next key after `last`.
+        start = last;
+        start.push(0);
+    }
+}
+
+impl KvRead for ConnView<'_> {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        ConnView::get(self, cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        scan_pages(
+            prefix,
+            from,
+            &mut |start, end| self.page(cf, start, end),
+            visit,
+        )
+    }
+}
+
+impl KvRead for PgStore {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.with_conn(|conn| {
+            ConnView {
+                shared: &self.shared,
+                conn,
+            }
+            .get(cf, key)
+        })
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        scan_pages(
+            prefix,
+            from,
+            &mut |start, end| {
+                self.with_conn(|conn| {
+                    ConnView {
+                        shared: &self.shared,
+                        conn,
+                    }
+                    .page(cf, start, end)
+                })
+            },
+            visit,
+        )
+    }
+}
+
+impl Store for PgStore {
+    fn view(&self) -> &dyn KvRead {
+        self
+    }
+
+    fn commit(&self, batch: CommitBatch) -> CommitHandle {
+        let Some(tx) = &self.tx else {
+            return CommitHandle::ready(Err(Error::ReadOnly));
+        };
+        let prepared = match PreparedBatch::new(batch) {
+            Ok(p) => p,
+            Err(e) => return CommitHandle::ready(Err(e)),
+        };
+        let (reply, rx) = oneshot::channel();
+        match tx.send(Request { prepared, reply }) {
+            Ok(()) => CommitHandle::pending(rx),
+            Err(_) => CommitHandle::ready(Err(Error::Closed)),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        if self.shared.durability == Durability::Sync || self.tx.is_none() {
+            return Ok(());
+        }
+        // A synchronous commit flushes the WAL up to itself, which covers
+        // every asynchronous commit before it.
+        self.with_conn(|conn| {
+            block(conn.client.batch_execute(&format!(
+                "begin; set local synchronous_commit = on; \
+                 update \"{}\".version set created_by = created_by; commit;",
+                self.shared.schema
+            )))
+            .map_err(|e| self.shared.error(&e))
+        })
+    }
+
+    fn durability(&self) -> Durability {
+        self.shared.durability
+    }
+
+    fn health(&self) -> StoreHealth {
+        self.shared.health.get()
+    }
+}
+
+/// Keys and values of one table, as two arrays to bind.
+type Columns = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+/// The group's rows, as arrays per table, ready to bind.
+#[derive(Default)]
+struct Rows {
+    puts: Vec<Columns>,
+    deletes: Vec<Vec<Vec<u8>>>,
+    event_runs: Vec<Vec<u8>>,
+    event_seqs: Vec<i64>,
+    event_values: Vec<Vec<u8>>,
+}
+
+impl Rows {
+    fn of(mutations: &[Mutation]) -> Self {
+        let mut rows = Rows {
+            puts: vec![(Vec::new(), Vec::new()); Cf::ALL.len()],
+            deletes: vec![Vec::new(); Cf::ALL.len()],
+            ..Rows::default()
+        };
+        for m in mutations {
+            match m {
+                Mutation::Put(Cf::Events, k, v) => {
+                    if let Some((run, seq)) = event_key_parts(k) {
+                        rows.event_runs.push(run.to_vec());
+                        rows.event_seqs.push(seq);
+                        rows.event_values.push(v.clone());
+                    }
+                }
+                Mutation::Put(cf, k, v) => {
+                    rows.puts[cf.index()].0.push(k.clone());
+                    rows.puts[cf.index()].1.push(v.clone());
+                }
+                Mutation::Delete(cf, k) => rows.deletes[cf.index()].push(k.clone()),
+            }
+        }
+        rows
+    }
+}
+
+/// What became of a group's transaction.
+enum Written {
+    Committed,
+    /// The server refused it: nothing was written.
+    Refused(Error),
+    /// The connection broke with the transaction in flight.
+    Unknown(Error),
+}
+
+/// Writes `mutations` in one transaction, its statements pipelined.
+fn write_group(shared: &Shared, conn: &Conn, mutations: &[Mutation]) -> Written {
+    let rows = Rows::of(mutations);
+    let sql = &shared.sql;
+    let mut statements: Vec<(Statement, Vec<&(dyn ToSql + Sync)>)> = Vec::new();
+    let prepare = |text: &str| conn.statement(shared, text);
+    let epoch = shared.epoch.load(Ordering::Acquire);
+    let mut plan = || -> Result<()> {
+        // First: the lease is still ours, and stays so until the commit.
+        statements.push((prepare(&sql.fence)?, vec![&epoch, &shared.owner]));
+        if !rows.event_runs.is_empty() {
+            statements.push((
+                prepare(&sql.event_put)?,
+                vec![&rows.event_runs, &rows.event_seqs, &rows.event_values],
+            ));
+        }
+        for cf in Cf::ALL {
+            let (keys, values) = &rows.puts[cf.index()];
+            if !keys.is_empty() {
+                statements.push((prepare(&sql.put[cf.index()])?, vec![keys, values]));
+            }
+            let deletes = &rows.deletes[cf.index()];
+            if !deletes.is_empty() {
+                statements.push((prepare(&sql.delete[cf.index()])?, vec![deletes]));
+            }
+        }
+        Ok(())
+    };
+    if let Err(e) = plan() {
+        // Preparing failed: nothing was sent for this group.
+        return match e {
+            Error::Database {
+                fault: DatabaseFault::Lost,
+                ..
+            } => Written::Unknown(e),
+            e => Written::Refused(e),
+        };
+    }
+    let client = &conn.client;
+    let outcome = block(async {
+        let begin = client.batch_execute("begin");
+        let writes = futures::future::join_all(
+            statements
+                .iter()
+                .map(|(st, params)| client.execute(st, params)),
+        );
+        let commit = client.batch_execute("commit");
+        futures::join!(begin, writes, commit)
+    });
+    let (begin, writes, commit) = outcome;
+    let first_error = begin
+        .err()
+        .into_iter()
+        .chain(writes.into_iter().filter_map(|r| r.err()))
+        .chain(commit.err())
+        .next();
+    match first_error {
+        None => Written::Committed,
+        Some(e) if e.code().is_some_and(|c| c.code() == FENCED_SQLSTATE) => {
+            let detail = describe(&e);
+            shared.fenced(detail.clone());
+            Written::Refused(Error::Unwritable {
+                fault: WriteFault::Fenced,
+                detail,
+            })
+        }
+        Some(e) if e.code().is_some() && !conn.client.is_closed() => {
+            // A statement failed: the transaction was aborted and its
+            // `commit` rolled it back.
+            Written::Refused(shared.error(&e))
+        }
+        Some(e) => Written::Unknown(shared.error(&e)),
+    }
+}
+
+/// After the connection broke mid-transaction: reconnects (taking the
+/// writer lock again) and reads back the group's first row to learn
+/// whether the transaction committed. `None` when that could not be
+/// learned within [`PG_RECONNECT_MS_MAX`].
+fn resolve(shared: &Shared, mutations: &[Mutation]) -> (Option<Conn>, Option<bool>) {
+    let deadline = std::time::Instant::now() + Duration::from_millis(PG_RECONNECT_MS_MAX);
+    loop {
+        match reconnect(shared) {
+            Ok(conn) => {
+                let view = ConnView {
+                    shared,
+                    conn: &conn,
+                };
+                let probe = mutations
+                    .iter()
+                    .find(|m| matches!(m, Mutation::Put(Cf::Events, ..)))
+                    .or_else(|| mutations.first());
+                let known = match probe {
+                    None => Ok(true),
+                    Some(Mutation::Put(cf, k, v)) => {
+                        view.get(*cf, k).map(|got| got.as_ref() == Some(v))
+                    }
+                    Some(Mutation::Delete(cf, k)) => view.get(*cf, k).map(|got| got.is_none()),
+                };
+                match known {
+                    Ok(k) => return (Some(conn), Some(k)),
+                    Err(e) => warn!(error = %e, "reading back a commit of unknown outcome failed"),
+                }
+            }
+            Err(e) => debug!(error = %e, "reconnecting"),
+        }
+        if std::time::Instant::now() >= deadline {
+            return (None, None);
+        }
+        std::thread::sleep(Duration::from_millis(PG_RECONNECT_PAUSE_MS));
+    }
+}
+
+/// A new writer connection holding the writer lock.
+fn reconnect(shared: &Shared) -> Result<Conn> {
+    let conn = shared.connect()?;
+    if shared.durability == Durability::Buffered {
+        block(conn.client.batch_execute("set synchronous_commit = off"))
+            .map_err(|e| shared.error(&e))?;
+    }
+    Ok(conn)
+}
+
+/// Renews the lease through the writer's connection (reconnecting first if
+/// it broke); marks the store fenced when the lease is gone.
+fn renew(shared: &Shared, conn: &mut Option<Conn>) {
+    if conn.as_ref().is_none_or(|c| c.client.is_closed()) {
+        match reconnect(shared) {
+            Ok(c) => *conn = Some(c),
+            Err(e) => {
+                warn!(error = %e, "cannot reach the database to renew the write lease");
+                return;
+            }
+        }
+    }
+    let Some(c) = conn.as_ref() else { return };
+    match renew_lease(shared, c) {
+        Ok(true) => {}
+        Ok(false) => shared.fenced(format!(
+            "the write lease of epoch {} was taken over by another process",
+            shared.epoch.load(Ordering::Acquire)
+        )),
+        Err(e) => warn!(error = %e, "renewing the write lease failed"),
+    }
+}
+
+/// Validates and writes one group. A connection found broken before
+/// anything was written (while validating, or a transaction the read-back
+/// shows absent) costs one more try on a fresh connection, so a restarted
+/// server or a killed connection does not fail the commits waiting.
+fn commit_group(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    group: &[Request],
+) -> (Vec<Result<CommitAck>>, Result<()>) {
+    let lost = |e: &Error| {
+        matches!(
+            e,
+            Error::Database {
+                fault: DatabaseFault::Lost,
+                ..
+            }
+        )
+    };
+    let mut tries_left = 2;
+    loop {
+        tries_left -= 1;
+        if conn.as_ref().is_none_or(|c| c.client.is_closed()) {
+            match reconnect(shared) {
+                Ok(c) => *conn = Some(c),
+                Err(e) if tries_left > 0 && lost(&e) => continue,
+                Err(e) => {
+                    let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
+                    return (results, Ok(()));
+                }
+            }
+        }
+        let Some(c) = conn.as_ref() else { continue };
+        let view = ConnView { shared, conn: c };
+        let mut overlay = Overlay::new(&view);
+        let mut results = Vec::with_capacity(group.len());
+        for req in group {
+            match apply_batch_checked(&overlay, &req.prepared, Checks::ALL) {
+                Ok((writes, ack)) => {
+                    overlay.absorb(writes);
+                    results.push(Ok(ack));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        if tries_left > 0 && results.iter().any(|r| r.as_ref().is_err_and(lost)) {
+            *conn = None;
+            continue;
+        }
+        let mutations = mutations_of(overlay.into_writes());
+        if mutations.is_empty() {
+            return (results, Ok(()));
+        }
+        let written = match write_group(shared, c, &mutations) {
+            Written::Committed => Ok(()),
+            Written::Refused(e) => Err(e),
+            Written::Unknown(e) => {
+                warn!(error = %e, "connection lost with a commit in flight; finding out whether it committed");
+                let (fresh, known) = resolve(shared, &mutations);
+                *conn = fresh;
+                match known {
+                    Some(true) => Ok(()),
+                    Some(false) if tries_left > 0 => continue,
+                    Some(false) => Err(e),
+                    None => Err(Error::Database {
+                        target: shared.target.clone(),
+                        fault: DatabaseFault::Lost,
+                        detail: format!(
+                            "{e}; whether the commit was written is unknown (the database stayed out of reach for {PG_RECONNECT_MS_MAX} ms); the engine reloads the run from the database before going on"
+                        ),
+                    }),
+                }
+            }
+        };
+        return (results, written);
+    }
+}
+
+fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
+    let renew_every = Duration::from_millis(shared.lease_ms / 5);
+    let mut renewed = std::time::Instant::now();
+    let mut conn = Some(conn);
+    let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
+    loop {
+        let first = match rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())) {
+            Ok(r) => Some(r),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        };
+        if renewed.elapsed() >= renew_every && shared.health.get().is_healthy() {
+            renewed = std::time::Instant::now();
+            renew(shared, &mut conn);
+        }
+        let Some(first) = first else { continue };
+        if let Some(e) = shared.health.get().error() {
+            // Fenced: nothing is written any more.
+            let _ = first.reply.send(Err(e));
+            continue;
+        }
+        let mut bytes = first.prepared.bytes();
+        group.push(first);
+        while group.len() < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
+            match rx.try_recv() {
+                Ok(r) => {
+                    bytes += r.prepared.bytes();
+                    group.push(r);
+                }
+                Err(_) => break,
+            }
+        }
+        let span = info_span!("commit", commits = group.len(), bytes);
+        let _enter = span.enter();
+        let (results, written) = commit_group(shared, &mut conn, &group);
+        debug!(
+            commits = group.len(),
+            ok = written.is_ok(),
+            "group committed"
+        );
+        for (req, result) in group.drain(..).zip(results) {
+            let result = match (&written, result) {
+                (Err(e @ Error::Database { .. }), Ok(_)) => Err(e.clone_shallow()),
+                (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
+                (_, r) => r,
+            };
+            let _ = req.reply.send(result);
+        }
+    }
+    // Closed: hand the lease on at once rather than let it run out.
+    if shared.health.get().is_healthy() {
+        if let Some(c) = conn.as_ref().filter(|c| !c.client.is_closed()) {
+            if let Err(e) = release_lease(shared, c) {
+                debug!(error = %e, "releasing the write lease");
+            }
+        }
+    }
+}
+
+impl Error {
+    /// A copy of a database error for answering many committers with it.
+    fn clone_shallow(&self) -> Error {
+        match self {
+            Error::Database {
+                target,
+                fault,
+                detail,
+            } => Error::Database {
+                target: target.clone(),
+                fault: *fault,
+                detail: detail.clone(),
+            },
+            Error::DatabaseLocked { target, detail } => Error::DatabaseLocked {
+                target: target.clone(),
+                detail: detail.clone(),
+            },
+            other => Error::CommitFailed(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,96 @@
+# Sourced by .ci/run (and by hand: `source scripts/postgres.sh && keel_pg_start`):
+# a private PostgreSQL cluster for keel's tests, in a temporary directory,
+# listening on a loopback port only, with password authentication. Installs
+# Debian's PostgreSQL server when the machine lacks it. The database's
+# address is exported as KEEL_TEST_POSTGRES_URL; keel_pg_stop stops the
+# cluster and removes its directory (an EXIT trap calls it).
+
+# The newest installed server's bin directory, or nothing.
+keel_pg_bindir() {
+  local d
+  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
+    if [ -x "$d/initdb" ] && [ -x "$d/pg_ctl" ] && [ -x "$d/postgres" ]; then
+      echo "$d"
+      return 0
+    fi
+  done
+  return 1
+}
+
+keel_pg_install() {
+  if keel_pg_bindir >/dev/null; then
+    return 0
+  fi
+  echo "keel: installing PostgreSQL (the PostgreSQL store's tests run against a real server)" >&2
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq >&2
+  # policy-rc.d keeps the package from starting the system's own cluster:
+  # keel's tests start a private one.
+  if [ "$(id -u)" = 0 ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2
+    rm -f /usr/sbin/policy-rc.d
+  else
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2
+  fi
+  keel_pg_bindir >/dev/null || { echo "keel: PostgreSQL installed but no server binaries under /usr/lib/postgresql" >&2; return 1; }
+}
+
+# Runs a server command as the cluster's owner (PostgreSQL refuses root).
+keel_pg_as_owner() {
+  if [ "$(id -u)" = 0 ]; then
+    runuser -u postgres -- "$@"
+  else
+    "$@"
+  fi
+}
+
+keel_pg_start() {
+  keel_pg_install || return 1
+  local bin
+  bin="$(keel_pg_bindir)"
+  KEEL_PG_DIR="$(mktemp -d /tmp/keel-pg.XXXXXX)"
+  export KEEL_PG_DIR
+  if [ "$(id -u)" = 0 ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql postgres
+    chown postgres "$KEEL_PG_DIR"
+  fi
+  local password="keel-test-$RANDOM$RANDOM"
+  printf '%s\n' "$password" > "$KEEL_PG_DIR/pw"
+  chmod 600 "$KEEL_PG_DIR/pw"
+  [ "$(id -u)" = 0 ] && chown postgres "$KEEL_PG_DIR/pw"
+  keel_pg_as_owner "$bin/initdb" -D "$KEEL_PG_DIR/data" -U keel --pwfile="$KEEL_PG_DIR/pw" \
+    -A scram-sha-256 --no-instructions >"$KEEL_PG_DIR/initdb.log" 2>&1 \
+    || { cat "$KEEL_PG_DIR/initdb.log" >&2; return 1; }
+  local port tries=0
+  while :; do
+    port=$((20000 + RANDOM % 20000))
+    if keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
+        -o "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300" \
+        start >/dev/null 2>&1; then
+      break
+    fi
+    tries=$((tries + 1))
+    if [ "$tries" -ge 5 ]; then
+      echo "keel: the test PostgreSQL did not start; its log:" >&2
+      cat "$KEEL_PG_DIR/server.log" >&2
+      return 1
+    fi
+  done
+  KEEL_PG_PORT="$port"
+  export KEEL_PG_PORT
+  PGPASSWORD="$password" keel_pg_as_owner "$bin/psql" -q -h 127.0.0.1 -p "$port" -U keel -d postgres \
+    -c "create database keel_test" >/dev/null
+  export KEEL_TEST_POSTGRES_URL="postgres://keel:$password@127.0.0.1:$port/keel_test"
+  trap keel_pg_stop EXIT
+  echo "keel: test PostgreSQL on 127.0.0.1:$port ($KEEL_PG_DIR)" >&2
+}
+
+keel_pg_stop() {
+  if [ -n "${KEEL_PG_DIR:-}" ] && [ -d "$KEEL_PG_DIR/data" ]; then
+    keel_pg_as_owner "$(keel_pg_bindir)/pg_ctl" -D "$KEEL_PG_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
+    rm -rf "$KEEL_PG_DIR"
+  fi
+}
