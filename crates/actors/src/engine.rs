@@ -22,7 +22,8 @@ use keel_core::driver::{
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
 use keel_storage::{
-    Durability, Failure, LeaseEpoch, MemStore, RocksStore, Store, StoreHealth, Timestamp,
+    Durability, Failure, LeaseEpoch, MemStore, PgOptions, PgStore, RocksStore, Store, StoreHealth,
+    Timestamp,
 };
 use parking_lot::Mutex;
 
@@ -77,6 +78,7 @@ impl Default for EngineConfig {
 /// Builds an [`Engine`].
 pub struct EngineBuilder {
     data_dir: Option<PathBuf>,
+    postgres: Option<PgOptions>,
     store: Option<Arc<dyn Store>>,
     workflows: WorkflowRegistry,
     activities: ActivityRegistry,
@@ -98,6 +100,20 @@ impl EngineBuilder {
     /// Keeps the log in RocksDB in `dir` (the default is `./keel-data`).
     pub fn data_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.data_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps the log in a PostgreSQL database (`postgres://user:pass@host:port/db`),
+    /// in the schema `keel`; see [`EngineBuilder::postgres_options`].
+    pub fn postgres(self, url: impl Into<String>) -> Self {
+        self.postgres_options(PgOptions::new(url))
+    }
+
+    /// Keeps the log in a PostgreSQL database with these options (another
+    /// schema, more read connections). The durability set with
+    /// [`EngineBuilder::durability`] applies.
+    pub fn postgres_options(mut self, options: PgOptions) -> Self {
+        self.postgres = Some(options);
         self
     }
 
@@ -176,9 +192,12 @@ impl EngineBuilder {
     /// (timers, pending attempts, outbox). Works inside or outside a tokio
     /// or actix runtime: the engine runs on its own threads.
     pub fn build(self) -> Result<Engine, EngineError> {
-        let store: Arc<dyn Store> = match self.store {
-            Some(s) => s,
-            None => {
+        let store: Arc<dyn Store> = match (self.store, self.postgres) {
+            (Some(s), _) => s,
+            (None, Some(options)) => {
+                Arc::new(PgStore::open(options.durability(self.config.durability))?)
+            }
+            (None, None) => {
                 let dir = self.data_dir.unwrap_or_else(|| PathBuf::from("keel-data"));
                 Arc::new(RocksStore::open(dir, self.config.durability)?)
             }
@@ -251,6 +270,7 @@ impl Engine {
     pub fn builder() -> EngineBuilder {
         EngineBuilder {
             data_dir: None,
+            postgres: None,
             store: None,
             workflows: WorkflowRegistry::new(),
             activities: ActivityRegistry::new(),

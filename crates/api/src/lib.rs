@@ -73,8 +73,9 @@ pub use keel_core::{
 pub use keel_storage::{
     AttemptId, AttemptNo, Backoff, CommandId, Durability, ExecutionId, Failure, FailureKind, Field,
     FilterError, GroupEntry, InstanceId, Jitter, MessageKey, MetadataError, Op, OperationKind,
-    Outcome, PageToken, ParentClosePolicy, Payload, RunFilter, RunId, RunMeta, RunPage, RunStatus,
-    SearchValue, SelectKey, Seq, Step, StoreHealth, Timestamp, WorkflowTimeout, WriteFault,
+    Outcome, PageToken, ParentClosePolicy, Payload, PgOptions, RunFilter, RunId, RunMeta, RunPage,
+    RunStatus, SearchValue, SelectKey, Seq, Step, StoreHealth, Timestamp, WorkflowTimeout,
+    WriteFault,
 };
 
 /// The storage layer, for inspection tools (`keel` CLI) and custom stores.

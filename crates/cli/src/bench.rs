@@ -12,6 +12,8 @@ use serde::Serialize;
 
 use crate::output::{max_rss_mb, percentile, progress};
 
+#[path = "bench_pg.rs"]
+mod bench_pg;
 #[path = "bench_store.rs"]
 mod bench_store;
 
@@ -65,6 +67,11 @@ pub(crate) struct W1Args {
     /// Start workflows open-loop at this many per second instead.
     #[arg(long)]
     rate: Option<f64>,
+    /// Run on a PostgreSQL database (`postgres://user:password@host:port/db`)
+    /// instead of RocksDB in a temporary directory; the run uses a schema
+    /// of its own and drops it afterwards.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -107,12 +114,31 @@ struct W1Report {
     events: u64,
     events_per_s: f64,
     max_rss_mb: f64,
+    store: &'static str,
+    /// What the database server did (PostgreSQL runs).
+    server: Option<bench_pg::ServerLoad>,
 }
 
 fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     let dir = tempfile::Builder::new().prefix("keel-bench-w1").tempdir()?;
-    let engine = Engine::builder()
-        .data_dir(dir.path())
+    let postgres = match &args.store {
+        Some(url) if keel_storage::pg::is_postgres_url(url) => Some(
+            keel_storage::PgOptions::new(url)
+                .schema(format!("bench_w1_{}", std::process::id()))
+                .lease_wait_ms(0),
+        ),
+        Some(other) => anyhow::bail!("--store takes a postgres:// URL, not {other:?}"),
+        None => None,
+    };
+    let builder = match &postgres {
+        Some(options) => Engine::builder().postgres_options(options.clone()),
+        None => Engine::builder().data_dir(dir.path()),
+    };
+    let before = postgres
+        .as_ref()
+        .map(bench_pg::ServerCounters::read)
+        .transpose()?;
+    let engine = builder
         .register_workflow::<ThreeSteps>()
         .register_activity::<Noop>()
         .build()?;
@@ -156,6 +182,15 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     })?;
     let wall = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    let server = match (&postgres, before) {
+        (Some(options), Some(before)) => {
+            // The statistics views lag by up to a second.
+            std::thread::sleep(Duration::from_millis(1_100));
+            let after = bench_pg::ServerCounters::read(options)?;
+            Some(before.load_until(&after, wall))
+        }
+        _ => None,
+    };
     let mut sorted = latencies;
     sorted.sort_by(|a, b| a.total_cmp(b));
     // Every W1 run commits the same 8 events: started, 3 x (scheduled,
@@ -176,8 +211,17 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         events,
         events_per_s: events as f64 / wall,
         max_rss_mb: max_rss_mb(),
+        store: if postgres.is_some() {
+            "postgres"
+        } else {
+            "rocksdb"
+        },
+        server,
     };
     engine.shutdown_blocking();
+    if let Some(options) = &postgres {
+        keel_storage::PgStore::drop_schema(options)?;
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -186,6 +230,12 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
             report.workload, report.workflows, report.wall_s, report.workflows_per_s, report.events_per_s,
             report.p50_ms, report.p99_ms, report.max_rss_mb
         );
+        if let Some(s) = &report.server {
+            println!(
+                "postgres: {:.0} WAL flushes/s, {:.0} WAL writes/s, {:.0} transactions/s, server CPU {:.2} cores",
+                s.wal_flushes_per_s, s.wal_writes_per_s, s.transactions_per_s, s.server_cpu_cores
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

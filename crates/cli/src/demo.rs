@@ -5,9 +5,16 @@
 //! about 40% of the orders are done, starts it again on the same data
 //! directory, and when every order has finished checks the log: every
 //! workflow completed, none lost, no durable id committed twice.
+//!
+//! On PostgreSQL, `--processes N` starts N engine processes on the same
+//! database instead: one holds the write lease and works, the others wait
+//! as standbys. The demo SIGKILLs the working process once (a quarter of
+//! the way), then the working process and a standby at once (half way),
+//! starting a fresh standby for each process it killed, and reports how
+//! long each takeover took from the kill to the new process working.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,7 +22,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use keel::{Engine, EngineError, Payload, ReusePolicy};
-use keel_storage::{DurableKey, RunStatus, Store};
+use keel_storage::{DurableKey, RunStatus};
 use serde::Serialize;
 
 use crate::demo_app::{self, ProcessOrder, APPROVAL_CENTS_MIN};
@@ -24,8 +31,9 @@ use crate::output::{open_for_reading, progress};
 /// Arguments of `keel demo`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct DemoArgs {
-    /// Where the engine keeps its log (RocksDB).
-    #[arg(long, default_value = "keel-data")]
+    /// Where the engine keeps its log (RocksDB). A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     data: PathBuf,
     /// How many orders to process.
     #[arg(long, default_value_t = 1000)]
@@ -36,6 +44,10 @@ pub(crate) struct DemoArgs {
     /// Do not kill the engine mid-way.
     #[arg(long)]
     no_crash: bool,
+    /// Engine processes on one PostgreSQL database (one works, the others
+    /// stand by); kills them as the module documentation says.
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
@@ -52,6 +64,9 @@ pub(crate) struct WorkerArgs {
     workflows: u64,
     #[arg(long)]
     concurrency: usize,
+    /// Wait for the database's write lease as long as it takes.
+    #[arg(long)]
+    standby: bool,
 }
 
 #[derive(Serialize)]
@@ -61,11 +76,172 @@ struct Summary {
     lost: u64,
     duplicate_commits: u64,
     crashes: u32,
+    /// Seconds from each kill of the working process to the next one
+    /// working (multi-process runs).
+    takeovers_s: Vec<f64>,
     elapsed_s: f64,
     workflows_per_s: f64,
     verify_ok: bool,
     data: String,
     example_instance: String,
+}
+
+fn worker_command(exe: &Path, args: &DemoArgs, prefix: &str, standby: bool) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.arg("demo-worker")
+        .arg("--data")
+        .arg(&args.data)
+        .arg("--prefix")
+        .arg(prefix)
+        .arg("--workflows")
+        .arg(args.workflows.to_string())
+        .arg("--concurrency")
+        .arg(args.concurrency.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if standby {
+        cmd.arg("--standby");
+    }
+    cmd
+}
+
+/// What a worker process's output said; processes are named by their
+/// slot and the generation of the process in it (a killed process's
+/// replacement has the next one).
+enum Heard {
+    /// It holds the lease and works.
+    Working(usize, u64),
+    /// `done N`.
+    Done(u64),
+    /// Its output ended (it exited or was killed).
+    Gone(usize, u64),
+}
+
+/// Several engine processes on one database: see the module documentation.
+fn run_processes(
+    args: &DemoArgs,
+    exe: &Path,
+    prefix: &str,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<(u32, Vec<f64>)> {
+    let (tx, rx) = std::sync::mpsc::channel::<Heard>();
+    type Slots = Vec<Option<(u64, std::process::Child)>>;
+    let mut slots: Slots = Vec::new();
+    let mut generation = 0u64;
+    let mut spawn = |slot: usize, slots: &mut Slots| -> anyhow::Result<()> {
+        generation += 1;
+        let gen = generation;
+        let mut child = worker_command(exe, args, prefix, true)
+            .spawn()
+            .context("starting an engine process")?;
+        let stdout = child.stdout.take().context("engine stdout")?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let heard = if line == "working" {
+                    Heard::Working(slot, gen)
+                } else if let Some(n) = line.strip_prefix("done ").and_then(|n| n.parse().ok()) {
+                    Heard::Done(n)
+                } else {
+                    continue;
+                };
+                if tx.send(heard).is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(Heard::Gone(slot, gen));
+        });
+        if slot == slots.len() {
+            slots.push(Some((gen, child)));
+        } else {
+            slots[slot] = Some((gen, child));
+        }
+        Ok(())
+    };
+    for slot in 0..args.processes {
+        spawn(slot, &mut slots)?;
+    }
+    let (kill_one_at, kill_two_at) = ((args.workflows / 4).max(1), (args.workflows / 2).max(2));
+    let mut working: Option<usize> = None;
+    let mut killed_at: Option<Instant> = None;
+    let mut takeovers = Vec::new();
+    let mut crashes = 0u32;
+    let mut done = 0u64;
+    let finished = loop {
+        let heard = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .context("no engine process said anything for 120 s")?;
+        match heard {
+            Heard::Working(slot, gen) => {
+                if slots[slot].as_ref().is_none_or(|(g, _)| *g != gen) {
+                    // Said by a process killed since.
+                    continue;
+                }
+                working = Some(slot);
+                if let Some(at) = killed_at.take() {
+                    let s = at.elapsed().as_secs_f64();
+                    bar.suspend(|| eprintln!("process {slot} took over {s:.2} s after the kill"));
+                    takeovers.push(s);
+                }
+            }
+            Heard::Done(n) => {
+                done = done.max(n);
+                bar.set_position(done);
+                let victims: Vec<usize> = match (working, crashes) {
+                    (Some(w), 0) if !args.no_crash && done >= kill_one_at => vec![w],
+                    (Some(w), 1) if !args.no_crash && done >= kill_two_at => {
+                        let other = (0..slots.len()).find(|s| *s != w).unwrap_or(w);
+                        vec![w, other]
+                    }
+                    _ => Vec::new(),
+                };
+                if !victims.is_empty() {
+                    for &v in &victims {
+                        if let Some((_, mut c)) = slots[v].take() {
+                            c.kill().context("killing an engine process")?;
+                            let _ = c.wait();
+                        }
+                    }
+                    crashes += 1;
+                    working = None;
+                    killed_at = Some(Instant::now());
+                    bar.suspend(|| {
+                        eprintln!(
+                            "killed engine process{} {victims:?} (SIGKILL) after {done} of {} orders",
+                            if victims.len() > 1 { "es" } else { "" },
+                            args.workflows
+                        )
+                    });
+                    for v in victims {
+                        spawn(v, &mut slots)?;
+                    }
+                }
+            }
+            Heard::Gone(slot, gen) => {
+                if slots[slot].as_ref().is_none_or(|(g, _)| *g != gen) {
+                    // One the demo killed: its replacement runs in the slot.
+                    continue;
+                }
+                let Some((_, mut child)) = slots[slot].take() else {
+                    continue;
+                };
+                let status = child.wait()?;
+                if !status.success() {
+                    anyhow::bail!("engine process {slot} failed: {status}");
+                }
+                break done >= args.workflows;
+            }
+        }
+    };
+    // The standbys still wait for the lease; the work is done.
+    for (_, mut c) in slots.into_iter().flatten() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    if !finished {
+        anyhow::bail!("the working process exited before every order was done");
+    }
+    Ok((crashes, takeovers))
 }
 
 pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
@@ -75,22 +251,29 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     );
     let exe = std::env::current_exe().context("locating the keel binary")?;
     let bar = progress(args.workflows, "orders");
+    if args.processes > 1 {
+        if crate::output::postgres_of(&args.data).is_none() {
+            anyhow::bail!(
+                "--processes needs a PostgreSQL store (--store postgres://...): a data directory is opened by one process"
+            );
+        }
+        let started = Instant::now();
+        let (crashes, takeovers) = run_processes(&args, &exe, &prefix, &bar)?;
+        bar.finish_and_clear();
+        let summary = check(
+            &args,
+            &prefix,
+            crashes,
+            takeovers,
+            started.elapsed().as_secs_f64(),
+        )?;
+        return report(&args, summary);
+    }
     let kill_at = (args.workflows * 2 / 5).max(1);
     let started = Instant::now();
     let mut crashes = 0u32;
     loop {
-        let mut child = Command::new(&exe)
-            .arg("demo-worker")
-            .arg("--data")
-            .arg(&args.data)
-            .arg("--prefix")
-            .arg(&prefix)
-            .arg("--workflows")
-            .arg(args.workflows.to_string())
-            .arg("--concurrency")
-            .arg(args.concurrency.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+        let mut child = worker_command(&exe, &args, &prefix, false)
             .spawn()
             .context("starting the engine process")?;
         let stdout = child.stdout.take().context("engine stdout")?;
@@ -128,7 +311,12 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     }
     bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
-    let summary = check(&args, &prefix, crashes, elapsed)?;
+    let summary = check(&args, &prefix, crashes, Vec::new(), elapsed)?;
+    report(&args, summary)
+}
+
+/// Prints the summary; exit code 1 when anything was lost or duplicated.
+fn report(args: &DemoArgs, summary: Summary) -> anyhow::Result<ExitCode> {
     let ok = summary.lost == 0 && summary.duplicate_commits == 0 && summary.verify_ok;
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
@@ -140,10 +328,30 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         println!("  completed           {}", summary.completed);
         println!("  lost                {}", summary.lost);
         println!("  duplicate commits   {}", summary.duplicate_commits);
-        println!(
-            "  engine crashes      {} (SIGKILL, then restart on the same data)",
-            summary.crashes
-        );
+        if args.processes > 1 {
+            println!(
+                "  engine processes    {} on one database (one works, the others stand by)",
+                args.processes
+            );
+            println!(
+                "  kills               {} (SIGKILL: the working process, then it and a standby at once)",
+                summary.crashes
+            );
+            let takeovers: Vec<String> = summary
+                .takeovers_s
+                .iter()
+                .map(|s| format!("{s:.2} s"))
+                .collect();
+            println!(
+                "  takeovers           {} (from the kill to the next process working)",
+                takeovers.join(", ")
+            );
+        } else {
+            println!(
+                "  engine crashes      {} (SIGKILL, then restart on the same data)",
+                summary.crashes
+            );
+        }
         println!(
             "  log verified        {}",
             if summary.verify_ok {
@@ -174,7 +382,13 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn check(args: &DemoArgs, prefix: &str, crashes: u32, elapsed: f64) -> anyhow::Result<Summary> {
+fn check(
+    args: &DemoArgs,
+    prefix: &str,
+    crashes: u32,
+    takeovers_s: Vec<f64>,
+    elapsed: f64,
+) -> anyhow::Result<Summary> {
     let store = open_for_reading(&args.data)?;
     let mut completed = 0;
     let mut duplicates = 0;
@@ -211,10 +425,11 @@ fn check(args: &DemoArgs, prefix: &str, crashes: u32, elapsed: f64) -> anyhow::R
         lost: args.workflows - completed,
         duplicate_commits: duplicates + dup_violations,
         crashes,
+        takeovers_s,
         elapsed_s: elapsed,
         workflows_per_s: args.workflows as f64 / elapsed.max(1e-9),
         verify_ok: report.ok,
-        data: args.data.display().to_string(),
+        data: crate::output::shown(&args.data),
         example_instance: format!("{prefix}-9"),
     })
 }
@@ -222,14 +437,21 @@ fn check(args: &DemoArgs, prefix: &str, crashes: u32, elapsed: f64) -> anyhow::R
 /// The engine process: starts (or re-attaches to) every order, approves the
 /// large ones, and prints `done N` as orders finish.
 pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
-    let engine = Engine::builder()
-        .data_dir(&args.data)
+    let builder = match crate::output::postgres_of(&args.data) {
+        Some(options) if args.standby => Engine::builder().postgres_options(options.standby()),
+        Some(options) => Engine::builder().postgres_options(options),
+        None => Engine::builder().data_dir(&args.data),
+    };
+    let engine = builder
         .workflows(&demo_app::workflows())
         .register_activity::<demo_app::ChargeCard>()
         .register_activity::<demo_app::ReserveInventory>()
         .register_activity::<demo_app::Ship>()
         .register_activity::<demo_app::Notify>()
         .build()?;
+    // Holds the store (for PostgreSQL: the write lease) from here on.
+    println!("working");
+    std::io::stdout().flush()?;
     let client = engine.client();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -23,7 +23,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::bad_input;
-use crate::output::open_for_reading;
+use crate::output::{open_for_reading, postgres_of, shown};
 use crate::table::{time, to_stdout, Table};
 
 /// Characters of a payload `show` prints for people.
@@ -39,8 +39,9 @@ const CHILD_NODES_MAX: usize = 10_000;
 /// Arguments of `keel list`.
 #[derive(clap::Args, Debug)]
 pub struct ListArgs {
-    /// The data directory.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Only runs in this status: running, completed, failed, cancelled,
     /// terminated, continued-as-new, timed-out.
@@ -75,8 +76,9 @@ pub struct ListArgs {
 pub struct ShowArgs {
     /// An instance id (its current run) or a run id.
     pub id: String,
-    /// The data directory.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// One JSON object per event, one per line.
     #[arg(long)]
@@ -88,8 +90,9 @@ pub struct ShowArgs {
 pub struct DescribeArgs {
     /// An instance id (its current run) or a run id.
     pub id: String,
-    /// The data directory.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Print one JSON object.
     #[arg(long)]
@@ -99,8 +102,9 @@ pub struct DescribeArgs {
 /// Arguments of `keel verify`.
 #[derive(clap::Args, Debug)]
 pub struct VerifyArgs {
-    /// The data directory.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Print one JSON object.
     #[arg(long)]
@@ -115,8 +119,9 @@ pub struct ExportArgs {
     /// The bundle file to write.
     #[arg(short = 'o', long = "output")]
     pub output: PathBuf,
-    /// The data directory.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Print what was written as one JSON object.
     #[arg(long)]
@@ -128,8 +133,9 @@ pub struct ExportArgs {
 pub struct CheckpointArgs {
     /// Where to write the copy; must not exist.
     pub dir: PathBuf,
-    /// The data directory.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
 }
 
@@ -141,8 +147,8 @@ fn parse_status(s: &str) -> Result<RunStatus, String> {
 }
 
 /// Opens a data directory for reading; failure is exit code 2.
-pub(crate) fn open(data: &Path) -> anyhow::Result<RocksStore> {
-    open_for_reading(data).map_err(|e| bad_input(format!("cannot open {}: {e}", data.display())))
+pub(crate) fn open(data: &Path) -> anyhow::Result<Box<dyn Store>> {
+    open_for_reading(data).map_err(|e| bad_input(format!("cannot open {}: {e}", shown(data))))
 }
 
 /// Resolves an instance or run id; an unknown one is exit code 2.
@@ -152,7 +158,7 @@ pub(crate) fn resolve(store: &dyn Store, data: &Path, id: &str) -> anyhow::Resul
         Some(meta) => Ok(meta),
         None => Err(bad_input(format!(
             "unknown instance or run {id:?} in {}",
-            data.display()
+            shown(data)
         ))),
     }
 }
@@ -639,7 +645,7 @@ fn event_line(e: &Event, w: &ShowWidths) -> String {
 
 pub(crate) fn show(args: ShowArgs) -> anyhow::Result<ExitCode> {
     let store = open(&args.data)?;
-    let meta = resolve(&store, &args.data, &args.id)?;
+    let meta = resolve(store.as_ref(), &args.data, &args.id)?;
     let last = meta.next_seq.0.saturating_sub(1);
     let widths = ShowWidths {
         seq: last.to_string().len().max(3),
@@ -917,8 +923,8 @@ pub(crate) fn describe(
     registry: &WorkflowRegistry,
 ) -> anyhow::Result<ExitCode> {
     let store = open(&args.data)?;
-    let meta = resolve(&store, &args.data, &args.id)?;
-    let d = describe_run(&store, &meta, registry)?;
+    let meta = resolve(store.as_ref(), &args.data, &args.id)?;
+    let d = describe_run(store.as_ref(), &meta, registry)?;
     to_stdout(|out| {
         if args.json {
             return writeln!(out, "{}", serde_json::to_string(&d)?);
@@ -1020,8 +1026,8 @@ pub(crate) fn describe(
 
 pub(crate) fn export(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let store = open(&args.data)?;
-    let meta = resolve(&store, &args.data, &args.id)?;
-    let bundle = Bundle::from_store(&store, &meta.run_id.to_string())
+    let meta = resolve(store.as_ref(), &args.data, &args.id)?;
+    let bundle = Bundle::from_store(store.as_ref(), &meta.run_id.to_string())
         .with_context(|| format!("reading run {}", meta.run_id))?;
     bundle
         .write(&args.output)
@@ -1061,6 +1067,11 @@ pub(crate) fn checkpoint(args: CheckpointArgs) -> anyhow::Result<ExitCode> {
             "{} already exists; a checkpoint needs a new directory",
             args.dir.display()
         )));
+    }
+    if postgres_of(&args.data).is_some() {
+        return Err(bad_input(
+            "`keel checkpoint` copies data directories; back a PostgreSQL store up with the database's own tools (pg_dump of keel's schema, or a base backup with WAL archiving)".to_string(),
+        ));
     }
     let cannot = |e: &dyn std::fmt::Display| {
         bad_input(format!(

@@ -5,7 +5,8 @@ use std::io::IsTerminal;
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use keel_storage::RocksStore;
+use keel_storage::pg::{is_postgres_url, redact};
+use keel_storage::{PgOptions, PgStore, RocksStore, Store};
 
 /// A progress bar on stderr, hidden when stderr is not a terminal.
 pub fn progress(len: u64, what: &str) -> ProgressBar {
@@ -24,9 +25,35 @@ pub fn progress(len: u64, what: &str) -> ProgressBar {
     bar
 }
 
-/// Opens a data directory for inspection beside a possibly running engine:
-/// as a secondary (follows the writer), falling back to read-only.
-pub fn open_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
+/// The PostgreSQL store named by `data`, when it is a `postgres://` URL
+/// rather than a directory (`--store` is an alias of `--data`).
+pub fn postgres_of(data: &Path) -> Option<PgOptions> {
+    data.to_str()
+        .filter(|s| is_postgres_url(s))
+        .map(PgOptions::new)
+}
+
+/// How a store location is shown to people: a directory as its path, a
+/// database without its password.
+pub fn shown(data: &Path) -> String {
+    match postgres_of(data) {
+        Some(_) => redact(&data.to_string_lossy()),
+        None => data.display().to_string(),
+    }
+}
+
+/// Opens a store for inspection beside a possibly running engine: a
+/// PostgreSQL store read-only; a data directory as a secondary (follows
+/// the writer), falling back to read-only.
+pub fn open_for_reading(data: &Path) -> Result<Box<dyn Store>, keel_storage::Error> {
+    if let Some(options) = postgres_of(data) {
+        return Ok(Box::new(PgStore::open_read_only(options)?));
+    }
+    Ok(Box::new(open_dir_for_reading(data)?))
+}
+
+/// Opens a data directory for inspection (see [`open_for_reading`]).
+pub fn open_dir_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
     match RocksStore::open_secondary(data) {
         Ok(s) => {
             s.catch_up()?;

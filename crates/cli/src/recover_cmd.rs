@@ -18,8 +18,9 @@ use crate::table::to_stdout;
 /// Arguments of `keel recover`.
 #[derive(clap::Args, Debug)]
 pub struct RecoverArgs {
-    /// The data directory (opened read-write: no engine may hold it).
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory (opened read-write: no engine may hold it). A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Open it although acknowledged commits are lost, and report them.
     #[arg(long)]
@@ -48,6 +49,11 @@ struct RecoverOut {
 }
 
 pub(crate) fn run(args: RecoverArgs) -> anyhow::Result<ExitCode> {
+    if crate::output::postgres_of(&args.data).is_some() {
+        return Err(bad_input(
+            "`keel recover` repairs data directories; a PostgreSQL store is recovered by the database itself (its WAL), and `keel verify --store URL` checks it".to_string(),
+        ));
+    }
     if !args.accept_loss {
         // Say what is wrong, if anything, and what the flag would do.
         return match RocksStore::open_read_only(&args.data) {

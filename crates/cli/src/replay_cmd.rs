@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use keel::replay::{Bundle, ReplayOutcome, ReplaySummary, Replayer, RunReport};
 use keel::WorkflowRegistry;
-use keel_storage::{RocksStore, RunFilter, RunStatus, Store};
+use keel_storage::{RunFilter, RunStatus, Store};
 
 use crate::bad_input;
 use crate::inspect::open;
@@ -21,8 +21,9 @@ pub struct ReplayArgs {
     /// Bundle files (written by `keel export`) and/or instance or run ids
     /// in --data. A target that names an existing file is a bundle.
     pub targets: Vec<String>,
-    /// The data directory ids are looked up in.
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory ids are looked up in. A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Replay every open run in --data (the check before a deploy).
     #[arg(long, conflicts_with = "targets")]
@@ -115,7 +116,7 @@ fn replay_all(args: &ReplayArgs, replayer: &Replayer) -> anyhow::Result<ReplaySu
     let bar = progress(runs.len() as u64, "replay");
     let mut summary = ReplaySummary::default();
     for meta in runs {
-        let report = replayer.replay_meta(&store, &meta);
+        let report = replayer.replay_meta(store.as_ref(), &meta);
         if !report.outcome.is_ok() {
             let line = problem_line(&report);
             bar.suspend(|| eprintln!("{line}"));
@@ -133,7 +134,7 @@ fn replay_targets(
     args: &ReplayArgs,
     replayer: &Replayer,
 ) -> anyhow::Result<(ReplaySummary, Vec<RunReport>)> {
-    let mut store: Option<RocksStore> = None;
+    let mut store: Option<Box<dyn Store>> = None;
     let mut summary = ReplaySummary::default();
     let mut oks = Vec::new();
     for target in &args.targets {
@@ -148,7 +149,7 @@ fn replay_targets(
             if store.is_none() {
                 store = Some(open(&args.data)?);
             }
-            let s: &dyn Store = store.as_ref().expect("opened above");
+            let s: &dyn Store = store.as_deref().expect("opened above");
             let meta = crate::inspect::resolve(s, &args.data, target)?;
             replayer.replay_meta(s, &meta)
         };

@@ -12,7 +12,9 @@ use std::process::ExitCode;
 
 use keel::replay::{ReplayOutcome, Replayer};
 use keel::WorkflowRegistry;
-use keel_storage::{CommitBatch, Durability, Error as StoreError, RocksStore, Store};
+use keel_storage::{CommitBatch, Durability, Error as StoreError, PgStore, RocksStore, Store};
+
+use crate::output::postgres_of;
 
 use crate::bad_input;
 use crate::table::to_stdout;
@@ -22,8 +24,9 @@ use crate::table::to_stdout;
 pub struct ResumeArgs {
     /// The run's id or its instance's id.
     pub id: String,
-    /// The data directory (opened read-write: no engine may hold it).
-    #[arg(long, default_value = "keel-data")]
+    /// The data directory (opened read-write: no engine may hold it). A PostgreSQL store is named by its URL
+    /// instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
     pub data: PathBuf,
     /// Print one JSON object.
     #[arg(long)]
@@ -40,8 +43,20 @@ struct ResumeOut {
 }
 
 pub(crate) fn run(args: ResumeArgs, registry: &WorkflowRegistry) -> anyhow::Result<ExitCode> {
-    let store = match RocksStore::open(&args.data, Durability::Sync) {
+    let opened: Result<Box<dyn Store>, StoreError> = match postgres_of(&args.data) {
+        Some(options) => PgStore::open(options).map(|s| Box::new(s) as Box<dyn Store>),
+        None => {
+            RocksStore::open(&args.data, Durability::Sync).map(|s| Box::new(s) as Box<dyn Store>)
+        }
+    };
+    let store = match opened {
         Ok(s) => s,
+        Err(StoreError::DatabaseLocked { target, .. }) => {
+            return Err(bad_input(format!(
+                "{target} is held by a running engine: resume the run there (client.resume({:?}))",
+                args.id
+            )))
+        }
         Err(StoreError::Locked { path }) => {
             return Err(bad_input(format!(
                 "{} is held by a running engine: resume the run there (client.resume({:?}))",
@@ -55,7 +70,7 @@ pub(crate) fn run(args: ResumeArgs, registry: &WorkflowRegistry) -> anyhow::Resu
         .resolve(&args.id)?
         .ok_or_else(|| bad_input(format!("unknown instance or run {:?}", args.id)))?;
     let marker = store.parked(run)?;
-    let report = Replayer::new(registry.clone()).replay_id(&store, &run.to_string())?;
+    let report = Replayer::new(registry.clone()).replay_id(store.as_ref(), &run.to_string())?;
     let (fits, reason) = match &report.outcome {
         ReplayOutcome::Ok => (true, None),
         other => (false, Some(format!("{}: {other:?}", other.kind()))),

@@ -17,7 +17,7 @@ use keel::schedule::{
     TriggerRecord, SCHEDULE_MEMO_FIELD, SCHEDULE_WORKFLOW_TYPE,
 };
 use keel::{Payload, WorkflowRegistry};
-use keel_storage::{RunFilter, RunStatus, Store};
+use keel_storage::{RunFilter, RunStatus};
 use serde_json::json;
 
 use crate::bad_input;
@@ -37,8 +37,9 @@ pub enum ScheduleCommand {
     /// Every schedule: calendar, workflow, overlap policy, paused, the
     /// newest trigger and counters.
     List {
-        /// The data directory.
-        #[arg(long, default_value = "keel-data")]
+        /// The data directory. A PostgreSQL store is named by its URL
+        /// instead: `--store postgres://user:password@host:port/database`.
+        #[arg(long, alias = "store", default_value = "keel-data")]
         data: PathBuf,
         /// One JSON object per schedule, one per line.
         #[arg(long)]
@@ -49,8 +50,9 @@ pub enum ScheduleCommand {
     Describe {
         /// The schedule id.
         id: String,
-        /// The data directory.
-        #[arg(long, default_value = "keel-data")]
+        /// The data directory. A PostgreSQL store is named by its URL
+        /// instead: `--store postgres://user:password@host:port/database`.
+        #[arg(long, alias = "store", default_value = "keel-data")]
         data: PathBuf,
         /// Print one JSON object.
         #[arg(long)]
@@ -164,15 +166,19 @@ fn describe(
 ) -> anyhow::Result<ExitCode> {
     let store = open(data)?;
     let instance = schedule_instance(id);
-    let meta = resolve(&store, data, instance.as_str())
-        .map_err(|_| bad_input(format!("no schedule {id:?} in {}", data.display())))?;
+    let meta = resolve(store.as_ref(), data, instance.as_str()).map_err(|_| {
+        bad_input(format!(
+            "no schedule {id:?} in {}",
+            crate::output::shown(data)
+        ))
+    })?;
     if meta.status.is_closed() {
         return Err(bad_input(format!(
             "schedule {id:?} was deleted ({})",
             meta.status.name()
         )));
     }
-    let history = history_of(&store, &meta)?;
+    let history = history_of(store.as_ref(), &meta)?;
     let mut machine = Replayer::new(registry.clone())
         .rebuild(history)
         .map_err(|e| anyhow::anyhow!("schedule {id:?} does not replay with this build: {e}"))?;

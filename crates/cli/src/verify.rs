@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use keel_storage::{Store, Violation};
+use keel_storage::Violation;
 
 use crate::output::open_for_reading;
 
@@ -11,7 +11,7 @@ pub(crate) fn run(data: &Path, json: bool) -> anyhow::Result<ExitCode> {
     let store = match open_for_reading(data) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("keel: cannot open {}: {e}", data.display());
+            eprintln!("keel: cannot open {}: {e}", crate::output::shown(data));
             return Ok(ExitCode::from(2));
         }
     };
