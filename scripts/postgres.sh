@@ -5,10 +5,13 @@
 # address is exported as KEEL_TEST_POSTGRES_URL; keel_pg_stop stops the
 # cluster and removes its directory (an EXIT trap calls it).
 
-# The newest installed server's bin directory, or nothing.
+# The newest installed server's bin directory, or nothing. A machine with
+# only the client (psql, which Debian puts in the same directory) counts as
+# missing: the tests need initdb, pg_ctl and postgres. $1 is a root prefix
+# (tests/install_checks.rs runs this on fake roots).
 keel_pg_bindir() {
-  local d
-  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
+  local root="${1:-}" d
+  for d in $(ls -d "$root"/usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
     if [ -x "$d/initdb" ] && [ -x "$d/pg_ctl" ] && [ -x "$d/postgres" ]; then
       echo "$d"
       return 0

@@ -1,6 +1,8 @@
-//! Goal: the quick start's install step decides "libclang present" the way
+//! Goal: the quick start's install steps decide what is present the way
 //! RocksDB's build decides it, so a fresh machine gets libclang-dev
-//! installed and a machine that has it is left alone.
+//! installed and a machine that has it is left alone; and the PostgreSQL
+//! server the tests need is found only where it is whole (not where only
+//! its client is).
 //!
 //! Method: build fake filesystem roots in a temporary directory, holding
 //! the files a Debian machine would have in each situation, and run the
@@ -93,4 +95,50 @@ fn manifest_dir() -> std::path::PathBuf {
     std::env::var_os("CARGO_MANIFEST_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
+/// Runs the PostgreSQL server detection of `scripts/postgres.sh` on
+/// `root`; the bin directory it picked, if any.
+fn postgres_bindir(root: &Path) -> Option<String> {
+    let script = manifest_dir().join("scripts/postgres.sh");
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(r#"source "$1"; keel_pg_bindir "$2""#)
+        .arg("bash")
+        .arg(&script)
+        .arg(root)
+        .output()
+        .expect("bash runs");
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// An executable file at `rel` under `root`.
+fn program(root: &Path, rel: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    touch(root, rel);
+    fs::set_permissions(root.join(rel), fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+#[test]
+fn only_the_postgres_client_counts_as_a_missing_server() {
+    // Goal: the test script installs PostgreSQL where only psql is (the
+    // client package puts it in the server's bin directory), and picks the
+    // newest complete server where there are several.
+    let root = tempfile::tempdir().unwrap();
+    assert_eq!(postgres_bindir(root.path()), None, "an empty machine");
+    program(root.path(), "usr/lib/postgresql/15/bin/psql");
+    assert_eq!(postgres_bindir(root.path()), None, "psql is not a server");
+    for tool in ["initdb", "pg_ctl", "postgres"] {
+        program(root.path(), &format!("usr/lib/postgresql/15/bin/{tool}"));
+    }
+    program(root.path(), "usr/lib/postgresql/16/bin/psql");
+    let found = postgres_bindir(root.path()).expect("a complete server");
+    assert!(found.ends_with("/usr/lib/postgresql/15/bin"), "{found}");
+    for tool in ["initdb", "pg_ctl", "postgres"] {
+        program(root.path(), &format!("usr/lib/postgresql/16/bin/{tool}"));
+    }
+    let found = postgres_bindir(root.path()).expect("the newest server");
+    assert!(found.ends_with("/usr/lib/postgresql/16/bin"), "{found}");
 }
