@@ -258,9 +258,10 @@ fn an_owner_past_its_lease_is_fenced_and_a_standby_takes_over() {
     b.commit(&first, vec![started(b.run, "fenced", "wf")])
         .expect("start");
 
-    // A standby waits for the lease while the owner renews it.
+    // A standby waits for the lease while the owner renews it (bounded
+    // here, so a failure cannot hang the suite).
     let standby = {
-        let options = scratch.0.clone().lease_ms(1_000).standby();
+        let options = scratch.0.clone().lease_ms(1_000).lease_wait_ms(15_000);
         std::thread::spawn(move || PgStore::open(options))
     };
     std::thread::sleep(std::time::Duration::from_millis(1_500));
@@ -269,12 +270,15 @@ fn an_owner_past_its_lease_is_fenced_and_a_standby_takes_over() {
         "the standby took a lease that is renewed"
     );
 
-    // The owner "pauses" past its lease: the lease ends without renewal
-    // (here by the database's own clock, as if the renewals stopped).
+    // The owner "pauses" past its lease and the lease moves on without it:
+    // a newer epoch under another name, already ended. Merely ending the
+    // owner's lease would not do: the owner is not really paused, so its
+    // writer would renew it before the standby asked again.
     admin(
         &url,
         &format!(
-            "update \"{}\".lease set expires_at = '-infinity'",
+            "update \"{}\".lease set epoch = epoch + 1, owner = 'a process that came and went', \
+             expires_at = '-infinity'",
             scratch.0.schema
         ),
     );
