@@ -16,6 +16,22 @@ use keel_storage::{EventKind, RocksStore, RunStatus, Store};
 const KILLS: u32 = 20;
 const WORKFLOWS: u64 = 300;
 
+/// Waits until the engine process has created its data directory (a busy
+/// disk can take longer than the test's working time to create it), at
+/// most 30 s.
+fn wait_for_directory(data: &std::path::Path) {
+    for _ in 0..300 {
+        if data.join("CURRENT").exists() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!(
+        "the engine process did not create {} within 30 s",
+        data.display()
+    );
+}
+
 fn worker(data: &std::path::Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
     c.args(["demo-worker", "--prefix", "crash", "--workflows"])
@@ -122,6 +138,7 @@ fn damage_inside_the_log_is_refused_and_a_torn_tail_is_not() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let mut child = worker(&data).spawn().unwrap();
+    wait_for_directory(&data);
     std::thread::sleep(Duration::from_millis(800));
     let _ = child.kill();
     child.wait().unwrap();
@@ -231,6 +248,7 @@ fn checkpoints_beside_a_writing_engine_are_complete_copies() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    wait_for_directory(&data);
     std::thread::sleep(Duration::from_millis(400));
     for i in 0..5 {
         let seen = if data.join("CURRENT").exists() {
