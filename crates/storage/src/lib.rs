@@ -11,6 +11,7 @@
 //! never the other way.
 
 pub mod acked;
+pub mod cache;
 pub mod codec;
 pub mod derive;
 pub mod error;

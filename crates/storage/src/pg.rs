@@ -36,7 +36,7 @@
 //! callers block on its futures, so the store works from any thread, inside
 //! an async runtime or not.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -50,6 +50,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Statement};
 use tracing::{debug, info_span, warn};
 
+use crate::cache::{CachedView, Learned, ReadAhead, WriterCache};
 use crate::derive::{apply_batch_checked, Checks, CommitAck, CommitBatch, PreparedBatch};
 use crate::error::{DatabaseFault, Error, Result};
 use crate::health::{HealthCell, StoreHealth, WriteFault};
@@ -176,6 +177,7 @@ pub fn is_postgres_url(text: &str) -> bool {
 #[derive(Debug)]
 struct Sql {
     get: [String; Cf::ALL.len()],
+    get_many: [String; Cf::ALL.len()],
     scan_bounded: [String; Cf::ALL.len()],
     scan_open: [String; Cf::ALL.len()],
     put: [String; Cf::ALL.len()],
@@ -202,6 +204,7 @@ impl Sql {
         let events = table(schema, Cf::Events);
         Sql {
             get: each(&|t| format!("select v from {t} where k = $1")),
+            get_many: each(&|t| format!("select k, v from {t} where k = any($1::bytea[])")),
             scan_bounded: each(&|t| {
                 format!("select k, v from {t} where k >= $1 and k < $2 order by k limit $3")
             }),
@@ -511,9 +514,26 @@ impl PgStore {
     /// (waiting for it as [`PgOptions::lease_wait_ms`] says).
     pub fn open(options: PgOptions) -> Result<Self> {
         let (shared, pool) = Self::connect_shared(&options)?;
-        let conn = shared.connect()?;
+        let mut conn = shared.connect()?;
         create_or_check(&shared, &conn)?;
-        let epoch = take_lease(&shared, &conn, options.lease_wait_ms)?;
+        let epoch = loop {
+            match take_lease(&shared, &conn, options.lease_wait_ms) {
+                // A standby waits out a database restart too.
+                Err(Error::Database {
+                    fault: DatabaseFault::Lost | DatabaseFault::Unreachable,
+                    detail,
+                    ..
+                }) if options.lease_wait_ms.is_none() => {
+                    warn!(%detail, "lost the database while waiting for the write lease; reconnecting");
+                    std::thread::sleep(Duration::from_millis(PG_RECONNECT_PAUSE_MS));
+                    match shared.connect() {
+                        Ok(c) => conn = c,
+                        Err(e) => debug!(error = %e, "reconnecting"),
+                    }
+                }
+                other => break other?,
+            }
+        };
         shared.epoch.store(epoch, Ordering::Release);
         if shared.durability == Durability::Buffered {
             block(conn.client.batch_execute("set synchronous_commit = off"))
@@ -588,6 +608,18 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("keel");
         }
+        // keel never leaves a transaction open between its statements, but
+        // a process paused mid-commit would: its `fence()` share lock would
+        // hold off the takeover for as long as it stays paused. The server
+        // ends such a session after one lease, so a takeover waits at most
+        // that long (and the paused commit is rolled back, not written).
+        let lease_ms = options.lease_ms.max(PG_LEASE_MS_MIN);
+        let idle = format!("-c idle_in_transaction_session_timeout={lease_ms}");
+        let session = match config.get_options() {
+            Some(given) if !given.is_empty() => format!("{given} {idle}"),
+            _ => idle,
+        };
+        config.options(&session);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("keel-pg")
@@ -642,19 +674,19 @@ impl PgStore {
     fn with_conn<T>(&self, f: impl Fn(&Conn) -> Result<T>) -> Result<T> {
         // A read is retried once on a fresh connection when the one taken
         // from the pool turns out to be broken (the server restarted).
-        for tries_left in (0..2).rev() {
+        let once = |f: &dyn Fn(&Conn) -> Result<T>| {
             let conn = self.pool.take(&self.shared)?;
             let result = f(&conn);
             self.pool.give(conn);
-            match result {
-                Err(Error::Database {
-                    fault: DatabaseFault::Lost,
-                    ..
-                }) if tries_left > 0 => continue,
-                other => return other,
-            }
+            result
+        };
+        match once(&f) {
+            Err(Error::Database {
+                fault: DatabaseFault::Lost,
+                ..
+            }) => once(&f),
+            other => other,
         }
-        unreachable!("the loop returns on its last try")
     }
 }
 
@@ -920,6 +952,42 @@ impl ConnView<'_> {
                 .query(self.shared, &sql.get[cf.index()], &[&key])?
         };
         Ok(rows.first().map(|r| r.get::<_, Vec<u8>>(0)))
+    }
+
+    /// Reads `wanted` (keys by family; not `events`) in one round trip:
+    /// every key, found or known absent.
+    fn read_ahead(&self, wanted: &BTreeMap<Cf, Vec<Vec<u8>>>) -> Result<ReadAhead> {
+        let sql = &self.shared.sql;
+        let mut statements = Vec::with_capacity(wanted.len());
+        for (cf, keys) in wanted {
+            debug_assert!(*cf != Cf::Events, "events are never read ahead");
+            statements.push((
+                *cf,
+                keys,
+                self.conn
+                    .statement(self.shared, &sql.get_many[cf.index()])?,
+            ));
+        }
+        let client = &self.conn.client;
+        let params: Vec<[&(dyn ToSql + Sync); 1]> =
+            statements.iter().map(|(_, keys, _)| [*keys as _]).collect();
+        let answers = block(futures::future::join_all(
+            statements
+                .iter()
+                .zip(&params)
+                .map(|((_, _, st), p)| client.query(st, p)),
+        ));
+        let mut out = ReadAhead::new();
+        for ((cf, keys, _), rows) in statements.iter().zip(answers) {
+            let rows = rows.map_err(|e| self.shared.error(&e))?;
+            for k in keys.iter() {
+                out.insert((*cf, k.clone()), None);
+            }
+            for r in rows {
+                out.insert((*cf, r.get(0)), Some(r.get(1)));
+            }
+        }
+        Ok(out)
     }
 
     /// One page of a scan: rows with key `>= start` (and under `end`), in
@@ -1336,6 +1404,7 @@ fn renew(shared: &Shared, conn: &mut Option<Conn>) {
 fn commit_group(
     shared: &Shared,
     conn: &mut Option<Conn>,
+    cache: &mut WriterCache,
     group: &[Request],
 ) -> (Vec<Result<CommitAck>>, Result<()>) {
     let lost = |e: &Error| {
@@ -1362,7 +1431,30 @@ fn commit_group(
         }
         let Some(c) = conn.as_ref() else { continue };
         let view = ConnView { shared, conn: c };
-        let mut overlay = Overlay::new(&view);
+        // What validation reads for certain, in one round trip; most of
+        // the rest is known from this writer's own writes.
+        let wanted = cache.wanted(group.iter().map(|r| &r.prepared));
+        let ahead = if wanted.is_empty() {
+            ReadAhead::new()
+        } else {
+            match view.read_ahead(&wanted) {
+                Ok(ahead) => ahead,
+                Err(e) if tries_left > 0 && lost(&e) => {
+                    *conn = None;
+                    continue;
+                }
+                Err(e) => {
+                    let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
+                    return (results, Ok(()));
+                }
+            }
+        };
+        let cached = CachedView {
+            base: &view,
+            cache,
+            ahead: &ahead,
+        };
+        let mut overlay = Overlay::new(&cached);
         let mut results = Vec::with_capacity(group.len());
         for req in group {
             match apply_batch_checked(&overlay, &req.prepared, Checks::ALL) {
@@ -1377,7 +1469,14 @@ fn commit_group(
             *conn = None;
             continue;
         }
-        let mutations = mutations_of(overlay.into_writes());
+        let writes = overlay.into_writes();
+        let accepted = group
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(req, _)| &req.prepared);
+        let learned = Learned::of(&writes, accepted);
+        let mutations = mutations_of(writes);
         if mutations.is_empty() {
             return (results, Ok(()));
         }
@@ -1402,6 +1501,10 @@ fn commit_group(
                 }
             }
         };
+        match &written {
+            Ok(()) => cache.learn(learned),
+            Err(_) => cache.forget(),
+        }
         return (results, written);
     }
 }
@@ -1411,6 +1514,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
     let mut renewed = std::time::Instant::now();
     let mut conn = Some(conn);
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
+    let mut cache = WriterCache::default();
     loop {
         let first = match rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())) {
             Ok(r) => Some(r),
@@ -1440,7 +1544,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         }
         let span = info_span!("commit", commits = group.len(), bytes);
         let _enter = span.enter();
-        let (results, written) = commit_group(shared, &mut conn, &group);
+        let (results, written) = commit_group(shared, &mut conn, &mut cache, &group);
         debug!(
             commits = group.len(),
             ok = written.is_ok(),

@@ -28,6 +28,7 @@ use rocksdb::{
 use tracing::{debug, info_span};
 
 use crate::acked;
+use crate::cache::{CachedView, Learned, ReadAhead, WriterCache};
 use crate::codec::{self, RecordKind};
 use crate::derive::{apply_batch_raw, Checks, CommitAck, CommitBatch, PreparedBatch, RawAck};
 use crate::error::{Error, Result};
@@ -737,156 +738,6 @@ fn answer(answers: Answers) {
     }
 }
 
-/// Most run metadata records the writer keeps (see [`RunCache`]).
-const RUN_CACHE_ENTRIES_MAX: usize = 16_384;
-
-/// Largest run metadata record the writer keeps (a closed run's record
-/// holds its result and is rarely read again by the writer).
-const RUN_CACHE_VALUE_BYTES_MAX: usize = 1024;
-
-/// What the writer knows from its own writes. The writer is the only writer
-/// of the store, so what it wrote is exactly what RocksDB would return:
-/// facts are added only after their write succeeded, a failed write forgets
-/// them all, and anything not known is read from RocksDB.
-///
-/// - `map`: the `runs` records as last written. Every commit reads its
-///   run's metadata; from RocksDB that is a memtable search costing about a
-///   fifth of the writer's time under many committers.
-/// - `rows`: for runs this writer created, the keys of their pending
-///   attempts, timers and children (all of them: every such row of the run
-///   was written by this writer). Closing a run scans those three prefixes,
-///   and an iterator costs more than the rest of the close; for a run whose
-///   rows are known to be gone the scan is answered empty.
-#[derive(Default)]
-struct RunCache {
-    map: std::collections::HashMap<Vec<u8>, Vec<u8>>,
-    rows: std::collections::HashMap<[u8; 16], RunRows>,
-}
-
-/// The column families a closing run scans by its id.
-const ROW_CFS: [Cf; 3] = [Cf::Tasks, Cf::RunTimers, Cf::Children];
-
-/// A run's rows in [`ROW_CFS`], by family, as key suffixes after the run id.
-#[derive(Default)]
-struct RunRows([std::collections::BTreeSet<Vec<u8>>; 3]);
-
-/// What a group wrote that the cache learns once the group is durable.
-struct Pending {
-    runs: Vec<(Vec<u8>, Option<Vec<u8>>)>,
-    born: Vec<[u8; 16]>,
-    /// (run, family index, key suffix, whether the row exists now).
-    rows: Vec<([u8; 16], usize, Vec<u8>, bool)>,
-}
-
-impl RunCache {
-    /// The writes of a group the cache learns from, taken before the group
-    /// is written.
-    fn pending(writes: &crate::kv::Writes) -> Pending {
-        let cf_range = |cf: Cf| {
-            writes
-                .range((cf, Vec::new())..)
-                .take_while(move |((c, _), _)| *c == cf)
-        };
-        let run_of = |key: &[u8]| -> Option<[u8; 16]> { key.get(..16)?.try_into().ok() };
-        let runs = cf_range(Cf::Runs)
-            .map(|((_, k), v)| (k.clone(), v.clone()))
-            .collect();
-        // A run's first event is written exactly once: when it is created.
-        let born = cf_range(Cf::Events)
-            .filter(|((_, k), v)| v.is_some() && k.len() == 24 && k[16..] == 1u64.to_be_bytes())
-            .filter_map(|((_, k), _)| run_of(k))
-            .collect();
-        let mut rows = Vec::new();
-        for (i, cf) in ROW_CFS.into_iter().enumerate() {
-            rows.extend(cf_range(cf).filter_map(|((_, k), v)| {
-                run_of(k).map(|r| (r, i, k[16..].to_vec(), v.is_some()))
-            }));
-        }
-        Pending { runs, born, rows }
-    }
-
-    /// Records a group's writes once the group is written.
-    fn written(&mut self, pending: Pending) {
-        if self.map.len() + pending.runs.len() > RUN_CACHE_ENTRIES_MAX {
-            self.map.clear();
-        }
-        for (k, v) in pending.runs {
-            match v {
-                Some(v) if v.len() <= RUN_CACHE_VALUE_BYTES_MAX => {
-                    self.map.insert(k, v);
-                }
-                _ => {
-                    self.map.remove(&k);
-                }
-            }
-        }
-        if self.rows.len() + pending.born.len() > RUN_CACHE_ENTRIES_MAX {
-            self.rows.clear();
-        }
-        // Births first: a run's first rows may be written with its birth.
-        for run in pending.born {
-            self.rows.insert(run, RunRows::default());
-        }
-        for (run, i, suffix, exists) in pending.rows {
-            if let Some(rows) = self.rows.get_mut(&run) {
-                if exists {
-                    rows.0[i].insert(suffix);
-                } else {
-                    rows.0[i].remove(&suffix);
-                }
-            }
-        }
-    }
-
-    /// Forgets everything (after a failed write).
-    fn forget(&mut self) {
-        self.map.clear();
-        self.rows.clear();
-    }
-
-    /// Whether `prefix` (a run id) is known to have no rows in `cf`.
-    fn known_empty(&self, cf: Cf, prefix: &[u8]) -> bool {
-        let Some(i) = ROW_CFS.iter().position(|c| *c == cf) else {
-            return false;
-        };
-        let Ok(run) = <[u8; 16]>::try_from(prefix) else {
-            return false;
-        };
-        self.rows.get(&run).is_some_and(|rows| rows.0[i].is_empty())
-    }
-}
-
-/// The writer's view: RocksDB, with what the writer knows from its own
-/// writes served from [`RunCache`].
-struct WriterView<'a> {
-    db: DbView<'a>,
-    runs: &'a RunCache,
-}
-
-impl KvRead for WriterView<'_> {
-    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        if cf == Cf::Runs {
-            if let Some(v) = self.runs.map.get(key) {
-                return Ok(Some(v.clone()));
-            }
-        }
-        self.db.get(cf, key)
-    }
-
-    fn scan(
-        &self,
-        cf: Cf,
-        prefix: &[u8],
-        from: &[u8],
-        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
-    ) -> Result<()> {
-        if self.runs.known_empty(cf, prefix) {
-            return Ok(());
-        }
-        self.db.scan(cf, prefix, from, visit)
-    }
-}
-
 /// The single writer: drains the queue into a group, validates each request
 /// against the store plus the earlier requests of the group, writes the
 /// group as one `WriteBatch` and answers every requester.
@@ -924,7 +775,9 @@ fn writer_loop(
     let mut wo = WriteOptions::default();
     wo.set_sync(durability == Durability::Sync);
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
-    let mut runs = RunCache::default();
+    let mut cache = WriterCache::default();
+    // RocksDB reads are local: nothing is read ahead.
+    let ahead = ReadAhead::new();
     loop {
         let first = if watch.stopped() {
             match rx.recv_timeout(std::time::Duration::from_millis(STORE_PROBE_INTERVAL_MS)) {
@@ -954,9 +807,11 @@ fn writer_loop(
         }
         let span = info_span!("commit", commits = group.len(), bytes);
         let _enter = span.enter();
-        let view = WriterView {
-            db: DbView(&db),
-            runs: &runs,
+        let db_view = DbView(&db);
+        let view = CachedView {
+            base: &db_view,
+            cache: &cache,
+            ahead: &ahead,
         };
         let mut overlay = Overlay::new(&view);
         let mut results = Vec::with_capacity(group.len());
@@ -976,17 +831,22 @@ fn writer_loop(
             Err(e)
         } else {
             let writes = overlay.into_writes();
-            let pending = RunCache::pending(&writes);
+            let accepted = group
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(req, _)| &req.prepared);
+            let learned = Learned::of(&writes, accepted);
             let written = write_batch(&db, mutations_of(writes), &wo);
             match &written {
                 Ok(()) => {
-                    runs.written(pending);
+                    cache.learn(learned);
                     // Synced: acknowledged from here on.
                     if let Some(acked) = &acked {
                         acked.store(db.latest_sequence_number(), Ordering::Release);
                     }
                 }
-                Err(_) => runs.forget(),
+                Err(_) => cache.forget(),
             }
             watch.wrote(&written);
             written
@@ -1147,81 +1007,6 @@ fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<(
             detail,
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    // Goal: the writer answers a closing run's prefix scans from memory
-    // only while no row can exist under them. Method: feed the cache the
-    // writes of a run's birth, then of a row in one column family, and ask
-    // which prefixes are known empty (another run's prefix never is).
-    use super::*;
-    use crate::ids::{RunId, Seq, Step};
-    use crate::keys;
-
-    fn writes(rows: Vec<(Cf, Vec<u8>, Option<Vec<u8>>)>) -> crate::kv::Writes {
-        rows.into_iter().map(|(cf, k, v)| ((cf, k), v)).collect()
-    }
-
-    #[test]
-    fn a_run_born_here_is_known_empty_while_its_rows_are_gone() {
-        let run = RunId::from_u64_pair(1, 2);
-        let other = RunId::from_u64_pair(3, 4);
-        let mut cache = RunCache::default();
-        cache.written(RunCache::pending(&writes(vec![
-            (Cf::Events, keys::event_key(run, Seq::FIRST), Some(vec![1])),
-            (Cf::Events, keys::event_key(other, Seq(5)), Some(vec![1])),
-        ])));
-        for cf in ROW_CFS {
-            assert!(cache.known_empty(cf, run.as_bytes()), "{cf:?}");
-            assert!(
-                !cache.known_empty(cf, other.as_bytes()),
-                "{cf:?}: not born here"
-            );
-        }
-        assert!(!cache.known_empty(Cf::Outbox, run.as_bytes()));
-        // A pending attempt is written: only that family is unknown now.
-        let task = keys::run_step_key(run, Step(1));
-        cache.written(RunCache::pending(&writes(vec![(
-            Cf::Tasks,
-            task.clone(),
-            Some(vec![1]),
-        )])));
-        assert!(!cache.known_empty(Cf::Tasks, run.as_bytes()));
-        assert!(cache.known_empty(Cf::Children, run.as_bytes()));
-        // Once it is deleted the family is known empty again; a failed
-        // write forgets everything.
-        cache.written(RunCache::pending(&writes(vec![(Cf::Tasks, task, None)])));
-        assert!(cache.known_empty(Cf::Tasks, run.as_bytes()));
-        cache.forget();
-        assert!(!cache.known_empty(Cf::Children, run.as_bytes()));
-    }
-
-    #[test]
-    fn rows_written_with_the_birth_count() {
-        let run = RunId::from_u64_pair(5, 6);
-        let mut cache = RunCache::default();
-        cache.written(RunCache::pending(&writes(vec![
-            (Cf::Events, keys::event_key(run, Seq::FIRST), Some(vec![1])),
-            (
-                Cf::Children,
-                keys::run_step_key(run, Step(2)),
-                Some(vec![1]),
-            ),
-        ])));
-        assert!(!cache.known_empty(Cf::Children, run.as_bytes()));
-        assert!(cache.known_empty(Cf::RunTimers, run.as_bytes()));
-        // A second child, then the first one's row goes: one is left.
-        cache.written(RunCache::pending(&writes(vec![
-            (Cf::Children, keys::run_step_key(run, Step(2)), None),
-            (
-                Cf::Children,
-                keys::run_step_key(run, Step(3)),
-                Some(vec![1]),
-            ),
-        ])));
-        assert!(!cache.known_empty(Cf::Children, run.as_bytes()));
-    }
 }
 
 /// Creating a data directory atomically. A new directory is built beside

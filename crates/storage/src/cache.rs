@@ -1,0 +1,531 @@
+//! What a store's only writer knows from its own writes, so that validating
+//! a commit rarely has to ask the store.
+//!
+//! Every commit is validated against the store (`derive`): it reads its
+//! run's record, looks for each terminal event's durable id in `dedupe`
+//! (almost always absent), reads the pending attempt a result answers, and
+//! a close scans the run's attempts, timers, children and sends. On RocksDB
+//! those are memtable searches; on PostgreSQL each is a round trip, which
+//! made reads, not writes, the writer's bottleneck. A store's writer is the
+//! only writer of its data (RocksDB's exclusive open, PostgreSQL's fenced
+//! write lease), so what it wrote is exactly what the store would return:
+//!
+//! - `records`: the `runs` and `instances` records as last written.
+//! - `born`: for runs this writer created, every row they own in
+//!   [`OWNED_CFS`] (all of them were written by this writer, after the
+//!   run's first event), with its value. A read of such a row, present or
+//!   absent, and a scan of such a run's prefix are answered from memory.
+//!   A run leaves `born` when it closes.
+//!
+//! Facts are learned only after their write succeeded; a failed write, or
+//! one whose outcome is unknown, forgets everything, and anything not known
+//! is read from the store. Both parts are bounded
+//! ([`WRITER_CACHE_RECORDS_MAX`], [`WRITER_CACHE_ROWS_MAX`]) and start over
+//! when full.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::derive::PreparedBatch;
+use crate::error::Result;
+use crate::event::EventKind;
+use crate::ids::{RunId, Seq};
+use crate::keys::{self, Cf};
+use crate::kv::{KvRead, Writes};
+
+/// Most `runs` and `instances` records the writer keeps.
+pub const WRITER_CACHE_RECORDS_MAX: usize = 16_384;
+
+/// Most rows of runs born here the writer keeps, over all such runs.
+pub const WRITER_CACHE_ROWS_MAX: usize = 131_072;
+
+/// Largest record or row value the writer keeps (a closed run's record
+/// holds its result and is rarely read again by the writer).
+pub const WRITER_CACHE_VALUE_BYTES_MAX: usize = 1024;
+
+/// The families whose rows belong to one run by their key, and are only
+/// ever written after that run's first event: `dedupe`, `tasks`,
+/// `run_timers` and `children` (`run ‖ ...`), and the sends a run makes
+/// from its outbox (`'S' ‖ run ‖ step`, `'D' ‖ run ‖ step`).
+pub const OWNED_CFS: [Cf; 5] = [
+    Cf::Dedupe,
+    Cf::Tasks,
+    Cf::RunTimers,
+    Cf::Children,
+    Cf::Outbox,
+];
+
+/// The run that owns `key` in `cf`, if the family is one of [`OWNED_CFS`]
+/// and the key is long enough to name it.
+fn owner(cf: Cf, key: &[u8]) -> Option<[u8; 16]> {
+    match cf {
+        Cf::Dedupe | Cf::Tasks | Cf::RunTimers | Cf::Children => key.get(..16)?.try_into().ok(),
+        Cf::Outbox if matches!(key.first(), Some(b'S' | b'D')) => key.get(1..17)?.try_into().ok(),
+        _ => None,
+    }
+}
+
+/// Rows read ahead for a group: found (`Some`) or known absent (`None`).
+pub type ReadAhead = HashMap<(Cf, Vec<u8>), Option<Vec<u8>>>;
+
+/// The rows of one run born here: (family, key) → value.
+type OwnedRows = BTreeMap<(Cf, Vec<u8>), Vec<u8>>;
+
+/// See the module documentation.
+#[derive(Default)]
+pub struct WriterCache {
+    records: HashMap<(Cf, Vec<u8>), Vec<u8>>,
+    born: HashMap<[u8; 16], OwnedRows>,
+    rows: usize,
+}
+
+impl std::fmt::Debug for WriterCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriterCache")
+            .field("records", &self.records.len())
+            .field("born", &self.born.len())
+            .field("rows", &self.rows)
+            .finish()
+    }
+}
+
+/// One write: (family, key) and the new value (`None`: deleted).
+type Write = ((Cf, Vec<u8>), Option<Vec<u8>>);
+
+/// What a group wrote that the cache learns once the group is durable,
+/// taken before the group is written.
+#[derive(Debug)]
+pub struct Learned {
+    writes: Vec<Write>,
+    born: Vec<[u8; 16]>,
+    closed: Vec<[u8; 16]>,
+}
+
+impl Learned {
+    /// The cacheable part of a group's writes; `batches` are the group's
+    /// commits that were accepted (their closes end runs' rows in memory).
+    pub fn of<'a>(writes: &Writes, batches: impl IntoIterator<Item = &'a PreparedBatch>) -> Self {
+        let mut born = Vec::new();
+        let mut kept = Vec::new();
+        for ((cf, k), v) in writes {
+            match cf {
+                // A run's first event is written exactly once: when it is
+                // created.
+                Cf::Events
+                    if v.is_some()
+                        && keys::parse_event_key(k).is_some_and(|(_, s)| s == Seq::FIRST) =>
+                {
+                    born.extend(keys::run_prefix(k).map(|r| *r.as_bytes()));
+                }
+                Cf::Runs | Cf::Instances => kept.push(((*cf, k.clone()), v.clone())),
+                cf if owner(*cf, k).is_some() => kept.push(((*cf, k.clone()), v.clone())),
+                _ => {}
+            }
+        }
+        let closed = batches
+            .into_iter()
+            .flat_map(|b| &b.batch.appends)
+            .filter(|a| a.events.iter().any(|e| e.kind.closes_run()))
+            .map(|a| *a.run_id.as_bytes())
+            .collect();
+        Learned {
+            writes: kept,
+            born,
+            closed,
+        }
+    }
+}
+
+impl WriterCache {
+    /// Records a group's writes once the group is durable.
+    pub fn learn(&mut self, learned: Learned) {
+        if self.records.len() + learned.writes.len() > WRITER_CACHE_RECORDS_MAX {
+            self.records.clear();
+        }
+        if self.born.len() + learned.born.len() > WRITER_CACHE_RECORDS_MAX
+            || self.rows + learned.writes.len() > WRITER_CACHE_ROWS_MAX
+        {
+            self.born.clear();
+            self.rows = 0;
+        }
+        // Births first: a run's first rows are written with its birth.
+        for run in learned.born {
+            self.born.entry(run).or_default();
+        }
+        for ((cf, key), value) in learned.writes {
+            let fits = value
+                .as_ref()
+                .is_none_or(|v| v.len() <= WRITER_CACHE_VALUE_BYTES_MAX);
+            if let Some(run) = owner(cf, &key) {
+                if !fits {
+                    // Too large to keep: the run's rows are no longer all
+                    // known here.
+                    if let Some(rows) = self.born.remove(&run) {
+                        self.rows -= rows.len();
+                    }
+                    continue;
+                }
+                let Some(rows) = self.born.get_mut(&run) else {
+                    continue;
+                };
+                match value {
+                    Some(v) => {
+                        if rows.insert((cf, key), v).is_none() {
+                            self.rows += 1;
+                        }
+                    }
+                    None => {
+                        if rows.remove(&(cf, key)).is_some() {
+                            self.rows -= 1;
+                        }
+                    }
+                }
+                continue;
+            }
+            match value.filter(|_| fits) {
+                Some(v) => {
+                    self.records.insert((cf, key), v);
+                }
+                None => {
+                    self.records.remove(&(cf, key));
+                }
+            }
+        }
+        for run in learned.closed {
+            if let Some(rows) = self.born.remove(&run) {
+                self.rows -= rows.len();
+            }
+        }
+    }
+
+    /// Forgets everything (after a failed write, or one of unknown
+    /// outcome).
+    pub fn forget(&mut self) {
+        self.records.clear();
+        self.born.clear();
+        self.rows = 0;
+    }
+
+    /// Whether rows of `run` are all known here.
+    pub fn knows_rows_of(&self, run: RunId) -> bool {
+        self.born.contains_key(run.as_bytes())
+    }
+
+    /// The rows validating `batches` will read for certain and this cache
+    /// does not know, by family: each run's record, a new run's instance,
+    /// and the durable ids of terminal events of runs not born here. A
+    /// store where a read is a round trip reads them in one
+    /// ([`CachedView::ahead`]).
+    pub fn wanted<'a>(
+        &self,
+        batches: impl IntoIterator<Item = &'a PreparedBatch>,
+    ) -> BTreeMap<Cf, Vec<Vec<u8>>> {
+        let mut wanted: BTreeMap<Cf, std::collections::BTreeSet<Vec<u8>>> = BTreeMap::new();
+        let mut want = |cf: Cf, key: Vec<u8>| {
+            if !self.records.contains_key(&(cf, key.clone())) {
+                wanted.entry(cf).or_default().insert(key);
+            }
+        };
+        for append in batches.into_iter().flat_map(|b| &b.batch.appends) {
+            let run = append.run_id;
+            want(Cf::Runs, keys::run_key(run));
+            if self.knows_rows_of(run) {
+                continue;
+            }
+            for event in &append.events {
+                if let EventKind::WorkflowStarted { instance_id, .. } = &event.kind {
+                    want(Cf::Instances, instance_id.as_str().as_bytes().to_vec());
+                }
+                for key in event.kind.terminal_keys() {
+                    want(Cf::Dedupe, keys::dedupe_key(run, &key));
+                }
+            }
+        }
+        wanted
+            .into_iter()
+            .map(|(cf, keys)| (cf, keys.into_iter().collect()))
+            .collect()
+    }
+}
+
+/// A store as its writer sees it: `base`, with what the writer knows from
+/// its own writes answered from [`WriterCache`] and, first, what was read
+/// ahead for the group (`ahead`: found or known absent).
+pub struct CachedView<'a> {
+    /// The store.
+    pub base: &'a dyn KvRead,
+    /// What the writer knows.
+    pub cache: &'a WriterCache,
+    /// Rows read ahead for this group.
+    pub ahead: &'a ReadAhead,
+}
+
+impl std::fmt::Debug for CachedView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedView")
+            .field("cache", self.cache)
+            .field("ahead", &self.ahead.len())
+            .finish()
+    }
+}
+
+impl CachedView<'_> {
+    /// What the view answers for `key` without the store: `None` when it
+    /// does not know.
+    pub fn known(&self, cf: Cf, key: &[u8]) -> Option<Option<Vec<u8>>> {
+        if let Some(v) = self.ahead.get(&(cf, key.to_vec())) {
+            return Some(v.clone());
+        }
+        if matches!(cf, Cf::Runs | Cf::Instances) {
+            return self
+                .cache
+                .records
+                .get(&(cf, key.to_vec()))
+                .map(|v| Some(v.clone()));
+        }
+        let rows = self.cache.born.get(&owner(cf, key)?)?;
+        Some(rows.get(&(cf, key.to_vec())).cloned())
+    }
+}
+
+impl KvRead for CachedView<'_> {
+    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        match self.known(cf, key) {
+            Some(v) => Ok(v),
+            None => self.base.get(cf, key),
+        }
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        let Some(rows) = owner(cf, prefix).and_then(|run| self.cache.born.get(&run)) else {
+            return self.base.scan(cf, prefix, from, visit);
+        };
+        let start = (cf, from.max(prefix).to_vec());
+        for ((c, k), v) in rows.range(start..) {
+            if *c != cf || !k.starts_with(prefix) || !visit(k, v) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Goal: the writer's cache answers exactly what the store would, for
+    //! every read and scan, while it is fed the writes as the writer makes
+    //! them; it knows what it claims to know and no more.
+    //! Method: random groups of writes over a small key space (three runs,
+    //! every owned family, records, births) are applied to an in-memory
+    //! base and learned by the cache; after each group every key and every
+    //! run prefix is read through the cache and compared with the base.
+    //! Writes to a run's owned rows before its birth are not generated:
+    //! that is the rule the cache relies on (`OWNED_CFS`).
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::ids::Step;
+    use crate::kv::{mutations_of, Maps};
+
+    fn run(i: u8) -> RunId {
+        RunId::from_u64_pair(u64::from(i) + 1, 7)
+    }
+
+    /// The key of write `kind` for `run` at `n`.
+    fn key_of(kind: u8, r: RunId, n: u8) -> (Cf, Vec<u8>) {
+        let step = Step(u32::from(n));
+        match kind % 7 {
+            0 => (
+                Cf::Dedupe,
+                keys::dedupe_key(r, &crate::DurableKey::Execution(step)),
+            ),
+            1 => (Cf::Tasks, keys::run_step_key(r, step)),
+            2 => (Cf::RunTimers, keys::run_step_key(r, step)),
+            3 => (Cf::Children, keys::run_step_key(r, step)),
+            4 => (Cf::Outbox, keys::outbox_start_key(r, step)),
+            5 => (Cf::Runs, keys::run_key(r)),
+            _ => (Cf::Instances, vec![b'i', n]),
+        }
+    }
+
+    fn check_agrees(base: &Maps, cache: &WriterCache) {
+        let ahead = ReadAhead::new();
+        let view = CachedView {
+            base,
+            cache,
+            ahead: &ahead,
+        };
+        for r in 0..3 {
+            for kind in 0..7 {
+                for n in 0..4 {
+                    let (cf, k) = key_of(kind, run(r), n);
+                    assert_eq!(
+                        view.get(cf, &k).unwrap(),
+                        base.get(cf, &k).unwrap(),
+                        "{cf:?} {k:?}"
+                    );
+                }
+            }
+            for cf in OWNED_CFS {
+                let prefix = match cf {
+                    Cf::Outbox => {
+                        let mut p = vec![b'S'];
+                        p.extend_from_slice(run(r).as_bytes());
+                        p
+                    }
+                    _ => run(r).as_bytes().to_vec(),
+                };
+                let mut from = prefix.clone();
+                from.extend_from_slice(&[0, 0, 0, 1]);
+                for start in [&prefix, &from] {
+                    let (mut got, mut want) = (Vec::new(), Vec::new());
+                    view.scan(cf, &prefix, start, &mut |k, v| {
+                        got.push((k.to_vec(), v.to_vec()));
+                        true
+                    })
+                    .unwrap();
+                    base.scan(cf, &prefix, start, &mut |k, v| {
+                        want.push((k.to_vec(), v.to_vec()));
+                        true
+                    })
+                    .unwrap();
+                    assert_eq!(got, want, "scan of {cf:?}");
+                }
+            }
+        }
+    }
+
+    /// (run, kind, n, value: None deletes, Some(len) puts a value that long).
+    type Op = (u8, u8, u8, Option<u16>);
+
+    fn ops() -> impl Strategy<Value = Vec<Vec<Op>>> {
+        let op = (0u8..3, 0u8..8, 0u8..4, prop::option::of(0u16..1200));
+        prop::collection::vec(prop::collection::vec(op, 1..8), 1..30)
+    }
+
+    proptest! {
+        #[test]
+        fn reads_through_the_cache_equal_the_store(groups in ops(), fail_at in 0usize..40) {
+            let mut base = Maps::default();
+            let mut cache = WriterCache::default();
+            let mut born = [false; 3];
+            for (g, group) in groups.into_iter().enumerate() {
+                let mut writes = Writes::new();
+                for (r, kind, n, value) in group {
+                    if kind == 7 {
+                        // The run's birth: its first event, written once.
+                        if born[r as usize] {
+                            continue;
+                        }
+                        writes.insert((Cf::Events, keys::event_key(run(r), Seq::FIRST)), Some(vec![1]));
+                        born[r as usize] = true;
+                        continue;
+                    }
+                    let (cf, k) = key_of(kind, run(r), n);
+                    if owner(cf, &k).is_some() && !born[r as usize] {
+                        continue;
+                    }
+                    let value = value.map(|len| vec![n; usize::from(len)]);
+                    writes.insert((cf, k), value);
+                }
+                let learned = Learned::of(&writes, []);
+                base.apply(&mutations_of(writes));
+                if g == fail_at {
+                    // A failed write: the cache forgets (here the write
+                    // landed anyway, as after an unknown outcome).
+                    cache.forget();
+                } else {
+                    cache.learn(learned);
+                }
+                check_agrees(&base, &cache);
+            }
+        }
+    }
+
+    #[test]
+    fn a_run_born_here_answers_from_memory_and_leaves_when_it_closes() {
+        let r = run(0);
+        let mut cache = WriterCache::default();
+        let mut writes = Writes::new();
+        writes.insert((Cf::Events, keys::event_key(r, Seq::FIRST)), Some(vec![1]));
+        writes.insert((Cf::Runs, keys::run_key(r)), Some(vec![2]));
+        cache.learn(Learned::of(&writes, []));
+        assert!(cache.knows_rows_of(r));
+        assert!(!cache.knows_rows_of(run(1)));
+        // A base that fails every read proves the answers come from memory.
+        struct Unreachable;
+        impl KvRead for Unreachable {
+            fn get(&self, _: Cf, _: &[u8]) -> Result<Option<Vec<u8>>> {
+                Err(crate::error::Error::Closed)
+            }
+            fn scan(
+                &self,
+                _: Cf,
+                _: &[u8],
+                _: &[u8],
+                _: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+            ) -> Result<()> {
+                Err(crate::error::Error::Closed)
+            }
+        }
+        let ahead = ReadAhead::new();
+        let view = CachedView {
+            base: &Unreachable,
+            cache: &cache,
+            ahead: &ahead,
+        };
+        let dk = keys::dedupe_key(r, &crate::DurableKey::Run);
+        assert_eq!(view.get(Cf::Dedupe, &dk).unwrap(), None);
+        assert_eq!(
+            view.get(Cf::Runs, &keys::run_key(r)).unwrap(),
+            Some(vec![2])
+        );
+        view.scan(Cf::Tasks, r.as_bytes(), r.as_bytes(), &mut |_, _| {
+            panic!("no rows")
+        })
+        .unwrap();
+        assert!(view
+            .get(
+                Cf::Dedupe,
+                &keys::dedupe_key(run(1), &crate::DurableKey::Run)
+            )
+            .is_err());
+        // A commit of it wants only its record read, which is known.
+        let closing = PreparedBatch::new(crate::CommitBatch::append(
+            r,
+            vec![crate::Event {
+                seq: Seq(2),
+                at: crate::Timestamp(5),
+                kind: EventKind::WorkflowCompleted {
+                    result: crate::Payload(Vec::new()),
+                },
+            }],
+        ))
+        .unwrap();
+        assert!(cache.wanted([&closing]).is_empty());
+        let other = PreparedBatch::new(crate::CommitBatch::append(
+            run(1),
+            closing.batch.appends[0].events.clone(),
+        ))
+        .unwrap();
+        let wanted = cache.wanted([&other]);
+        assert_eq!(wanted.get(&Cf::Runs).map(Vec::len), Some(1));
+        assert_eq!(
+            wanted.get(&Cf::Dedupe).map(Vec::len),
+            Some(1),
+            "its durable id"
+        );
+        // Once its close is written the run's rows are no longer kept.
+        cache.learn(Learned::of(&Writes::new(), [&closing]));
+        assert!(!cache.knows_rows_of(r));
+        cache.learn(Learned::of(&writes, []));
+        cache.forget();
+        assert!(!cache.knows_rows_of(r));
+    }
+}
