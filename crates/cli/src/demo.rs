@@ -10,8 +10,11 @@
 //! database instead: one holds the write lease and works, the others wait
 //! as standbys. The demo SIGKILLs the working process once (a quarter of
 //! the way), then the working process and a standby at once (half way),
-//! starting a fresh standby for each process it killed, and reports how
-//! long each takeover took from the kill to the new process working.
+//! starting a fresh standby for each process it killed. Three quarters of
+//! the way it freezes the working process (SIGSTOP) until a standby has
+//! taken over, then lets it go on (SIGCONT): the woken process must find
+//! itself fenced, commit nothing more and exit. It reports how long each
+//! takeover took from the kill or freeze to the new process working.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -76,9 +79,12 @@ struct Summary {
     lost: u64,
     duplicate_commits: u64,
     crashes: u32,
-    /// Seconds from each kill of the working process to the next one
-    /// working (multi-process runs).
+    /// Seconds from each kill or freeze of the working process to the
+    /// next one working (multi-process runs).
     takeovers_s: Vec<f64>,
+    /// Frozen processes that found themselves fenced when woken
+    /// (multi-process runs).
+    fenced: u32,
     elapsed_s: f64,
     workflows_per_s: f64,
     verify_ok: bool,
@@ -111,6 +117,8 @@ fn worker_command(exe: &Path, args: &DemoArgs, prefix: &str, standby: bool) -> C
 enum Heard {
     /// It holds the lease and works.
     Working(usize, u64),
+    /// It found its lease taken over (after a freeze) and stopped.
+    Fenced(usize, u64),
     /// `done N`.
     Done(u64),
     /// Its output ended (it exited or was killed).
@@ -123,7 +131,7 @@ fn run_processes(
     exe: &Path,
     prefix: &str,
     bar: &indicatif::ProgressBar,
-) -> anyhow::Result<(u32, Vec<f64>)> {
+) -> anyhow::Result<Disruptions> {
     let (tx, rx) = std::sync::mpsc::channel::<Heard>();
     type Slots = Vec<Option<(u64, std::process::Child)>>;
     let mut slots: Slots = Vec::new();
@@ -140,6 +148,8 @@ fn run_processes(
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 let heard = if line == "working" {
                     Heard::Working(slot, gen)
+                } else if line == "fenced" {
+                    Heard::Fenced(slot, gen)
                 } else if let Some(n) = line.strip_prefix("done ").and_then(|n| n.parse().ok()) {
                     Heard::Done(n)
                 } else {
@@ -162,11 +172,15 @@ fn run_processes(
         spawn(slot, &mut slots)?;
     }
     let (kill_one_at, kill_two_at) = ((args.workflows / 4).max(1), (args.workflows / 2).max(2));
+    let freeze_at = (args.workflows * 3 / 4).max(3);
     let mut working: Option<usize> = None;
     let mut killed_at: Option<Instant> = None;
     let mut takeovers = Vec::new();
     let mut crashes = 0u32;
     let mut done = 0u64;
+    // The frozen process (slot, generation, pid) until a standby took over.
+    let mut frozen: Option<(usize, u64, u32)> = None;
+    let mut fenced = 0u32;
     let finished = loop {
         let heard = rx
             .recv_timeout(std::time::Duration::from_secs(120))
@@ -183,6 +197,24 @@ fn run_processes(
                     bar.suspend(|| eprintln!("process {slot} took over {s:.2} s after the kill"));
                     takeovers.push(s);
                 }
+                if let Some((f, _, pid)) = frozen.take() {
+                    // Wake the frozen one: it must find itself fenced.
+                    signal(pid, "CONT")?;
+                    bar.suspend(|| eprintln!("woke engine process {f} (SIGCONT)"));
+                }
+            }
+            Heard::Fenced(slot, gen) => {
+                if slots[slot].as_ref().is_none_or(|(g, _)| *g != gen) {
+                    continue;
+                }
+                fenced += 1;
+                bar.suspend(|| {
+                    eprintln!("engine process {slot} found its lease taken over and stopped")
+                });
+                if let Some((_, mut c)) = slots[slot].take() {
+                    let _ = c.wait();
+                }
+                spawn(slot, &mut slots)?;
             }
             Heard::Done(n) => {
                 done = done.max(n);
@@ -195,6 +227,23 @@ fn run_processes(
                     }
                     _ => Vec::new(),
                 };
+                if !args.no_crash && crashes == 2 && frozen.is_none() && done >= freeze_at {
+                    if let Some(w) = working.take() {
+                        let Some((gen, child)) = slots[w].as_ref() else {
+                            continue;
+                        };
+                        signal(child.id(), "STOP")?;
+                        frozen = Some((w, *gen, child.id()));
+                        crashes += 1;
+                        killed_at = Some(Instant::now());
+                        bar.suspend(|| {
+                            eprintln!(
+                                "froze engine process {w} (SIGSTOP) after {done} of {} orders",
+                                args.workflows
+                            )
+                        });
+                    }
+                }
                 if !victims.is_empty() {
                     for &v in &victims {
                         if let Some((_, mut c)) = slots[v].take() {
@@ -234,6 +283,9 @@ fn run_processes(
         }
     };
     // The standbys still wait for the lease; the work is done.
+    if let Some((_, _, pid)) = frozen {
+        let _ = signal(pid, "CONT");
+    }
     for (_, mut c) in slots.into_iter().flatten() {
         let _ = c.kill();
         let _ = c.wait();
@@ -241,7 +293,32 @@ fn run_processes(
     if !finished {
         anyhow::bail!("the working process exited before every order was done");
     }
-    Ok((crashes, takeovers))
+    Ok(Disruptions {
+        crashes,
+        takeovers,
+        fenced,
+    })
+}
+
+/// What a multi-process demo did to its processes.
+struct Disruptions {
+    /// Kills and freezes.
+    crashes: u32,
+    /// Seconds from each kill or freeze to the next process working.
+    takeovers: Vec<f64>,
+    /// Frozen processes that found themselves fenced when woken.
+    fenced: u32,
+}
+
+/// Sends `SIGNAL` (`STOP`, `CONT`) to a process.
+fn signal(pid: u32, name: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .context("running kill")?;
+    anyhow::ensure!(status.success(), "kill -{name} {pid} failed: {status}");
+    Ok(())
 }
 
 pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
@@ -258,15 +335,16 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             );
         }
         let started = Instant::now();
-        let (crashes, takeovers) = run_processes(&args, &exe, &prefix, &bar)?;
+        let disruptions = run_processes(&args, &exe, &prefix, &bar)?;
         bar.finish_and_clear();
-        let summary = check(
+        let mut summary = check(
             &args,
             &prefix,
-            crashes,
-            takeovers,
+            disruptions.crashes,
+            disruptions.takeovers,
             started.elapsed().as_secs_f64(),
         )?;
+        summary.fenced = disruptions.fenced;
         return report(&args, summary);
     }
     let kill_at = (args.workflows * 2 / 5).max(1);
@@ -334,8 +412,12 @@ fn report(args: &DemoArgs, summary: Summary) -> anyhow::Result<ExitCode> {
                 args.processes
             );
             println!(
-                "  kills               {} (SIGKILL: the working process, then it and a standby at once)",
+                "  kills and freezes   {} (SIGKILL the working process, then it and a standby at once; SIGSTOP the working one past its lease)",
                 summary.crashes
+            );
+            println!(
+                "  fenced on waking    {} (the frozen process committed nothing more and stopped)",
+                summary.fenced
             );
             let takeovers: Vec<String> = summary
                 .takeovers_s
@@ -343,7 +425,7 @@ fn report(args: &DemoArgs, summary: Summary) -> anyhow::Result<ExitCode> {
                 .map(|s| format!("{s:.2} s"))
                 .collect();
             println!(
-                "  takeovers           {} (from the kill to the next process working)",
+                "  takeovers           {} (from each kill or freeze to the next process working)",
                 takeovers.join(", ")
             );
         } else {
@@ -366,6 +448,9 @@ fn report(args: &DemoArgs, summary: Summary) -> anyhow::Result<ExitCode> {
         );
         println!();
         println!("Look at one order:");
+        if crate::output::postgres_of(&args.data).is_some() {
+            println!("  (with the database's password in place of ***)");
+        }
         println!(
             "  keel show {} --data {}",
             summary.example_instance, summary.data
@@ -429,6 +514,7 @@ fn check(
         elapsed_s: elapsed,
         workflows_per_s: args.workflows as f64 / elapsed.max(1e-9),
         verify_ok: report.ok,
+        fenced: 0,
         data: crate::output::shown(&args.data),
         example_instance: format!("{prefix}-9"),
     })
@@ -452,6 +538,22 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     // Holds the store (for PostgreSQL: the write lease) from here on.
     println!("working");
     std::io::stdout().flush()?;
+    // A process frozen past its lease finds, once woken, that another took
+    // the database over: it says so and stops at once (its engine commits
+    // nothing more either way).
+    let store = engine.store();
+    std::thread::spawn(move || loop {
+        if let keel_storage::StoreHealth::Failed {
+            fault: keel_storage::WriteFault::Fenced,
+            ..
+        } = store.health()
+        {
+            println!("fenced");
+            let _ = std::io::stdout().flush();
+            std::process::exit(3);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    });
     let client = engine.client();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -511,6 +613,19 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         }
         Ok(())
     });
+    if result.is_err() {
+        if let keel_storage::StoreHealth::Failed {
+            fault: keel_storage::WriteFault::Fenced,
+            ..
+        } = engine.health()
+        {
+            // Its clients failed because the lease moved on: not a fault
+            // of this demo.
+            println!("fenced");
+            std::io::stdout().flush()?;
+            std::process::exit(3);
+        }
+    }
     result?;
     engine.shutdown_blocking();
     Ok(ExitCode::SUCCESS)
