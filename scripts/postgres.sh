@@ -70,9 +70,10 @@ keel_pg_start() {
   local port tries=0
   while :; do
     port=$((20000 + RANDOM % 20000))
+    printf '%s\n' "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300" \
+      > "$KEEL_PG_DIR/options"
     if keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
-        -o "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300" \
-        start >/dev/null 2>&1; then
+        -o "$(cat "$KEEL_PG_DIR/options")" start >/dev/null 2>&1; then
       break
     fi
     tries=$((tries + 1))
@@ -89,6 +90,18 @@ keel_pg_start() {
   export KEEL_TEST_POSTGRES_URL="postgres://keel:$password@127.0.0.1:$port/keel_test"
   trap keel_pg_stop EXIT
   echo "keel: test PostgreSQL on 127.0.0.1:$port ($KEEL_PG_DIR)" >&2
+}
+
+# Stops the cluster in $KEEL_PG_DIR (fast: connections are cut), keeps it
+# down for $1 seconds (default 2), and starts it again on the same port.
+# tests/postgres_restart.rs restarts its own server under load with it.
+keel_pg_restart() {
+  local bin
+  bin="$(keel_pg_bindir)" || return 1
+  keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -m fast -w stop >/dev/null
+  sleep "${1:-2}"
+  keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
+    -o "$(cat "$KEEL_PG_DIR/options")" start >/dev/null
 }
 
 keel_pg_stop() {

@@ -40,6 +40,9 @@ pub enum WriteFault {
     /// Another engine process took over the database's write lease (this
     /// one paused, or lost the database, for longer than the lease).
     Fenced,
+    /// The database cannot be reached (stopped, restarting, or the network
+    /// is down); commits resume once it answers again.
+    Unreachable,
 }
 
 impl WriteFault {
@@ -68,6 +71,7 @@ impl WriteFault {
             WriteFault::Io => "check the disk and the kernel log; keel retries for 60 s (RocksDB resumes by itself only from errors it deems retryable), then stops: restart the engine once the disk is fixed",
             WriteFault::Corruption => "stop keel, keep a copy of the directory and run `keel verify`; restore from a checkpoint if it reports damage",
             WriteFault::Fenced => "another engine process owns the database now and carries on this one's work; restart this process and it waits as a standby",
+            WriteFault::Unreachable => "check that the database runs and this machine reaches it; keel reconnects every second and commits resume by themselves (if the outage outlasts the write lease, a standby may take over and this process stops)",
         }
     }
 }
@@ -79,6 +83,7 @@ impl fmt::Display for WriteFault {
             WriteFault::Io => "I/O error",
             WriteFault::Corruption => "corruption",
             WriteFault::Fenced => "write lease lost",
+            WriteFault::Unreachable => "database unreachable",
         })
     }
 }

@@ -841,6 +841,34 @@ fn release_lease(shared: &Shared, conn: &Conn) -> Result<()> {
 
 impl Shared {
     /// Marks the store fenced: another process owns the database now.
+    /// The writer could not connect: commits stop (answered at once)
+    /// until it can again.
+    fn unreachable(&self, detail: String) {
+        let before = self.health.get();
+        if before.is_failed() {
+            return;
+        }
+        if before.is_healthy() {
+            tracing::error!(target = %self.target, %detail, "database unreachable: commits stop until it answers again");
+        }
+        self.health.set(StoreHealth::Stopped {
+            fault: WriteFault::Unreachable,
+            detail,
+        });
+    }
+
+    /// The writer connected again after [`Shared::unreachable`].
+    fn reachable(&self) {
+        if let StoreHealth::Stopped {
+            fault: WriteFault::Unreachable,
+            ..
+        } = self.health.get()
+        {
+            self.health.set(StoreHealth::Healthy);
+            tracing::info!(target = %self.target, "database reachable again: commits resume");
+        }
+    }
+
     fn fenced(&self, detail: String) {
         let before = self.health.set(StoreHealth::Failed {
             fault: WriteFault::Fenced,
@@ -1364,9 +1392,25 @@ fn resolve(shared: &Shared, mutations: &[Mutation]) -> (Option<Conn>, Option<boo
     }
 }
 
-/// A new writer connection holding the writer lock.
+/// A new writer connection holding the writer lock. A failure to connect
+/// stops the store's commits ([`WriteFault::Unreachable`]) until a later
+/// call succeeds.
 fn reconnect(shared: &Shared) -> Result<Conn> {
-    let conn = shared.connect()?;
+    let conn = match shared.connect() {
+        Ok(c) => c,
+        Err(e) => {
+            if let Error::Database {
+                fault: DatabaseFault::Unreachable,
+                detail,
+                ..
+            } = &e
+            {
+                shared.unreachable(detail.clone());
+            }
+            return Err(e);
+        }
+    };
+    shared.reachable();
     if shared.durability == Durability::Buffered {
         block(conn.client.batch_execute("set synchronous_commit = off"))
             .map_err(|e| shared.error(&e))?;
@@ -1381,7 +1425,7 @@ fn renew(shared: &Shared, conn: &mut Option<Conn>) {
         match reconnect(shared) {
             Ok(c) => *conn = Some(c),
             Err(e) => {
-                warn!(error = %e, "cannot reach the database to renew the write lease");
+                debug!(error = %e, "cannot reach the database to renew the write lease");
                 return;
             }
         }
@@ -1521,13 +1565,16 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
         };
-        if renewed.elapsed() >= renew_every && shared.health.get().is_healthy() {
+        // Renewing is also how a store stopped by an unreachable database
+        // finds it back.
+        if renewed.elapsed() >= renew_every && !shared.health.get().is_failed() {
             renewed = std::time::Instant::now();
             renew(shared, &mut conn);
         }
         let Some(first) = first else { continue };
         if let Some(e) = shared.health.get().error() {
-            // Fenced: nothing is written any more.
+            // Fenced (nothing is written any more), or the database out of
+            // reach (answered at once until a renewal reconnects).
             let _ = first.reply.send(Err(e));
             continue;
         }

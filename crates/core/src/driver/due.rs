@@ -31,6 +31,8 @@ pub(super) enum Due {
     /// A run's activation is tried again (an async child whose closure its
     /// parent has not bound yet).
     Activate(RunId),
+    /// A run's intent rows are read again (the store was out of reach).
+    Intents(RunId),
     /// Whether a continue-as-new's next run exists is checked again.
     Continuation(super::Token),
     /// A start is decided again (another run held its instance).

@@ -71,6 +71,27 @@ pub const RUN_CACHE_MAX_DEFAULT: usize = 10_000;
 pub const WORKER_CONCURRENCY_MAX: usize = 1024;
 /// Failed activations (unreadable history) before a run is parked.
 pub const RUN_RESTARTS_MAX: u32 = 5;
+/// How long a run whose store is out of reach (a database restarting)
+/// waits before its history, or its intent rows, are read again. Such
+/// failures do not count towards [`RUN_RESTARTS_MAX`]: the history is not
+/// at fault.
+pub const RUN_UNREACHABLE_RETRY_MS: u64 = 500;
+
+/// Whether a store error says the store is out of reach for now (a
+/// database stopped, restarting or cut off), rather than anything about
+/// the data.
+pub(crate) fn store_unreachable(e: &keel_storage::Error) -> bool {
+    matches!(
+        e,
+        keel_storage::Error::Database {
+            fault: keel_storage::DatabaseFault::Lost | keel_storage::DatabaseFault::Unreachable,
+            ..
+        } | keel_storage::Error::Unwritable {
+            fault: keel_storage::WriteFault::Unreachable,
+            ..
+        }
+    )
+}
 /// How long an attempt a resilience profile refused waits before it is
 /// offered again.
 pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;
@@ -1124,6 +1145,9 @@ impl Shard {
                 Due::Report(key, attempt) => self.report_again(key, attempt),
                 Due::Outbox(key) => self.deliver_outbox(&key),
                 Due::Activate(run) => self.retry_activation(run),
+                Due::Intents(run) => {
+                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                }
                 Due::Continuation(token) => self.continuation_check(token),
                 Due::Start(job) => self.start_again(*job),
             }

@@ -384,6 +384,14 @@ impl Shard {
         let (history, marker) = match result {
             Ok(ReadResult::History(h, marker)) => (h, marker),
             Ok(_) => return,
+            Err(e) if super::store_unreachable(&e) => {
+                // The database is away, not the history at fault: the
+                // inputs wait and the history is read again later.
+                tracing::debug!(%run, error = %e, "history unreachable; reading it again later");
+                let at = self.now.plus_ms(super::RUN_UNREACHABLE_RETRY_MS);
+                self.due.push(at, Due::Activate(run));
+                return;
+            }
             Err(e) => {
                 slot.restarts += 1;
                 if slot.restarts >= RUN_RESTARTS_MAX {
@@ -732,6 +740,13 @@ impl Shard {
                     slot.phase = Phase::Idle;
                 }
                 tracing::debug!(%run, error = %e, "commit failed; the run replays on its next input");
+                if super::store_unreachable(&e) {
+                    // The commit may have been written (the database went
+                    // away with it in flight): the intent rows it would
+                    // have handed over are read back and driven, as at
+                    // recovery (driving a row twice is harmless).
+                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                }
                 let retry = Answer::Retry(format!("commit failed: {e}"));
                 match entry.origin {
                     Some(Origin::Start(job)) => self.start_failed(*job, e),
@@ -969,8 +984,9 @@ impl Shard {
             Ok(ReadResult::Intents(rows)) => self.intents(rows, None),
             Ok(_) => {}
             Err(e) => {
-                tracing::warn!(run_id = %run, error = %e, "intents of a resumed run unreadable; retrying");
-                self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                tracing::warn!(run_id = %run, error = %e, "intents of a run unreadable; reading them again later");
+                let at = self.now.plus_ms(super::RUN_UNREACHABLE_RETRY_MS);
+                self.due.push(at, Due::Intents(run));
             }
         }
     }
