@@ -180,6 +180,8 @@ fn run_processes(
     let mut done = 0u64;
     // The frozen process (slot, generation, pid) until a standby took over.
     let mut frozen: Option<(usize, u64, u32)> = None;
+    // The frozen process once woken, until it reports itself fenced.
+    let mut woken: Option<(usize, u64)> = None;
     let mut fenced = 0u32;
     let finished = loop {
         let heard = rx
@@ -197,9 +199,10 @@ fn run_processes(
                     bar.suspend(|| eprintln!("process {slot} took over {s:.2} s after the kill"));
                     takeovers.push(s);
                 }
-                if let Some((f, _, pid)) = frozen.take() {
+                if let Some((f, gen, pid)) = frozen.take() {
                     // Wake the frozen one: it must find itself fenced.
                     signal(pid, "CONT")?;
+                    woken = Some((f, gen));
                     bar.suspend(|| eprintln!("woke engine process {f} (SIGCONT)"));
                 }
             }
@@ -208,6 +211,7 @@ fn run_processes(
                     continue;
                 }
                 fenced += 1;
+                woken = None;
                 bar.suspend(|| {
                     eprintln!("engine process {slot} found its lease taken over and stopped")
                 });
@@ -282,6 +286,22 @@ fn run_processes(
             }
         }
     };
+    // The woken process may not have noticed yet that it was fenced (the
+    // others can finish first): wait for it to say so.
+    if let Some((slot, gen)) = woken.filter(|_| finished) {
+        let until = Instant::now() + std::time::Duration::from_secs(30);
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match rx.recv_timeout(left) {
+                Ok(Heard::Fenced(s, g)) if (s, g) == (slot, gen) => {
+                    fenced += 1;
+                    break;
+                }
+                Ok(Heard::Gone(s, g)) if (s, g) == (slot, gen) => break,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+    }
     // The standbys still wait for the lease; the work is done.
     if let Some((_, _, pid)) = frozen {
         let _ = signal(pid, "CONT");

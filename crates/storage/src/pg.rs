@@ -1419,11 +1419,16 @@ fn reconnect(shared: &Shared) -> Result<Conn> {
 }
 
 /// Renews the lease through the writer's connection (reconnecting first if
-/// it broke); marks the store fenced when the lease is gone.
-fn renew(shared: &Shared, conn: &mut Option<Conn>) {
+/// it broke, which empties the writer's cache: the server may have
+/// restarted and lost buffered commits); marks the store fenced when the
+/// lease is gone.
+fn renew(shared: &Shared, conn: &mut Option<Conn>, cache: &mut WriterCache) {
     if conn.as_ref().is_none_or(|c| c.client.is_closed()) {
         match reconnect(shared) {
-            Ok(c) => *conn = Some(c),
+            Ok(c) => {
+                *conn = Some(c);
+                cache.forget();
+            }
             Err(e) => {
                 debug!(error = %e, "cannot reach the database to renew the write lease");
                 return;
@@ -1465,7 +1470,12 @@ fn commit_group(
         tries_left -= 1;
         if conn.as_ref().is_none_or(|c| c.client.is_closed()) {
             match reconnect(shared) {
-                Ok(c) => *conn = Some(c),
+                Ok(c) => {
+                    *conn = Some(c);
+                    // The server may have restarted and, with buffered
+                    // durability, lost commits this cache remembers.
+                    cache.forget();
+                }
                 Err(e) if tries_left > 0 && lost(&e) => continue,
                 Err(e) => {
                     let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
@@ -1531,6 +1541,9 @@ fn commit_group(
                 warn!(error = %e, "connection lost with a commit in flight; finding out whether it committed");
                 let (fresh, known) = resolve(shared, &mutations);
                 *conn = fresh;
+                // A new connection: see above. Only this group's read-back
+                // is learned from here.
+                cache.forget();
                 match known {
                     Some(true) => Ok(()),
                     Some(false) if tries_left > 0 => continue,
@@ -1569,7 +1582,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         // finds it back.
         if renewed.elapsed() >= renew_every && !shared.health.get().is_failed() {
             renewed = std::time::Instant::now();
-            renew(shared, &mut conn);
+            renew(shared, &mut conn, &mut cache);
         }
         let Some(first) = first else { continue };
         if let Some(e) = shared.health.get().error() {

@@ -740,11 +740,12 @@ impl Shard {
                     slot.phase = Phase::Idle;
                 }
                 tracing::debug!(%run, error = %e, "commit failed; the run replays on its next input");
-                if super::store_unreachable(&e) {
+                if matches!(e, StoreError::Database { .. }) {
                     // The commit may have been written (the database went
                     // away with it in flight): the intent rows it would
                     // have handed over are read back and driven, as at
-                    // recovery (driving a row twice is harmless).
+                    // recovery. (A commit refused at once, the store
+                    // stopped, wrote nothing: no read-back.)
                     self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
                 }
                 let retry = Answer::Retry(format!("commit failed: {e}"));
