@@ -318,6 +318,7 @@ impl Engine {
             lease_ms_default: config.lease_ms_default,
             worker_concurrency_max: (config.worker_concurrency_max / shards).max(1),
             profiles: host.profiles.clone(),
+            shard_lease_ms: keel_core::driver::SHARD_LEASE_MS_DEFAULT,
             breaks: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();

@@ -119,6 +119,10 @@ impl ShardActor {
             ),
             Action::Send { to, message, .. } => self.host.send(to, message),
             Action::Reply { id, answer, .. } => self.host.client.answer(id, answer),
+            Action::RenewLease { .. } | Action::ReleaseLease { .. } | Action::ShardLost { .. } => {
+                // Only a shard given a lease (`Shard::hold`) asks for these.
+                unreachable!("the actix host holds no shard leases: its store has one writer")
+            }
         }
     }
 }

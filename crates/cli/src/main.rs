@@ -47,10 +47,16 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The simulator injects the faults the engine warns about; its report
+    // says what matters.
+    let default_level = match cli.command {
+        Command::Sim(_) => "error",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         .init();

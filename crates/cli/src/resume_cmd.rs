@@ -80,6 +80,7 @@ pub(crate) fn run(args: ResumeArgs, registry: &WorkflowRegistry) -> anyhow::Resu
             .commit(CommitBatch {
                 appends: Vec::new(),
                 parked: vec![(run, None)],
+                fence: None,
             })
             .wait()?;
     }

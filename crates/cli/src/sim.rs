@@ -31,7 +31,9 @@ pub(crate) struct SimArgs {
     /// with a fixed probability (`engine-crash=0.02`). Kinds: lease-expiry,
     /// redelivery, duplicate-result, late-result, reorder, worker-crash,
     /// outbox-redelivery, timer-skew, commit-failure, engine-crash,
-    /// activity-failure, stray-command, silent-worker, slow-attempt.
+    /// activity-failure, stray-command, silent-worker, slow-attempt,
+    /// store-stop, process-pause, process-kill (the last two with
+    /// `--processes` 2 or more).
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
     /// Workflows per seed (the default mix).
@@ -41,10 +43,16 @@ pub(crate) struct SimArgs {
     /// `rocksdb` (a temporary directory, reopened on a crash) or `mem-sync`.
     #[arg(long, default_value = "mem", value_parser = parse_store)]
     store: StoreKind,
+    /// Engine processes sharing the store: with 2 or more, runs are spread
+    /// over shards each process holds under a lease with a fencing epoch,
+    /// and processes are frozen past their leases and killed.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=keel_sim::SIM_PROCESSES_MAX as u64))]
+    processes: u64,
     /// Run a deliberately broken driver (proof that the checks can fail):
     /// no-attempt-dedupe, effect-before-commit, lose-unsynced-ack,
-    /// skip-close-policy, redeliver-same-epoch, query-speculative. Stops at
-    /// the first violating seed.
+    /// skip-close-policy, redeliver-same-epoch, query-speculative,
+    /// skip-fence (with `--processes` 2 or more). Stops at the first
+    /// violating seed.
     #[arg(long = "break", value_parser = parse_break)]
     break_mode: Option<BreakMode>,
     /// Run only these instances of the default mix (indices, as a shrunk
@@ -120,6 +128,10 @@ struct SimOut {
     commits: u64,
     engine_crashes: u64,
     outbox_messages: u64,
+    processes: u64,
+    takeovers: u64,
+    shards_lost: u64,
+    shards_released: u64,
     shrunk: Option<ShrunkOut>,
 }
 
@@ -136,6 +148,7 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         .default_mix(args.workflows as usize)
         .faults(args.faults.clone())
         .store(args.store)
+        .processes(args.processes as usize)
         .keep_trace(args.trace);
     if let Some(mode) = args.break_mode {
         template = template.break_engine(mode);
@@ -155,6 +168,7 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
     let mut fired: BTreeMap<&'static str, u64> =
         FaultKind::ALL.iter().map(|k| (k.name(), 0)).collect();
     let (mut virtual_ms, mut commits, mut crashes, mut outbox) = (0u64, 0u64, 0u64, 0u64);
+    let (mut takeovers, mut shards_lost, mut shards_released) = (0u64, 0u64, 0u64);
     let mut single: Option<Report> = None;
     for &seed in &seeds {
         let report = template.clone().seed(seed).run()?;
@@ -163,6 +177,9 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         commits += report.commits;
         crashes += u64::from(report.engine_crashes);
         outbox += report.outbox_messages;
+        takeovers += u64::from(report.takeovers);
+        shards_lost += u64::from(report.shards_lost);
+        shards_released += u64::from(report.shards_released);
         for (k, n) in &report.faults_fired {
             *fired.entry(k.name()).or_default() += n;
         }
@@ -233,6 +250,10 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         commits,
         engine_crashes: crashes,
         outbox_messages: outbox,
+        processes: args.processes,
+        takeovers,
+        shards_lost,
+        shards_released,
         shrunk: shrunk.map(|(seed, s)| ShrunkOut {
             seed,
             faults: s.faults.to_string(),
@@ -280,6 +301,12 @@ fn print_human(out: &SimOut, failed: &[Report]) {
         out.commits,
         out.engine_crashes
     );
+    if out.processes > 1 {
+        println!(
+            "{} processes per seed: {} shard takeovers, {} shards stopped on a lost lease, {} given up to rebalance",
+            out.processes, out.takeovers, out.shards_lost, out.shards_released
+        );
+    }
     let fired: Vec<String> = out
         .faults_fired
         .iter()

@@ -207,7 +207,13 @@ impl<W: ChildOutput> ChildCall<W> {
             step,
             group: group.clone(),
             child_instance_id,
-            child_run_id: RunId::from_u64_pair(a, b),
+            // An async child's closure is bound only in its parent's
+            // process: the child's run lands on the parent's shard.
+            child_run_id: if self.workflow_type == crate::concurrency::ASYNC_WORKFLOW_TYPE {
+                crate::driver::run_id_beside(core.run_id, a)
+            } else {
+                RunId::from_u64_pair(a, b)
+            },
             workflow_type: self.workflow_type.clone(),
             input,
             close_policy: self.close_policy,

@@ -76,6 +76,9 @@ pub enum ViolationKind {
     /// abandoned one was asked to cancel, or a scope completed before a
     /// waited-for one closed.
     CancellationBroken,
+    /// A process committed for a shard whose lease it no longer held
+    /// (several processes): the fence every commit carries was missing.
+    FencedCommit,
 }
 
 impl ViolationKind {
@@ -103,6 +106,7 @@ impl ViolationKind {
             ViolationKind::TriggerTwice => "trigger-twice",
             ViolationKind::TimeoutWrong => "timeout-wrong",
             ViolationKind::CancellationBroken => "cancellation-broken",
+            ViolationKind::FencedCommit => "fenced-commit",
         }
     }
 }

@@ -64,11 +64,19 @@ pub enum FaultKind {
     /// every commit fails with a typed error and the host reports the
     /// store unhealthy, then space is freed and it resumes (per commit).
     StoreStop,
+    /// With several processes: one freezes (a long pause, `kill -STOP`)
+    /// with a commit decided and not yet sent, past its shard leases;
+    /// another takes its shards; it wakes and sends the commit (per
+    /// commit, a few per seed).
+    ProcessPause,
+    /// With several processes: one is killed and started again later; its
+    /// shards are taken over once their leases end (per commit).
+    ProcessKill,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 15] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -84,6 +92,8 @@ impl FaultKind {
         FaultKind::SilentWorker,
         FaultKind::SlowAttempt,
         FaultKind::StoreStop,
+        FaultKind::ProcessPause,
+        FaultKind::ProcessKill,
     ];
 
     /// The name used on the command line and in reports.
@@ -104,7 +114,15 @@ impl FaultKind {
             FaultKind::SilentWorker => "silent-worker",
             FaultKind::SlowAttempt => "slow-attempt",
             FaultKind::StoreStop => "store-stop",
+            FaultKind::ProcessPause => "process-pause",
+            FaultKind::ProcessKill => "process-kill",
         }
+    }
+
+    /// Whether the kind only fires with several engine processes
+    /// (`Simulation::processes`).
+    pub fn needs_processes(self) -> bool {
+        matches!(self, FaultKind::ProcessPause | FaultKind::ProcessKill)
     }
 
     /// The largest probability a seed may draw for this kind.
@@ -125,6 +143,8 @@ impl FaultKind {
             FaultKind::SilentWorker => 0.3,
             FaultKind::SlowAttempt => 0.3,
             FaultKind::StoreStop => 0.003,
+            FaultKind::ProcessPause => 0.01,
+            FaultKind::ProcessKill => 0.005,
         }
     }
 

@@ -70,7 +70,7 @@ pub mod workload;
 
 pub use check::{Violation, ViolationKind};
 pub use fault::{FaultKind, Faults, Firings};
-pub use sim::{detected_as, BreakMode, Report, Shrunk, SimError, Simulation};
+pub use sim::{detected_as, BreakMode, Report, Shrunk, SimError, Simulation, SIM_PROCESSES_MAX};
 pub use store::StoreKind;
 pub use trace::fnv1a;
 pub use workload::{ClientOp, ClientOpKind, WorkflowPlan, Workload};

@@ -34,6 +34,7 @@ pub fn detected_as(mode: BreakMode) -> &'static [ViolationKind] {
         BreakMode::SkipClosePolicy => &[ViolationKind::NotFinished, ViolationKind::IntentLeftOver],
         BreakMode::RedeliverSameEpoch => &[ViolationKind::EpochReused],
         BreakMode::QuerySpeculative => &[ViolationKind::WrongAnswer],
+        BreakMode::SkipFence => &[ViolationKind::FencedCommit],
     }
 }
 
@@ -81,6 +82,7 @@ pub struct Simulation {
     store: StoreKind,
     breaks: Option<BreakMode>,
     keep_trace: bool,
+    processes: usize,
 }
 
 impl fmt::Debug for Simulation {
@@ -93,9 +95,13 @@ impl fmt::Debug for Simulation {
             .field("faults", &self.faults.to_string())
             .field("store", &self.store)
             .field("breaks", &self.breaks)
+            .field("processes", &self.processes)
             .finish()
     }
 }
+
+/// Most engine processes one simulation runs on a store.
+pub const SIM_PROCESSES_MAX: usize = 8;
 
 fn mock_of<A, F>(body: F) -> impl Fn(&Payload, AttemptNo) -> Result<Payload, Failure>
 where
@@ -136,6 +142,7 @@ impl Simulation {
             store: StoreKind::Mem,
             breaks: None,
             keep_trace: false,
+            processes: 1,
         }
     }
 
@@ -255,6 +262,18 @@ impl Simulation {
         self
     }
 
+    /// Runs `n` engine processes on one store (default 1). With more than
+    /// one, runs are spread over shards that each process takes under a
+    /// lease with a fencing epoch, and the faults include processes frozen
+    /// past their leases and processes killed. The store is then the
+    /// in-memory one in `Sync` mode, as a shared database commits durably
+    /// before it answers (`--store mem` means that; `rocksdb` is refused:
+    /// one directory has one writer).
+    pub fn processes(mut self, n: usize) -> Self {
+        self.processes = n;
+        self
+    }
+
     /// Runs a deliberately broken engine.
     pub fn break_engine(mut self, mode: BreakMode) -> Self {
         self.breaks = Some(mode);
@@ -292,6 +311,7 @@ impl Simulation {
         breaks: Option<BreakMode>,
         store: StoreKind,
         keep_trace: bool,
+        processes: usize,
     ) -> Result<WorldResult, SimError> {
         let base = ChaCha8Rng::seed_from_u64(self.seed);
         let mut plan_rng = base.clone();
@@ -314,14 +334,25 @@ impl Simulation {
             workload,
             keep_trace,
             firings,
+            processes,
         };
+        let store =
+            match (processes, store) {
+                (1, s) => s,
+                (_, StoreKind::Mem | StoreKind::MemSync) => StoreKind::MemSync,
+                (_, StoreKind::RocksDb) => return Err(SimError::Config(
+                    "several processes share the in-memory store only (--store mem): a RocksDB \
+                     directory has one writer"
+                        .into(),
+                )),
+            };
         Ok(World::new(setup, rng, SimStore::open(store)?).run())
     }
 
     /// The outcome of every instance in a fault-free run of the workload.
     pub fn reference(&self) -> Result<BTreeMap<String, Outcome>, SimError> {
         let workload = self.workload_for_seed()?;
-        let r = self.execute(&workload, &Faults::none(), None, StoreKind::Mem, false)?;
+        let r = self.execute(&workload, &Faults::none(), None, StoreKind::Mem, false, 1)?;
         if let Some(v) = r.violations.first() {
             return Err(SimError::Config(format!(
                 "the fault-free run of the workload fails: {v}"
@@ -345,13 +376,24 @@ impl Simulation {
                 "--break runs on the in-memory store (--store mem) only".into(),
             ));
         }
+        if !(1..=SIM_PROCESSES_MAX).contains(&self.processes) {
+            return Err(SimError::Config(format!(
+                "--processes takes 1 to {SIM_PROCESSES_MAX}, not {}",
+                self.processes
+            )));
+        }
+        if self.breaks == Some(BreakMode::SkipFence) && self.processes < 2 {
+            return Err(SimError::Config(
+                "--break skip-fence needs several processes (--processes 2 or more)".into(),
+            ));
+        }
         let workload = self.workload_for_seed()?;
         let mut violations = Vec::new();
         let computed;
         let reference = match reference {
             Some(r) => r,
             None => {
-                let r = self.execute(&workload, &Faults::none(), None, StoreKind::Mem, false)?;
+                let r = self.execute(&workload, &Faults::none(), None, StoreKind::Mem, false, 1)?;
                 for v in r.violations {
                     violations.push(Violation {
                         detail: format!("fault-free run: {}", v.detail),
@@ -368,6 +410,7 @@ impl Simulation {
             self.breaks,
             self.store,
             self.keep_trace,
+            self.processes,
         )?;
         let clean = r.violations.is_empty() && violations.is_empty();
         violations.extend(r.violations);
@@ -407,6 +450,10 @@ impl Simulation {
             engine_crashes: r.crashes,
             outbox_messages: r.outbox_messages,
             shards: r.shards,
+            processes: self.processes,
+            takeovers: r.takeovers,
+            shards_lost: r.fenced,
+            shards_released: r.released,
             workflows,
             finished: r.outcomes.len(),
             outcomes: r.outcomes,
@@ -443,6 +490,9 @@ impl Simulation {
             if self.store != StoreKind::Mem {
                 code.push_str(&format!(".store(\"{}\".parse()?)", self.store.name()));
             }
+            if self.processes != 1 {
+                code.push_str(&format!(".processes({})", self.processes));
+            }
             if let Some(b) = self.breaks {
                 code.push_str(&format!(".break_engine(\"{b}\".parse()?)"));
             }
@@ -458,6 +508,9 @@ impl Simulation {
         );
         if self.store != StoreKind::Mem {
             cmd.push_str(&format!(" --store {}", self.store.name()));
+        }
+        if self.processes != 1 {
+            cmd.push_str(&format!(" --processes {}", self.processes));
         }
         if let Some(b) = self.breaks {
             cmd.push_str(&format!(" --break {b}"));
@@ -652,12 +705,20 @@ pub struct Report {
     pub commits: u64,
     /// Events written.
     pub events: u64,
-    /// Engine crashes.
+    /// Engine crashes (with several processes, also processes killed).
     pub engine_crashes: u32,
     /// Messages delivered between shards.
     pub outbox_messages: u64,
     /// Shards the simulated engine ran.
     pub shards: u16,
+    /// Engine processes sharing the store.
+    pub processes: usize,
+    /// Shards a process took from an earlier owner (several processes).
+    pub takeovers: u32,
+    /// Shards that stopped in a process because they lost their lease.
+    pub shards_lost: u32,
+    /// Shards a process gave up for another to take (rebalancing).
+    pub shards_released: u32,
     /// The fault firings that happened, as `kind#index` (what `--firings`
     /// takes to replay a subset).
     #[serde(serialize_with = "as_text")]

@@ -8,13 +8,19 @@
 
 use keel_sim::{detected_as, BreakMode, Simulation};
 
+/// The simulation a mode is looked for in: fencing needs several
+/// processes.
+fn sim(seed: u64, mode: BreakMode) -> Simulation {
+    let s = Simulation::new(seed).default_mix(20).break_engine(mode);
+    match mode {
+        BreakMode::SkipFence => s.processes(3),
+        _ => s,
+    }
+}
+
 fn first_failing(mode: BreakMode) -> Option<(u64, keel_sim::Report)> {
     (0..500).find_map(|seed| {
-        let r = Simulation::new(seed)
-            .default_mix(20)
-            .break_engine(mode)
-            .run()
-            .expect("runs");
+        let r = sim(seed, mode).run().expect("runs");
         (!r.passed).then_some((seed, r))
     })
 }
@@ -68,6 +74,11 @@ fn redeliver_same_epoch_is_found() {
 #[test]
 fn query_speculative_is_found() {
     check(BreakMode::QuerySpeculative);
+}
+
+#[test]
+fn skip_fence_is_found() {
+    check(BreakMode::SkipFence);
 }
 
 #[test]

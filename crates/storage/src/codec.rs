@@ -65,6 +65,10 @@ pub enum RecordKind {
     Parked = 10,
     /// A child a parent has not heard back from.
     Child = 11,
+    /// A shard's lease (see [`crate::lease`]).
+    ShardLease = 12,
+    /// A member of a shared store (see [`crate::lease::Member`]).
+    Member = 13,
 }
 
 impl RecordKind {
@@ -81,6 +85,8 @@ impl RecordKind {
             9 => RecordKind::Bundle,
             10 => RecordKind::Parked,
             11 => RecordKind::Child,
+            12 => RecordKind::ShardLease,
+            13 => RecordKind::Member,
             _ => return None,
         })
     }

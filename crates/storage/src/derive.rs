@@ -38,6 +38,10 @@ pub struct CommitBatch {
     pub appends: Vec<RunAppend>,
     /// Parked markers to set (`Some`) or clear (`None`).
     pub parked: Vec<(RunId, Option<ParkInfo>)>,
+    /// The shard lease the committer holds: the store refuses the batch
+    /// unless the lease still has this epoch ([`crate::lease::check_fence`]).
+    /// `None` for a store with one writer (RocksDB's exclusive open).
+    pub fence: Option<crate::lease::Fence>,
 }
 
 impl CommitBatch {
@@ -46,6 +50,7 @@ impl CommitBatch {
         CommitBatch {
             appends: vec![RunAppend { run_id, events }],
             parked: Vec::new(),
+            fence: None,
         }
     }
 
@@ -226,6 +231,9 @@ pub fn apply_batch_raw(
         appends: Vec::with_capacity(prepared.batch.appends.len()),
         rows: Vec::new(),
     };
+    if let Some(fence) = prepared.batch.fence {
+        crate::lease::check_fence(&overlay, fence)?;
+    }
     for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
         ack.appends.push(apply_append_checked(
             &mut overlay,

@@ -231,9 +231,73 @@ pub enum Error {
         /// Who holds it, as far as the database tells.
         detail: String,
     },
+    /// A commit made under a shard lease whose epoch moved on: another
+    /// process took the shard (this one was paused, cut off or too slow to
+    /// renew). Nothing was written; this process must stop acting for the
+    /// shard.
+    #[error("shard {shard}: the lease of epoch {epoch} is lost ({}); nothing was written", match current { Some(c) => format!("the shard's lease is at epoch {c} now"), None => "the shard has no lease".to_string() })]
+    Fenced {
+        /// The shard.
+        shard: u16,
+        /// The epoch the committer held.
+        epoch: u64,
+        /// The shard's epoch now.
+        current: Option<u64>,
+    },
+    /// A shard's lease is held by a live owner; it can be taken once it
+    /// expires.
+    #[error("shard {shard} is held by {owner} until {expires_at}")]
+    ShardHeld {
+        /// The shard.
+        shard: u16,
+        /// Its holder.
+        owner: String,
+        /// When the lease ends unless renewed.
+        expires_at: crate::ids::Timestamp,
+    },
+    /// A lease owner's name that is empty or too long.
+    #[error("a lease owner's name must have 1 to {max} bytes, not {bytes}")]
+    InvalidLeaseOwner {
+        /// Its length.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// An error from the file system.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// The store is out of reach for now (a database stopped, restarting
+    /// or cut off): asking again later may succeed, and nothing about the
+    /// data is wrong.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Error::Database {
+                fault: DatabaseFault::Lost | DatabaseFault::Unreachable,
+                ..
+            } | Error::Unwritable {
+                fault: crate::health::WriteFault::Unreachable,
+                ..
+            }
+        )
+    }
+
+    /// A commit that failed with this error may have been written anyway
+    /// (the connection went away with it in flight, and the store could
+    /// not find out): its writer must read its rows back before acting as
+    /// if it had not happened. Every other commit error wrote nothing.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            Error::Database {
+                fault: DatabaseFault::Lost | DatabaseFault::Unreachable,
+                ..
+            }
+        )
+    }
 }
 
 impl From<rocksdb::Error> for Error {

@@ -248,6 +248,27 @@ pub fn outbox_deliver_key(sender: RunId, step: Step) -> Vec<u8> {
 /// Key of the store's metadata record in `Meta`.
 pub const STORE_META_KEY: &[u8] = b"store";
 
+/// Prefix of the shard leases in `Meta` (see [`crate::lease`]).
+pub const SHARD_LEASE_PREFIX: &[u8] = b"shard-lease/";
+
+/// `"shard-lease/" ‖ shard` in `Meta`.
+pub fn shard_lease_key(shard: u16) -> Vec<u8> {
+    let mut k = SHARD_LEASE_PREFIX.to_vec();
+    k.extend_from_slice(&shard.to_be_bytes());
+    k
+}
+
+/// Prefix of the members of a shared store in `Meta` (see
+/// [`crate::lease::Member`]).
+pub const MEMBER_PREFIX: &[u8] = b"member/";
+
+/// `"member/" ‖ owner` in `Meta`.
+pub fn member_key(owner: &str) -> Vec<u8> {
+    let mut k = MEMBER_PREFIX.to_vec();
+    k.extend_from_slice(owner.as_bytes());
+    k
+}
+
 /// `"parked/" ‖ run` in `Meta`.
 pub fn parked_key(run: RunId) -> Vec<u8> {
     let mut k = b"parked/".to_vec();

@@ -21,6 +21,7 @@ pub mod history;
 pub mod ids;
 pub mod keys;
 pub mod kv;
+pub mod lease;
 pub mod mem;
 pub mod pg;
 pub mod rocks;
@@ -45,6 +46,7 @@ pub use ids::{
     AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, LeaseEpoch, MessageKey, RunId, Seq,
     Step, Timestamp,
 };
+pub use lease::{Fence, Member, ShardLease};
 pub use mem::{CrashMode, MemStore, SyncedView};
 pub use pg::{PgOptions, PgStore};
 pub use rocks::{LossReport, OpenMode, RocksStore};

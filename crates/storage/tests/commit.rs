@@ -856,6 +856,7 @@ fn a_batch_with_an_invalid_append_writes_nothing() {
                     reason: "r".into(),
                 }),
             )],
+            fence: None,
         };
         let err = store.commit(batch).wait().unwrap_err();
         assert!(matches!(err, Error::UnknownRun { .. }), "{err}");
@@ -877,6 +878,7 @@ fn a_batch_with_an_invalid_append_writes_nothing() {
                 },
             ],
             parked: Vec::new(),
+            fence: None,
         };
         let err = store.commit(conflicting).wait().unwrap_err();
         assert!(
@@ -916,6 +918,7 @@ fn a_batch_with_an_invalid_append_writes_nothing() {
                     reason: "r".into(),
                 }),
             )],
+            fence: None,
         };
         let ack = store.commit(good).wait().unwrap();
         assert_eq!(ack.appends.len(), 3);
@@ -927,6 +930,7 @@ fn a_batch_with_an_invalid_append_writes_nothing() {
             .commit(CommitBatch {
                 appends: Vec::new(),
                 parked: vec![(new_run, None)],
+                fence: None,
             })
             .wait()
             .unwrap();
@@ -1038,4 +1042,84 @@ fn check_one_winner(
 #[test]
 fn racing_commits_to_one_run_have_exactly_one_winner() {
     for_each_store(race_same_run);
+}
+
+#[test]
+fn a_commit_under_a_lost_shard_lease_is_refused() {
+    // Goal: a process whose shard lease was taken over can never commit for
+    // that shard again. Method: p1 takes shard 3 and commits under its
+    // fence; after its lease ends p2 takes the shard; p1's next commit and
+    // its renewal are refused as fenced and write nothing; p2 commits.
+    let store = MemStore::new(Durability::Sync);
+    let p1 = store
+        .take_shard_lease(3, "p1", Timestamp(0), 1_000)
+        .unwrap();
+    assert_eq!(p1.epoch, 1);
+    assert!(matches!(
+        store.take_shard_lease(3, "p2", Timestamp(500), 1_000),
+        Err(Error::ShardHeld { shard: 3, .. })
+    ));
+    let run = run_id(1);
+    let fenced = |events, epoch| CommitBatch {
+        appends: vec![RunAppend {
+            run_id: run,
+            events,
+        }],
+        parked: Vec::new(),
+        fence: Some(keel_storage::Fence { shard: 3, epoch }),
+    };
+    store
+        .commit(fenced(vec![ev(1, 100, started(run, "fence", "wf"))], 1))
+        .wait()
+        .unwrap();
+    let p2 = store
+        .take_shard_lease(3, "p2", Timestamp(1_000), 1_000)
+        .unwrap();
+    assert_eq!(p2.epoch, 2);
+    let before = dump(&store);
+    let err = store
+        .commit(fenced(vec![ev(2, 1_100, signal("s", b"stale"))], 1))
+        .wait()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Fenced {
+                shard: 3,
+                epoch: 1,
+                current: Some(2)
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(dump(&store), before, "a fenced commit wrote something");
+    assert!(matches!(
+        store.renew_shard_lease(&p1, Timestamp(1_100), 1_000),
+        Err(Error::Fenced { .. })
+    ));
+    store
+        .commit(fenced(vec![ev(2, 1_200, signal("s", b"owner"))], 2))
+        .wait()
+        .unwrap();
+    // A renewal keeps the epoch; a release lets the next owner in at once.
+    let p2 = store
+        .renew_shard_lease(&p2, Timestamp(1_500), 1_000)
+        .unwrap();
+    assert_eq!((p2.epoch, p2.expires_at), (2, Timestamp(2_500)));
+    store.release_shard_lease(&p2, Timestamp(1_600)).unwrap();
+    let p3 = store
+        .take_shard_lease(3, "p3", Timestamp(1_600), 1_000)
+        .unwrap();
+    assert_eq!(p3.epoch, 3);
+    assert_eq!(store.shard_leases().unwrap(), vec![p3]);
+    assert!(store.verify().unwrap().ok);
+
+    // A store nobody leased shards of refuses a fenced commit too.
+    let dir = tempfile::tempdir().unwrap();
+    let rocks = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let err = rocks
+        .commit(fenced(vec![ev(1, 100, started(run, "fence", "wf"))], 1))
+        .wait()
+        .unwrap_err();
+    assert!(matches!(err, Error::Fenced { current: None, .. }), "{err}");
 }

@@ -80,6 +80,17 @@ impl Attempts {
     pub(super) fn len(&self) -> usize {
         self.map.len()
     }
+
+    /// Every copy delivered under a lease that has not reported yet.
+    pub(super) fn running_copies(&self) -> Vec<(AttemptKey, LeaseEpoch)> {
+        self.map
+            .iter()
+            .filter_map(|(key, a)| match a.state {
+                State::Running { epoch, .. } => Some((*key, epoch)),
+                _ => None,
+            })
+            .collect()
+    }
 }
 
 /// Why an attempt failed, for its classification.
@@ -474,6 +485,15 @@ impl Shard {
         if result.is_err() && a.stopped.contains(&epoch) {
             // A copy that was asked to stop gave up: the delivery that
             // replaced it decides.
+            return;
+        }
+        if result.is_err() && epoch.0 <= self.epoch_base {
+            // A copy an earlier owner of the shard dispatched (another
+            // process, or this one before it lost the shard and took it
+            // again): it may have been asked to stop when that owner lost
+            // the shard, so its failure is not the attempt's. The delivery
+            // made here decides. (Its success is a result like any other.)
+            tracing::debug!(run_id = %key.run, step = key.step.0, attempt = attempt.0, "a failure from an earlier owner's copy dropped");
             return;
         }
         if epoch != current {

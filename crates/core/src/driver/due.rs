@@ -28,6 +28,8 @@ pub(super) enum Due {
     Report(AttemptKey, AttemptNo),
     /// An outbox message is delivered again.
     Outbox(Vec<u8>),
+    /// An outbox delivery's answer is overdue.
+    OutboxAnswer(Vec<u8>, super::Token),
     /// A run's activation is tried again (an async child whose closure its
     /// parent has not bound yet).
     Activate(RunId),
@@ -37,6 +39,8 @@ pub(super) enum Due {
     Continuation(super::Token),
     /// A start is decided again (another run held its instance).
     Start(Box<super::requests::StartJob>),
+    /// The shard's lease is to be renewed, or has ended.
+    ShardLease,
 }
 
 #[derive(Debug, Default)]

@@ -35,6 +35,7 @@ mod describe;
 mod due;
 mod handlers;
 mod outbox;
+mod ownership;
 mod read;
 mod requests;
 mod run;
@@ -53,6 +54,10 @@ use crate::workflow::WorkflowRegistry;
 
 pub use attempts::{FAILURE_MESSAGE_BYTES_MAX, PROFILE_DEADLINE_MS_DEFAULT};
 pub use describe::{AttemptView, ChildView, MachineView, RunDescription};
+pub use ownership::{
+    shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT, SHARD_LEASE_RENEW_PERCENT,
+    SHARD_LEASE_RETRY_MS,
+};
 pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX};
 
 use attempts::Attempts;
@@ -77,21 +82,6 @@ pub const RUN_RESTARTS_MAX: u32 = 5;
 /// at fault.
 pub const RUN_UNREACHABLE_RETRY_MS: u64 = 500;
 
-/// Whether a store error says the store is out of reach for now (a
-/// database stopped, restarting or cut off), rather than anything about
-/// the data.
-pub(crate) fn store_unreachable(e: &keel_storage::Error) -> bool {
-    matches!(
-        e,
-        keel_storage::Error::Database {
-            fault: keel_storage::DatabaseFault::Lost | keel_storage::DatabaseFault::Unreachable,
-            ..
-        } | keel_storage::Error::Unwritable {
-            fault: keel_storage::WriteFault::Unreachable,
-            ..
-        }
-    )
-}
 /// How long an attempt a resilience profile refused waits before it is
 /// offered again.
 pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;
@@ -100,6 +90,11 @@ pub const PROFILE_REJECTION_RETRY_MS: u64 = 250;
 pub const DELIVERY_BACKOFF_MS_MIN: u64 = 5;
 /// See [`DELIVERY_BACKOFF_MS_MIN`].
 pub const DELIVERY_BACKOFF_MS_MAX: u64 = 5_000;
+
+/// How long an outbox delivery waits for its answer before it is
+/// delivered again (the target's process died or lost the shard with the
+/// message in hand).
+pub const OUTBOX_ANSWER_WAIT_MS: u64 = 10_000;
 
 /// Times the outbox delivers a send from workflow code again after the
 /// instance's run answered "closed" (it may have continued as new, and the
@@ -137,10 +132,27 @@ impl std::fmt::Display for ShardId {
 
 /// The shard a run belongs to, out of `shards`.
 pub fn shard_of(run: RunId, shards: u16) -> ShardId {
+    ShardId((shard_hash(run) % u64::from(shards.max(1))) as u16)
+}
+
+/// The hash [`shard_of`] reduces modulo the shard count.
+fn shard_hash(run: RunId) -> u64 {
     let b = run.as_bytes();
-    let h = u64::from_le_bytes(b[8..16].try_into().expect("16-byte id"))
-        ^ u64::from_le_bytes(b[..8].try_into().expect("16-byte id")).rotate_left(7);
-    ShardId((h % u64::from(shards.max(1))) as u16)
+    u64::from_le_bytes(b[8..16].try_into().expect("16-byte id"))
+        ^ u64::from_le_bytes(b[..8].try_into().expect("16-byte id")).rotate_left(7)
+}
+
+/// A run id made from one random word that lands on the same shard as
+/// `beside` for every shard count: an async child's run, whose closure
+/// only its parent's process can bind, so both must be owned by one
+/// process when several share the store. Keeps 64 bits of randomness.
+pub fn run_id_beside(beside: RunId, high: u64) -> RunId {
+    // `shard_hash` is the low word's bytes reversed, xored with the high
+    // word's rotated: choose the low word that gives `beside`'s hash.
+    let rotated = high.swap_bytes().rotate_left(7);
+    let id = RunId::from_u64_pair(high, (shard_hash(beside) ^ rotated).swap_bytes());
+    debug_assert_eq!(shard_hash(id), shard_hash(beside));
+    id
 }
 
 /// A run id made from two random words that lands on `shard` (of
@@ -654,6 +666,13 @@ pub enum ShardInput {
     /// from a failed commit: an answer that arrives late must not flip a
     /// healthy view back.
     StoreHealth(keel_storage::StoreHealth),
+    /// The renewal asked for with [`Action::RenewLease`], done: the lease
+    /// as renewed, or why not ([`keel_storage::Error::Fenced`]: another
+    /// process took the shard).
+    LeaseRenewed {
+        /// The store's answer.
+        result: Result<keel_storage::ShardLease, StoreError>,
+    },
     /// The fallback asked for with [`Action::RunFallback`], done.
     FallbackDone {
         /// The execution.
@@ -765,6 +784,27 @@ pub enum Action {
         /// The event it depends on.
         cause: Cause,
     },
+    /// Renew the shard's lease in the store; answer with
+    /// [`ShardInput::LeaseRenewed`].
+    RenewLease {
+        /// The lease as the shard holds it.
+        lease: keel_storage::ShardLease,
+    },
+    /// Release the shard's lease in the store, so another process takes
+    /// the shard at once (after [`Shard::release`]); nothing answers.
+    ReleaseLease {
+        /// The lease as the shard held it.
+        lease: keel_storage::ShardLease,
+    },
+    /// The shard lost its lease and stopped (see [`Shard::hold`]): perform
+    /// the actions before this one, then drop the shard; another process
+    /// owns its runs now, or will once the lease can be taken.
+    ShardLost {
+        /// The shard.
+        shard: ShardId,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A deliberately broken driver, for the simulator to prove that its checks
@@ -791,17 +831,21 @@ pub enum BreakMode {
     /// A query is answered while the run's commits are in flight: it can
     /// show state that is not durable yet.
     QuerySpeculative,
+    /// Commits carry no shard fence: a process that lost its shard's
+    /// lease while a commit was on its way still writes it.
+    SkipFence,
 }
 
 impl BreakMode {
     /// Every mode.
-    pub const ALL: [BreakMode; 6] = [
+    pub const ALL: [BreakMode; 7] = [
         BreakMode::NoAttemptDedupe,
         BreakMode::EffectBeforeCommit,
         BreakMode::LoseUnsyncedAck,
         BreakMode::SkipClosePolicy,
         BreakMode::RedeliverSameEpoch,
         BreakMode::QuerySpeculative,
+        BreakMode::SkipFence,
     ];
 
     /// The `--break` name.
@@ -813,6 +857,7 @@ impl BreakMode {
             BreakMode::SkipClosePolicy => "skip-close-policy",
             BreakMode::RedeliverSameEpoch => "redeliver-same-epoch",
             BreakMode::QuerySpeculative => "query-speculative",
+            BreakMode::SkipFence => "skip-fence",
         }
     }
 }
@@ -856,6 +901,9 @@ pub struct DriverConfig {
     /// attempt timeout, retry policy, classifier and fallback switch; the
     /// host admits attempts through them.
     pub profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
+    /// How long a shard lease lasts unless renewed, when the store is
+    /// shared by several processes (see [`Shard::hold`]).
+    pub shard_lease_ms: u64,
     /// A deliberately broken driver (simulator only).
     pub breaks: Option<BreakMode>,
 }
@@ -867,6 +915,7 @@ impl std::fmt::Debug for DriverConfig {
             .field("run_cache_max", &self.run_cache_max)
             .field("lease_ms_default", &self.lease_ms_default)
             .field("worker_concurrency_max", &self.worker_concurrency_max)
+            .field("shard_lease_ms", &self.shard_lease_ms)
             .field("profiles", &self.profiles.keys().collect::<Vec<_>>())
             .field("breaks", &self.breaks)
             .finish()
@@ -881,6 +930,7 @@ impl Default for DriverConfig {
             lease_ms_default: LEASE_MS_DEFAULT,
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
             profiles: BTreeMap::new(),
+            shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
             breaks: None,
         }
     }
@@ -941,6 +991,9 @@ pub struct Shard {
     now: Timestamp,
     next_token: u64,
     next_epoch: u64,
+    /// The epoch base this shard started from: a copy under a lower epoch
+    /// was dispatched by an earlier owner of the shard.
+    epoch_base: u64,
     actions: VecDeque<Action>,
     due: DueQueue,
     runs: BTreeMap<RunId, RunSlot>,
@@ -962,6 +1015,12 @@ pub struct Shard {
     shut_down: bool,
     /// Whether the store accepts writes, as last learned.
     store_health: keel_storage::StoreHealth,
+    /// The shard's lease on a shared store (see [`Shard::hold`]).
+    lease: Option<keel_storage::ShardLease>,
+    /// A renewal is in flight.
+    renewing: bool,
+    /// The lease was lost: the shard does nothing more.
+    lost: bool,
 }
 
 impl std::fmt::Debug for Shard {
@@ -991,8 +1050,12 @@ impl Shard {
             config,
             workflows,
             now: Timestamp(0),
-            next_token: 0,
+            // Tokens start where epochs do: an answer meant for an earlier
+            // instance of this shard (one that lost its lease in this
+            // process, which took the shard again) matches nothing here.
+            next_token: epoch_base,
             next_epoch: epoch_base,
+            epoch_base,
             actions: VecDeque::new(),
             due: DueQueue::default(),
             runs: BTreeMap::new(),
@@ -1008,6 +1071,9 @@ impl Shard {
             outbox: Outbox::default(),
             shut_down: false,
             store_health: keel_storage::StoreHealth::Healthy,
+            lease: None,
+            renewing: false,
+            lost: false,
         }
     }
 
@@ -1040,6 +1106,9 @@ impl Shard {
     /// Feeds one input at time `now`.
     pub fn handle(&mut self, now: Timestamp, input: ShardInput) {
         self.now = self.now.max(now);
+        if self.lease_ended() {
+            return;
+        }
         match input {
             ShardInput::Request { id, request } => self.request(id, request),
             ShardInput::Message(m) => self.message(m),
@@ -1065,6 +1134,7 @@ impl Shard {
                 result,
             } => self.fallback_done(key, attempt, result),
             ShardInput::StoreHealth(health) => self.store_health_changed(health),
+            ShardInput::LeaseRenewed { result } => self.lease_renewed(result),
         }
         self.passivate();
     }
@@ -1094,7 +1164,7 @@ impl Shard {
         let refusal = Refusal::Unavailable(self.store_health.to_string());
         if self.store_health.is_failed() {
             tracing::error!(shard = %self.id, health = %self.store_health, "the store failed for good; the shard stops");
-            self.stop_answering(refusal);
+            self.stop_answering(Answer::Refused(refusal));
             return;
         }
         if was_healthy {
@@ -1136,7 +1206,13 @@ impl Shard {
     /// Runs everything due at `now`.
     pub fn handle_timeout(&mut self, now: Timestamp) {
         self.now = self.now.max(now);
+        if self.lease_ended() {
+            return;
+        }
         while let Some(due) = self.due.pop(self.now) {
+            if self.lost {
+                return;
+            }
             match due {
                 Due::Timer(run, step) => self.fire_timer(run, step),
                 Due::Task(key, attempt) => self.task_due(key, attempt),
@@ -1144,12 +1220,14 @@ impl Shard {
                 Due::StartDeadline(key, attempt) => self.start_deadline(key, attempt),
                 Due::Report(key, attempt) => self.report_again(key, attempt),
                 Due::Outbox(key) => self.deliver_outbox(&key),
+                Due::OutboxAnswer(key, token) => self.outbox_unanswered(&key, token),
                 Due::Activate(run) => self.retry_activation(run),
                 Due::Intents(run) => {
                     self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
                 }
                 Due::Continuation(token) => self.continuation_check(token),
                 Due::Start(job) => self.start_again(*job),
+                Due::ShardLease => self.lease_due(),
             }
         }
         self.passivate();
@@ -1163,11 +1241,11 @@ impl Shard {
     /// Stops: every client still waiting is answered that the engine shuts
     /// down; nothing more is started.
     pub fn shutdown(&mut self) {
-        self.stop_answering(Refusal::Shutdown);
+        self.stop_answering(Answer::Refused(Refusal::Shutdown));
     }
 
-    /// Stops, answering every waiting client with `refusal`.
-    fn stop_answering(&mut self, refusal: Refusal) {
+    /// Stops, answering every waiting client with `answer`.
+    fn stop_answering(&mut self, answer: Answer) {
         self.shut_down = true;
         let mut clients = Vec::new();
         for slot in self.runs.values_mut() {
@@ -1213,7 +1291,7 @@ impl Shard {
         for id in clients {
             self.actions.push_back(Action::Reply {
                 id,
-                answer: Answer::Refused(refusal.clone()),
+                answer: answer.clone(),
                 cause: None,
             });
         }
@@ -1324,6 +1402,12 @@ impl Shard {
     }
 
     fn commit_done(&mut self, token: Token, result: Result<CommitAck, StoreError>) {
+        if let Err(e @ StoreError::Fenced { .. }) = &result {
+            // Another process owns the shard: nothing here is current.
+            let reason = e.to_string();
+            self.lose(reason);
+            return;
+        }
         match self.commits.remove(&token) {
             Some(CommitFor::Run(run)) => self.run_committed(run, token, result),
             Some(CommitFor::Marker(run)) => self.marker_committed(run, token, result),
@@ -1443,6 +1527,19 @@ mod shard_tests {
             let shard = ShardId(pick % shards);
             let id = run_id_on_shard(high, low, shard, shards);
             prop_assert_eq!(shard_of(id, shards), shard);
+        }
+
+        #[test]
+        fn a_run_id_made_beside_another_shares_its_shard(
+            a in any::<u64>(),
+            b in any::<u64>(),
+            high in any::<u64>(),
+            shards in 1u16..=u16::MAX,
+        ) {
+            let parent = RunId::from_u64_pair(a, b);
+            let child = run_id_beside(parent, high);
+            prop_assert_eq!(shard_of(child, shards), shard_of(parent, shards));
+            prop_assert_eq!(&child.as_bytes()[..8], &high.to_be_bytes()[..], "the random word is kept");
         }
     }
 }

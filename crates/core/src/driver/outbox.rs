@@ -140,6 +140,10 @@ impl Shard {
         if let Some(row) = self.outbox.rows.get_mut(key) {
             row.awaiting = Some(token);
         }
+        // The target's process may die or lose its shard with the message
+        // in hand: without an answer in time, it is delivered again.
+        let at = self.now.plus_ms(super::OUTBOX_ANSWER_WAIT_MS);
+        self.due.push(at, Due::OutboxAnswer(key.to_vec(), token));
         let reply = ReplyTo::Shard(self.id, token);
         match msg {
             OutboxMessage::StartChild {
@@ -266,6 +270,22 @@ impl Shard {
             },
             cause,
         });
+    }
+
+    /// No answer came to the delivery `token` of row `key` in time: unless
+    /// one came since, the row is delivered again (durable ids make the
+    /// repeat harmless if the first one arrived after all).
+    pub(super) fn outbox_unanswered(&mut self, key: &[u8], token: Token) {
+        let Some(row) = self.outbox.rows.get_mut(key) else {
+            return;
+        };
+        if row.awaiting != Some(token) {
+            return;
+        }
+        row.awaiting = None;
+        self.outbox.pending.remove(&token);
+        tracing::debug!(shard = %self.id, "an outbox delivery was not answered in time; delivering it again");
+        self.deliver_outbox(key);
     }
 
     /// An answer from a shard to a message this shard sent.

@@ -482,6 +482,7 @@ impl Shard {
                 events: vec![started],
             }],
             parked: vec![(run, Some(info))],
+            fence: None,
         };
         self.commit_batch(run, batch, Origin::Start(Box::new(job)), true);
     }

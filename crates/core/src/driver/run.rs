@@ -16,10 +16,10 @@ use keel_storage::{
 };
 
 use super::{
-    Action, Answer, BreakMode, Cause, CommitFor, Due, Origin, ReadFor, ReadQuery, ReadResult,
-    Refusal, ReplyTo, RequestId, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS,
-    ASYNC_BIND_TRIES_MAX, CONTINUATION_CHECKS_MAX, CONTINUATION_CHECK_MS,
-    RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX, RUN_RESTARTS_MAX,
+    Answer, BreakMode, Cause, CommitFor, Due, Origin, ReadFor, ReadQuery, ReadResult, Refusal,
+    ReplyTo, RequestId, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS, ASYNC_BIND_TRIES_MAX,
+    CONTINUATION_CHECKS_MAX, CONTINUATION_CHECK_MS, RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX,
+    RUN_RESTARTS_MAX,
 };
 use crate::concurrency::ASYNC_WORKFLOW_TYPE;
 use crate::machine::{Input, MachineError, RunMachine, Verdict};
@@ -217,6 +217,7 @@ impl Shard {
                                 events: vec![event],
                             }],
                             parked: vec![(run, None)],
+                            fence: None,
                         };
                         self.commit_batch(run, batch, origin, false);
                     }
@@ -366,7 +367,12 @@ impl Shard {
     }
 
     pub(super) fn retry_activation(&mut self, run: RunId) {
-        if self.runs.get(&run).is_some_and(|s| !s.waiting.is_empty()) {
+        // Inputs, or a resume, wait for the activation.
+        if self
+            .runs
+            .get(&run)
+            .is_some_and(|s| !s.waiting.is_empty() || !s.resuming.is_empty())
+        {
             self.activate(run);
         }
     }
@@ -384,7 +390,7 @@ impl Shard {
         let (history, marker) = match result {
             Ok(ReadResult::History(h, marker)) => (h, marker),
             Ok(_) => return,
-            Err(e) if super::store_unreachable(&e) => {
+            Err(e) if e.is_transient() => {
                 // The database is away, not the history at fault: the
                 // inputs wait and the history is read again later.
                 tracing::debug!(%run, error = %e, "history unreachable; reading it again later");
@@ -684,7 +690,7 @@ impl Shard {
             completed,
             sent,
         });
-        self.actions.push_back(Action::Commit { token, batch });
+        self.push_commit(token, batch);
     }
 
     /// A run's commit was answered (commit path steps 5 and 6).
@@ -740,7 +746,7 @@ impl Shard {
                     slot.phase = Phase::Idle;
                 }
                 tracing::debug!(%run, error = %e, "commit failed; the run replays on its next input");
-                if matches!(e, StoreError::Database { .. }) {
+                if e.outcome_unknown() {
                     // The commit may have been written (the database went
                     // away with it in flight): the intent rows it would
                     // have handed over are read back and driven, as at
@@ -925,8 +931,9 @@ impl Shard {
         let batch = CommitBatch {
             appends: Vec::new(),
             parked: vec![(run, info)],
+            fence: None,
         };
-        self.actions.push_back(Action::Commit { token, batch });
+        self.push_commit(token, batch);
     }
 
     /// Answers once the run's park marker being committed is durable.

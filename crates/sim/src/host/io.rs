@@ -10,8 +10,8 @@ use super::{Ev, Pending, World, SLOW_SYNC_MS_MAX, STORE_STOP_MS_MAX, SYNC_MS_MAX
 use crate::fault::FaultKind;
 
 impl World<'_> {
-    pub(super) fn perform(&mut self, shard: ShardId, action: Action) {
-        let inc = Some(self.process.inc);
+    pub(super) fn perform(&mut self, p: usize, shard: ShardId, action: Action) {
+        let inc = self.processes[p].inc;
         match action {
             Action::Read { token, query } => {
                 // Readers see what is durable (RocksDB in Sync mode shows a
@@ -23,14 +23,29 @@ impl World<'_> {
                     self.check_listed(filter, page);
                 }
                 let at = self.now + self.ms(0, 1);
-                self.input_at(at, inc, shard, ShardInput::Read { token, result });
+                self.pinned_at(at, inc, shard, ShardInput::Read { token, result });
             }
-            Action::Commit { token, batch } => self.commit(shard, token, batch),
+            Action::Commit { token, batch } => {
+                // Several processes: one may freeze with this commit
+                // decided and not yet sent, or be killed.
+                if self.may_pause() && self.fault(FaultKind::ProcessPause) {
+                    self.pause(p, shard, Action::Commit { token, batch });
+                    return;
+                }
+                if self.shared()
+                    && self.crashes < super::CRASHES_MAX
+                    && self.fault(FaultKind::ProcessKill)
+                {
+                    let at = self.now + self.ms(0, 3);
+                    self.at(at, Ev::ProcessKill { p });
+                }
+                self.commit(p, shard, token, batch)
+            }
             Action::RunAttempt { order, cause } => {
                 self.effect(cause, "dispatch an attempt");
-                self.run_attempt(shard, order);
+                self.run_attempt(p, shard, order);
             }
-            Action::StopAttempt { key, epoch } => self.stop_attempt(shard, key, epoch),
+            Action::StopAttempt { key, epoch } => self.stop_attempt(p, shard, key, epoch),
             Action::RunFallback {
                 key,
                 attempt,
@@ -45,7 +60,7 @@ impl World<'_> {
                     .and_then(|m| m.fallback.as_ref())
                     .and_then(|f| f(&input, &failure));
                 let at = self.now + self.ms(0, 5);
-                self.input_at(
+                self.pinned_at(
                     at,
                     inc,
                     shard,
@@ -58,11 +73,44 @@ impl World<'_> {
             }
             Action::Send { to, message, cause } => {
                 self.effect(cause, "send a message");
-                self.send(to, message);
+                self.send(inc, to, message);
             }
             Action::Reply { id, answer, cause } => {
                 self.effect(cause, "answer a client");
                 self.reply(id, answer);
+            }
+            Action::RenewLease { lease } => {
+                let now = keel_storage::Timestamp(self.now);
+                let result = self
+                    .store
+                    .renew_shard_lease(&lease, now, self.config.shard_lease_ms);
+                if let Err(e) = &result {
+                    self.log(format_args!("{shard} of {} cannot renew: {e}", lease.owner));
+                }
+                let at = self.now + self.ms(0, 2);
+                self.pinned_at(at, inc, shard, ShardInput::LeaseRenewed { result });
+            }
+            Action::ReleaseLease { lease } => {
+                self.released += 1;
+                self.released_pending.insert((p, shard));
+                let now = keel_storage::Timestamp(self.now);
+                if let Err(e) = self.store.release_shard_lease(&lease, now) {
+                    self.log(format_args!("{shard} cannot be released: {e}"));
+                }
+            }
+            Action::ShardLost { shard, reason } => {
+                if self.released_pending.remove(&(p, shard)) {
+                    // Given up, not lost.
+                } else {
+                    self.fenced += 1;
+                }
+                let pname = self.processes[p].name.clone();
+                self.log(format_args!(
+                    "{shard} leaves process {p} ({}): {reason}",
+                    pname
+                ));
+                self.processes[p].shards.remove(&shard);
+                self.processes[p].wakes.remove(&shard);
             }
         }
     }
@@ -77,7 +125,7 @@ impl World<'_> {
 
     /// Delivers a message between shards, with the network's latency;
     /// `outbox-redelivery` delivers it twice.
-    fn send(&mut self, to: ShardId, message: Message) {
+    fn send(&mut self, inc: u32, to: ShardId, message: Message) {
         match &message {
             Message::Start { spec, then, .. } => {
                 self.outbox_messages += 1;
@@ -98,7 +146,7 @@ impl World<'_> {
                 ));
             }
         }
-        let inc = Some(self.process.inc);
+        let inc = Some(inc);
         if self.fault(FaultKind::OutboxRedelivery) {
             let at = self.now + self.ms(1, 500);
             self.input_at(at, inc, to, ShardInput::Message(message.clone()));
@@ -109,7 +157,7 @@ impl World<'_> {
 
     /// Commit path step 4 on the simulated store: written at once, answered
     /// after the group's sync.
-    fn commit(&mut self, shard: ShardId, token: Token, batch: CommitBatch) {
+    fn commit(&mut self, p: usize, shard: ShardId, token: Token, batch: CommitBatch) {
         if self.fault(FaultKind::CommitFailure) {
             let n = self.rng.random_range(1..=3);
             self.store.fail_next_commits(n);
@@ -129,13 +177,14 @@ impl World<'_> {
             .iter()
             .map(|a| (a.run_id, a.events.clone()))
             .collect();
-        let inc = Some(self.process.inc);
+        let inc = self.processes[p].inc;
         let result = match self.store_health().error() {
             Some(e) => Err(e),
             None => self.store.commit(batch),
         };
         match result {
             Ok(ack) => {
+                self.check_owner(p, shard);
                 self.commits += 1;
                 for (run, es) in &events {
                     self.events += es.len() as u64;
@@ -148,21 +197,20 @@ impl World<'_> {
                         ));
                     }
                 }
-                self.process.group.push(Pending {
+                self.processes[p].group.push(Pending {
                     shard,
                     token,
                     ack,
                     events,
                 });
-                if !self.process.flush_scheduled {
-                    self.process.flush_scheduled = true;
+                if !self.processes[p].flush_scheduled {
+                    self.processes[p].flush_scheduled = true;
                     let sync_ms = if self.rng.random_bool(0.1) {
                         self.ms(5, SLOW_SYNC_MS_MAX)
                     } else {
                         self.ms(0, SYNC_MS_MAX)
                     };
                     let at = self.now + sync_ms;
-                    let inc = self.process.inc;
                     self.at(at, Ev::Flush { inc });
                 }
                 if self.fault(FaultKind::EngineCrash) && self.crashes < super::CRASHES_MAX {
@@ -178,7 +226,7 @@ impl World<'_> {
                     self.log(format_args!("commit refused: {e}"));
                 }
                 let at = self.now + self.ms(0, 1);
-                self.input_at(
+                self.pinned_at(
                     at,
                     inc,
                     shard,
@@ -193,27 +241,73 @@ impl World<'_> {
 
     /// The group commit: one sync, then every waiting commit is answered in
     /// order.
-    pub(super) fn flush(&mut self) {
-        self.process.flush_scheduled = false;
+    pub(super) fn flush(&mut self, p: usize) {
+        self.processes[p].flush_scheduled = false;
         if let Err(e) = self.store.sync() {
             self.log(format_args!("sync failed: {e}"));
             return;
         }
-        let group = std::mem::take(&mut self.process.group);
+        let group = std::mem::take(&mut self.processes[p].group);
         if !group.is_empty() {
             self.log(format_args!("group sync answers {} commits", group.len()));
         }
-        for p in group {
-            for (run, events) in &p.events {
+        for pending in group {
+            for (run, events) in &pending.events {
                 self.checker.durable(*run, events, self.now);
             }
             self.feed(
-                p.shard,
+                p,
+                pending.shard,
                 ShardInput::Committed {
-                    token: p.token,
-                    result: Ok(p.ack),
+                    token: pending.token,
+                    result: Ok(pending.ack),
                 },
             );
+        }
+    }
+
+    /// Whether process `p` holds `shard` under a lease that is no longer
+    /// the shard's (several processes only).
+    pub(super) fn stale_owner(&self, p: usize, shard: ShardId) -> bool {
+        if !self.shared() {
+            return false;
+        }
+        let held = self.processes[p]
+            .shards
+            .get(&shard)
+            .and_then(|s| s.lease().map(|l| l.epoch));
+        let current = self
+            .store
+            .shard_leases()
+            .ok()
+            .and_then(|ls| ls.into_iter().find(|l| l.shard == shard.0))
+            .map(|l| l.epoch);
+        held.is_none() || held != current
+    }
+
+    /// A commit was written for `shard` by process `p`: with several
+    /// processes, `p` must hold the shard's current lease (the fence is
+    /// what guarantees it; `--break skip-fence` removes it).
+    fn check_owner(&mut self, p: usize, shard: ShardId) {
+        if !self.shared() {
+            return;
+        }
+        let held = self.processes[p]
+            .shards
+            .get(&shard)
+            .and_then(|s| s.lease().map(|l| l.epoch));
+        let current = self
+            .store
+            .shard_leases()
+            .ok()
+            .and_then(|ls| ls.into_iter().find(|l| l.shard == shard.0));
+        if held.is_none() || held != current.as_ref().map(|l| l.epoch) {
+            let detail = format!(
+                "process {p} ({}) committed for {shard} under epoch {held:?}, but the shard's lease is {}",
+                self.processes[p].name,
+                current.map_or("missing".to_string(), |l| format!("epoch {} of {}", l.epoch, l.owner))
+            );
+            self.violation(crate::check::ViolationKind::FencedCommit, detail);
         }
     }
 }

@@ -25,8 +25,10 @@ mod workers;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use std::collections::VecDeque;
+
 use keel_core::driver::{
-    AttemptKey, BreakMode, DriverConfig, RequestId, Shard, ShardId, ShardInput,
+    Action, AttemptKey, BreakMode, DriverConfig, RequestId, Shard, ShardId, ShardInput,
 };
 use keel_core::WorkflowRegistry;
 use keel_resilience::{Clock, CompiledPipeline, ManualClock};
@@ -90,6 +92,14 @@ const ATTEMPT_FAULTS_MAX: u32 = keel_core::driver::LEASE_REDELIVERIES_MAX - 1;
 /// default is a minute; a second keeps simulated expiries cheap).
 const LEASE_MS: u64 = 1_000;
 
+/// A shard's lease when several processes share the store (the engine's
+/// default is five seconds; a second keeps simulated takeovers cheap).
+const SHARD_LEASE_MS: u64 = 1_000;
+/// How often a process of several looks for shards to take.
+const LOOK_MS: u64 = 250;
+/// Pauses of a process per seed at most.
+const PAUSES_MAX: u32 = 6;
+
 /// A client's `result` request waits this long for the run to close
 /// before it asks again (the wait is lost when the engine crashes).
 const RESULT_WAIT_MS: u64 = 5_000;
@@ -130,10 +140,14 @@ enum Ev {
         answer: keel_core::driver::Answer,
     },
     /// An input reaches a shard; `inc` is the process incarnation it was
-    /// sent from, if it came from inside the engine process (it is lost
+    /// sent from, if it came from inside an engine process (it is lost
     /// with that process), `None` from outside (clients, stray workers).
+    /// A `pinned` input (the answer to an action of that process, a report
+    /// from its own worker) goes to that incarnation's shard; any other
+    /// goes to whichever process owns the shard when it arrives.
     Input {
         inc: Option<u32>,
+        pinned: bool,
         shard: ShardId,
         input: Box<ShardInput>,
     },
@@ -163,6 +177,25 @@ enum Ev {
     },
     EngineCrash,
     EngineRestart,
+    /// One process of several dies (its memory, copies and group are
+    /// lost; the store is a database that lives on).
+    ProcessKill {
+        p: usize,
+    },
+    /// A process started again, as a new incarnation.
+    ProcessRestart {
+        p: usize,
+    },
+    /// A frozen process wakes up and carries on where it stopped.
+    ProcessWake {
+        p: usize,
+        inc: u32,
+    },
+    /// A process of several looks for shards to take.
+    Look {
+        p: usize,
+        inc: u32,
+    },
     /// Space is freed: the stopped store accepts writes again.
     StoreResume,
 }
@@ -204,17 +237,44 @@ struct Pending {
     events: Vec<(RunId, Vec<Event>)>,
 }
 
-/// The engine process: its shards and what it holds in memory. A crash
+/// An engine process: its shards and what it holds in memory. A crash
 /// loses all of it.
 struct Process {
     up: bool,
+    /// Its incarnation, unique over every process of the simulation.
     inc: u32,
-    shards: Vec<Shard>,
+    /// Its name as a lease owner (several processes only).
+    name: String,
+    /// The workflows, with this process's async closures.
+    workflows: WorkflowRegistry,
+    shards: BTreeMap<ShardId, Shard>,
     /// The wake-up each shard has asked for and the host has queued.
-    wakes: Vec<Option<u64>>,
+    wakes: BTreeMap<ShardId, u64>,
     group: Vec<Pending>,
     flush_scheduled: bool,
     copies: BTreeMap<CopyId, Copy>,
+    /// Frozen (a stop-the-world pause, a `kill -STOP`) until then.
+    paused_until: Option<u64>,
+    /// Actions it was about to perform when it froze.
+    stash: VecDeque<(ShardId, Action)>,
+}
+
+impl Process {
+    fn down(inc: u32, workflows: &WorkflowRegistry) -> Self {
+        Process {
+            up: false,
+            inc,
+            name: String::new(),
+            workflows: workflows.with_fresh_closures(),
+            shards: BTreeMap::new(),
+            wakes: BTreeMap::new(),
+            group: Vec::new(),
+            flush_scheduled: false,
+            copies: BTreeMap::new(),
+            paused_until: None,
+            stash: VecDeque::new(),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -245,6 +305,9 @@ pub(crate) struct WorldResult {
     pub(crate) crashes: u32,
     pub(crate) outbox_messages: u64,
     pub(crate) shards: u16,
+    pub(crate) takeovers: u32,
+    pub(crate) fenced: u32,
+    pub(crate) released: u32,
     pub(crate) firings: Vec<(FaultKind, u32)>,
 }
 
@@ -260,6 +323,8 @@ pub(crate) struct Setup<'a> {
     pub(crate) keep_trace: bool,
     /// Only these fault firings happen (shrinking), when given.
     pub(crate) firings: Option<&'a Firings>,
+    /// Engine processes sharing the store (1: no shard leases).
+    pub(crate) processes: usize,
 }
 
 /// A resilience profile as the simulator builds it for each execution (on
@@ -275,7 +340,9 @@ pub(crate) struct World<'a> {
     next_ev: u64,
     rng: ChaCha8Rng,
     store: SimStore,
-    process: Process,
+    processes: Vec<Process>,
+    /// The last incarnation handed out.
+    last_inc: u32,
     config: DriverConfig,
     clock: Arc<ManualClock>,
     workers: Vec<u32>,
@@ -303,6 +370,15 @@ pub(crate) struct World<'a> {
     store_stopped_until: Option<u64>,
     /// How many times the store stopped.
     store_stops: u32,
+    /// Shards taken from an earlier owner (several processes).
+    takeovers: u32,
+    /// Shards that stopped because they lost their lease.
+    fenced: u32,
+    /// Shards given up for another process to take (a rebalance).
+    released: u32,
+    /// Shards given up whose `ShardLost` is still to come.
+    released_pending: std::collections::BTreeSet<(usize, ShardId)>,
+    pauses: u32,
 }
 
 impl<'a> World<'a> {
@@ -329,7 +405,11 @@ impl<'a> World<'a> {
         // limits small enough that passivation and queueing happen.
         let mut shape = rng.clone();
         shape.set_stream(4);
-        let shards = shape.random_range(1..=3u16);
+        let shards = if setup.processes > 1 {
+            shape.random_range(2..=6u16)
+        } else {
+            shape.random_range(1..=3u16)
+        };
         let clock = Arc::new(ManualClock::new());
         let profiles = setup
             .profiles
@@ -346,19 +426,16 @@ impl<'a> World<'a> {
             lease_ms_default: LEASE_MS,
             worker_concurrency_max: shape.random_range(2..=16),
             profiles,
+            shard_lease_ms: SHARD_LEASE_MS,
             breaks: setup.breaks,
         };
         let _ = rng.next_u64();
+        let processes = (0..setup.processes)
+            .map(|_| Process::down(0, setup.workflows))
+            .collect();
         let mut w = World {
-            process: Process {
-                up: true,
-                inc: 0,
-                shards: Vec::new(),
-                wakes: Vec::new(),
-                group: Vec::new(),
-                flush_scheduled: false,
-                copies: BTreeMap::new(),
-            },
+            processes,
+            last_inc: 0,
             setup,
             now: 0,
             queue: BTreeMap::new(),
@@ -386,8 +463,15 @@ impl<'a> World<'a> {
             epochs: BTreeMap::new(),
             store_stopped_until: None,
             store_stops: 0,
+            takeovers: 0,
+            fenced: 0,
+            released: 0,
+            released_pending: Default::default(),
+            pauses: 0,
         };
-        w.boot();
+        for p in 0..w.processes.len() {
+            w.boot(p);
+        }
         w
     }
 
@@ -398,16 +482,56 @@ impl<'a> World<'a> {
         self.queue.insert((at.max(self.now), self.next_ev), ev);
     }
 
-    /// Queues an input for a shard at `at`.
+    /// Queues an input for shard `shard` of whichever process owns it
+    /// when it arrives; `inc` is the sender's incarnation (lost with it).
     fn input_at(&mut self, at: u64, inc: Option<u32>, shard: ShardId, input: ShardInput) {
         self.at(
             at,
             Ev::Input {
                 inc,
+                pinned: false,
                 shard,
                 input: Box::new(input),
             },
         );
+    }
+
+    /// Queues an input for shard `shard` of incarnation `inc` itself (an
+    /// answer to its own action, a report of its own worker).
+    fn pinned_at(&mut self, at: u64, inc: u32, shard: ShardId, input: ShardInput) {
+        self.at(
+            at,
+            Ev::Input {
+                inc: Some(inc),
+                pinned: true,
+                shard,
+                input: Box::new(input),
+            },
+        );
+    }
+
+    /// The process running incarnation `inc`, if it is up.
+    fn live(&self, inc: u32) -> Option<usize> {
+        self.processes.iter().position(|p| p.up && p.inc == inc)
+    }
+
+    /// The process that owns `shard` now: the one up holding it under the
+    /// newest lease (a process frozen past its lease may still hold an
+    /// older one in memory).
+    fn owner(&self, shard: ShardId) -> Option<usize> {
+        self.processes
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.up)
+            .filter_map(|(i, p)| p.shards.get(&shard).map(|s| (i, s)))
+            .filter(|(_, s)| !s.lost())
+            .max_by_key(|(_, s)| s.lease().map_or(0, |l| l.epoch))
+            .map(|(i, _)| i)
+    }
+
+    /// Whether several processes share the store (shard leases on).
+    fn shared(&self) -> bool {
+        self.processes.len() > 1
     }
 
     fn log(&mut self, args: std::fmt::Arguments<'_>) {
@@ -466,10 +590,6 @@ impl<'a> World<'a> {
         )
     }
 
-    fn shard_index(shard: ShardId) -> usize {
-        usize::from(shard.0)
-    }
-
     // ----- the main loop ----------------------------------------------
 
     pub(crate) fn run(mut self) -> WorldResult {
@@ -486,8 +606,16 @@ impl<'a> World<'a> {
         }
         let deadline = self.fault_until + LIVENESS_MS;
         let mut steps = 0u64;
+        let mut quiet_checked = 0;
         while let Some(((t, _), ev)) = self.queue.pop_first() {
-            if t > self.now + QUIET_GAP_MS && self.quiescent() {
+            // Several processes look for shards every `LOOK_MS`, so virtual
+            // time never jumps: whether all is done is checked as often.
+            let check =
+                t > self.now + QUIET_GAP_MS || (self.shared() && t >= quiet_checked + QUIET_GAP_MS);
+            if check {
+                quiet_checked = t;
+            }
+            if check && self.quiescent() && !(self.shared() && self.intents_left()) {
                 let left = self.queue.len() + 1;
                 self.log(format_args!("quiescent; {left} queued events left"));
                 break;
@@ -533,8 +661,9 @@ impl<'a> World<'a> {
     /// Nothing left to do: the engine is up with nothing waiting to be
     /// acknowledged, every client request is answered, and no run is open.
     fn quiescent(&self) -> bool {
-        self.process.up
-            && self.process.group.is_empty()
+        self.processes
+            .iter()
+            .all(|p| p.up && p.paused_until.is_none() && p.group.is_empty())
             && self.clients.iter().all(|c| {
                 c.started && c.done.iter().all(|d| *d) && c.result.is_some() && c.described
             })
@@ -547,6 +676,19 @@ impl<'a> World<'a> {
                         .limit(1),
                 )
                 .is_ok_and(|r| r.is_empty())
+    }
+
+    /// Whether an intent row (a pending attempt, a timer, an outbox
+    /// message) is still in the store. With several processes virtual
+    /// time never jumps, so the end is when the work is gone.
+    fn intents_left(&self) -> bool {
+        let store = self.store.store();
+        !store.tasks(1).unwrap_or_default().is_empty()
+            || !store
+                .due_timers(keel_storage::Timestamp(u64::MAX), 1)
+                .unwrap_or_default()
+                .is_empty()
+            || !store.outbox(1).unwrap_or_default().is_empty()
     }
 
     fn step(&mut self, ev: Ev) {
@@ -567,25 +709,76 @@ impl<'a> World<'a> {
                 try_no,
                 answer,
             } => self.client_reply(plan, op, try_no, answer),
-            Ev::Input { inc, shard, input } => {
-                if !self.process.up || inc.is_some_and(|i| i != self.process.inc) {
-                    self.log(format_args!("lost with the engine: {input:?}"));
+            Ev::Input {
+                inc,
+                pinned,
+                shard,
+                input,
+            } => {
+                if inc.is_some_and(|i| self.live(i).is_none()) {
+                    self.log(format_args!("lost with its process: {input:?}"));
                     return;
                 }
-                self.feed(shard, *input);
+                let to = match (pinned, inc) {
+                    (true, Some(i)) => self.live(i),
+                    _ => self.owner(shard),
+                };
+                let Some(p) = to else {
+                    self.log(format_args!("no process owns {shard}; lost: {input:?}"));
+                    return;
+                };
+                if let Some(until) = self.processes[p].paused_until {
+                    let ev = Ev::Input {
+                        inc,
+                        pinned,
+                        shard,
+                        input,
+                    };
+                    self.at(until, ev);
+                    return;
+                }
+                if !self.processes[p].shards.contains_key(&shard) {
+                    self.log(format_args!("{shard} left its process; lost: {input:?}"));
+                    return;
+                }
+                self.feed(p, shard, *input);
             }
             Ev::Wake { inc, shard } => {
-                if inc == self.process.inc && self.process.up {
-                    let i = Self::shard_index(shard);
-                    self.process.wakes[i] = None;
-                    let now = keel_storage::Timestamp(self.now);
-                    self.process.shards[i].handle_timeout(now);
+                let Some(p) = self.live(inc) else {
+                    return;
+                };
+                if let Some(until) = self.processes[p].paused_until {
+                    self.at(until, Ev::Wake { inc, shard });
+                    return;
+                }
+                self.processes[p].wakes.remove(&shard);
+                let now = keel_storage::Timestamp(self.now);
+                if let Some(s) = self.processes[p].shards.get_mut(&shard) {
+                    s.handle_timeout(now);
                 }
             }
             Ev::Flush { inc } => {
-                if inc == self.process.inc && self.process.up {
-                    self.flush();
+                let Some(p) = self.live(inc) else {
+                    return;
+                };
+                if let Some(until) = self.processes[p].paused_until {
+                    self.at(until, Ev::Flush { inc });
+                    return;
                 }
+                self.flush(p);
+            }
+            Ev::ProcessKill { p } => self.process_kill(p),
+            Ev::ProcessRestart { p } => self.process_restart(p),
+            Ev::ProcessWake { p, inc } => self.process_wake(p, inc),
+            Ev::Look { p, inc } => {
+                let Some(q) = self.live(inc) else {
+                    return;
+                };
+                if let Some(until) = self.processes[q].paused_until {
+                    self.at(until, Ev::Look { p, inc });
+                    return;
+                }
+                self.look(p);
             }
             Ev::WorkerDone { worker, life, copy } => self.worker_done(worker, life, copy),
             Ev::WorkerBeat { worker, life, copy } => self.worker_beat(worker, life, copy),
@@ -614,55 +807,81 @@ impl<'a> World<'a> {
     /// Reports the store's health to every shard whose view differs, as the
     /// actix host's poll does.
     pub(super) fn report_store_health(&mut self) {
-        if !self.process.up {
-            return;
-        }
         let health = self.store_health();
-        let shards = self.process.shards.len();
-        for i in 0..shards {
-            if *self.process.shards[i].store_health() != health {
-                let shard = self.process.shards[i].id();
-                self.feed(shard, ShardInput::StoreHealth(health.clone()));
+        for p in 0..self.processes.len() {
+            if !self.processes[p].up {
+                continue;
+            }
+            let stale: Vec<ShardId> = self.processes[p]
+                .shards
+                .iter()
+                .filter(|(_, s)| *s.store_health() != health)
+                .map(|(id, _)| *id)
+                .collect();
+            for shard in stale {
+                self.feed(p, shard, ShardInput::StoreHealth(health.clone()));
             }
         }
     }
 
-    /// Hands an input to a shard of the running process.
-    fn feed(&mut self, shard: ShardId, input: ShardInput) {
-        let i = Self::shard_index(shard);
+    /// Hands an input to shard `shard` of process `p`.
+    fn feed(&mut self, p: usize, shard: ShardId, input: ShardInput) {
         let now = keel_storage::Timestamp(self.now);
-        self.process.shards[i].handle(now, input);
+        if let Some(s) = self.processes[p].shards.get_mut(&shard) {
+            s.handle(now, input);
+        }
     }
 
     /// Performs every action the shards asked for, until none is left, and
     /// queues the wake-ups they want.
     fn pump(&mut self) {
-        if !self.process.up {
-            return;
+        for p in 0..self.processes.len() {
+            self.pump_process(p);
         }
+    }
+
+    /// Whether process `p` runs now (up and not frozen).
+    fn running(&self, p: usize) -> bool {
+        self.processes[p].up && self.processes[p].paused_until.is_none()
+    }
+
+    fn pump_process(&mut self, p: usize) {
         loop {
+            if !self.running(p) {
+                return;
+            }
             let mut any = false;
-            for i in 0..self.process.shards.len() {
-                while let Some(action) = self.process.shards[i].poll_action() {
-                    any = true;
-                    self.perform(ShardId(i as u16), action);
-                    if !self.process.up {
+            let ids: Vec<ShardId> = self.processes[p].shards.keys().copied().collect();
+            for shard in ids {
+                loop {
+                    if !self.running(p) {
                         return;
                     }
+                    let Some(action) = self.processes[p]
+                        .shards
+                        .get_mut(&shard)
+                        .and_then(Shard::poll_action)
+                    else {
+                        break;
+                    };
+                    any = true;
+                    self.perform(p, shard, action);
                 }
             }
             if !any {
                 break;
             }
         }
-        for i in 0..self.process.shards.len() {
-            let Some(t) = self.process.shards[i].poll_timeout() else {
-                continue;
-            };
-            let t = t.0.max(self.now);
-            if self.process.wakes[i].is_none_or(|w| t < w) {
-                self.process.wakes[i] = Some(t);
-                let inc = self.process.inc;
+        let timeouts: Vec<(ShardId, u64)> = self.processes[p]
+            .shards
+            .iter()
+            .filter_map(|(id, s)| s.poll_timeout().map(|t| (*id, t.0)))
+            .collect();
+        for (shard, t) in timeouts {
+            let t = t.max(self.now);
+            if self.processes[p].wakes.get(&shard).is_none_or(|w| t < *w) {
+                self.processes[p].wakes.insert(shard, t);
+                let inc = self.processes[p].inc;
                 // A host wakes late now and then (a busy thread, a coarse
                 // timer): the shard sees a later `now`.
                 let late = if self.fault(FaultKind::TimerSkew) {
@@ -670,13 +889,7 @@ impl<'a> World<'a> {
                 } else {
                     0
                 };
-                self.at(
-                    t + late,
-                    Ev::Wake {
-                        inc,
-                        shard: ShardId(i as u16),
-                    },
-                );
+                self.at(t + late, Ev::Wake { inc, shard });
             }
         }
     }

@@ -1,42 +1,182 @@
-//! The engine process: its start (shards recover their durable work from
-//! the store, exactly as the actix engine's do), its crash (everything in
-//! memory is lost, the store drops or tears its unsynced tail) and the
-//! checks at the end of the liveness phase.
+//! The engine processes: their start (shards recover their durable work
+//! from the store, exactly as the actix engine's do), their crash
+//! (everything in memory is lost, the store drops or tears its unsynced
+//! tail) and the checks at the end of the liveness phase.
+//!
+//! With several processes on one store, each takes shards under leases
+//! (the driver's `shards_to_take` decides which, the store's lease rules
+//! decide whether), and the faults are the ones a cluster meets: a process
+//! frozen past its leases that wakes up and carries on with the actions
+//! it had decided (its commits must be fenced), and a process killed and
+//! started again (its shards are taken over once their leases end).
 
 use std::collections::BTreeMap;
 
-use keel_core::driver::{Shard, ShardId};
+use keel_core::driver::{shards_to_release, shards_to_take, Shard, ShardId};
 use keel_storage::history::pending_steps;
 use keel_storage::{CrashMode, Event, EventKind, InstanceId, Outcome, RunFilter, RunId, Timestamp};
 use rand::RngExt;
 
-use super::{Ev, Process, World, WorldResult};
+use super::{Ev, Process, World, WorldResult, LOOK_MS, PAUSES_MAX};
 use crate::check::{self, Violation, ViolationKind};
 
 impl World<'_> {
-    /// Starts the engine process: shards with nothing in memory, each
-    /// recovering the intents it owns.
-    pub(super) fn boot(&mut self) {
-        let inc = self.process.inc;
+    /// Starts engine process `p` as a new incarnation. Alone on the store,
+    /// it runs every shard, each recovering the intents it owns; sharing
+    /// it, it looks for shards to take.
+    pub(super) fn boot(&mut self, p: usize) {
+        self.last_inc += 1;
+        let inc = self.last_inc;
         // A restarted process has no async closures bound, and hands out
         // epochs above every earlier one.
-        let workflows = self.setup.workflows.with_fresh_closures();
-        let base = (u64::from(inc) + 1) << 40;
+        let mut process = Process::down(inc, self.setup.workflows);
+        process.up = true;
+        process.name = format!("p{p}.{inc}");
+        self.processes[p] = process;
+        if self.shared() {
+            let pname = self.processes[p].name.clone();
+            self.log(format_args!("engine process {p} starts as {}", pname));
+            self.look(p);
+            return;
+        }
+        let base = u64::from(inc) << 40;
         let n = self.config.shards;
-        self.process.shards = (0..n)
-            .map(|i| Shard::new(ShardId(i), workflows.clone(), self.config.clone(), base))
-            .collect();
-        self.process.wakes = vec![None; usize::from(n)];
         let now = Timestamp(self.now);
-        for s in &mut self.process.shards {
+        for i in 0..n {
+            let workflows = self.processes[p].workflows.clone();
+            let mut s = Shard::new(ShardId(i), workflows, self.config.clone(), base);
             s.recover(now);
+            self.processes[p].shards.insert(ShardId(i), s);
         }
         self.log(format_args!("engine process {inc} starts with {n} shards"));
         self.report_store_health();
     }
 
+    /// Process `p` reads the shard leases, takes the free and expired ones
+    /// its share allows, and looks again later.
+    pub(super) fn look(&mut self, p: usize) {
+        let now = Timestamp(self.now);
+        let name = self.processes[p].name.clone();
+        let ttl = self.config.shard_lease_ms;
+        if let Err(e) = self.store.heartbeat_member(&name, now, ttl) {
+            self.log(format_args!("{name} cannot say it is alive: {e}"));
+        }
+        let (leases, members) = match (self.store.shard_leases(), self.store.members()) {
+            (Ok(l), Ok(m)) => (l, m),
+            (Err(e), _) | (_, Err(e)) => {
+                self.log(format_args!("{name} cannot read the leases: {e}"));
+                (Vec::new(), Vec::new())
+            }
+        };
+        // More than its share while another process has less: give one
+        // up (the shard stops, then its lease is released).
+        for shard in shards_to_release(&leases, &members, self.config.shards, &name, now) {
+            if let Some(s) = self.processes[p].shards.get_mut(&shard) {
+                s.release();
+                self.log(format_args!("{name} gives up {shard}"));
+            }
+        }
+        for shard in shards_to_take(&leases, &members, self.config.shards, &name, now) {
+            if self.processes[p].shards.contains_key(&shard) {
+                continue; // a lost shard not dropped yet
+            }
+            let before = leases.iter().find(|l| l.shard == shard.0).cloned();
+            let lease =
+                match self
+                    .store
+                    .take_shard_lease(shard.0, &name, now, self.config.shard_lease_ms)
+                {
+                    Ok(l) => l,
+                    Err(e) => {
+                        self.log(format_args!("{name} cannot take {shard}: {e}"));
+                        continue;
+                    }
+                };
+            if before.is_some() {
+                self.takeovers += 1;
+            }
+            self.log(format_args!(
+                "{name} takes {shard} at epoch {} (from {})",
+                lease.epoch,
+                before.map_or("nobody".to_string(), |l| l.owner)
+            ));
+            // Attempt epochs above every earlier owner's of the shard.
+            let base = lease.epoch << 40;
+            let workflows = self.processes[p].workflows.clone();
+            let mut s = Shard::new(shard, workflows, self.config.clone(), base);
+            s.hold(lease);
+            s.recover(now);
+            let health = self.store_health();
+            if !health.is_healthy() {
+                s.handle(now, keel_core::driver::ShardInput::StoreHealth(health));
+            }
+            self.processes[p].shards.insert(shard, s);
+        }
+        let inc = self.processes[p].inc;
+        self.at(self.now + LOOK_MS, Ev::Look { p, inc });
+    }
+
+    /// Freezes process `p` past its leases: nothing of it runs until it
+    /// wakes, then it performs what it had decided before, `action` first.
+    pub(super) fn pause(&mut self, p: usize, shard: ShardId, action: keel_core::driver::Action) {
+        self.pauses += 1;
+        let lease = self.config.shard_lease_ms;
+        let until = self.now + lease + self.ms(1, lease);
+        self.processes[p].paused_until = Some(until);
+        self.processes[p].stash.push_back((shard, action));
+        let inc = self.processes[p].inc;
+        let pname = self.processes[p].name.clone();
+        self.log(format_args!(
+            "process {p} ({}) freezes until {until} ms",
+            pname
+        ));
+        self.at(until, Ev::ProcessWake { p, inc });
+    }
+
+    pub(super) fn may_pause(&self) -> bool {
+        self.shared() && self.pauses < PAUSES_MAX
+    }
+
+    pub(super) fn process_wake(&mut self, p: usize, inc: u32) {
+        if self.live(inc) != Some(p) {
+            return;
+        }
+        self.processes[p].paused_until = None;
+        let pname = self.processes[p].name.clone();
+        self.log(format_args!("process {p} ({}) wakes up", pname));
+        while let Some((shard, action)) = self.processes[p].stash.pop_front() {
+            if !self.running(p) {
+                break;
+            }
+            self.perform(p, shard, action);
+        }
+    }
+
+    /// One process of several dies; it starts again later.
+    pub(super) fn process_kill(&mut self, p: usize) {
+        if !self.processes[p].up {
+            return;
+        }
+        self.crashes += 1;
+        let inc = self.processes[p].inc;
+        let pname = self.processes[p].name.clone();
+        self.log(format_args!("process {p} ({}) is killed", pname));
+        self.processes[p] = Process::down(inc, self.setup.workflows);
+        let lease = self.config.shard_lease_ms;
+        let at = self.now + self.ms(lease / 2, lease * 2);
+        self.at(at, Ev::ProcessRestart { p });
+    }
+
+    pub(super) fn process_restart(&mut self, p: usize) {
+        if !self.processes[p].up {
+            self.boot(p);
+        }
+    }
+
+    /// The whole machine crashes: every process dies, and the store drops
+    /// or tears its unsynced tail.
     pub(super) fn engine_crash(&mut self) {
-        if !self.process.up {
+        if !self.processes.iter().any(|p| p.up) {
             return;
         }
         let keep = self.rng.random_range(0..=3usize);
@@ -55,24 +195,21 @@ impl World<'_> {
             });
             return;
         }
-        let inc = self.process.inc + 1;
-        self.process = Process {
-            up: false,
-            inc,
-            shards: Vec::new(),
-            wakes: Vec::new(),
-            group: Vec::new(),
-            flush_scheduled: false,
-            copies: BTreeMap::new(),
-        };
+        for p in 0..self.processes.len() {
+            let inc = self.processes[p].inc;
+            self.processes[p] = Process::down(inc, self.setup.workflows);
+        }
         self.checker.after_crash(&self.store, self.now);
         let at = self.now + self.ms(5, 200);
         self.at(at, Ev::EngineRestart);
     }
 
     pub(super) fn engine_restart(&mut self) {
-        self.process.up = true;
-        self.boot();
+        for p in 0..self.processes.len() {
+            if !self.processes[p].up {
+                self.boot(p);
+            }
+        }
     }
 
     // ----- the end ----------------------------------------------------
@@ -101,6 +238,9 @@ impl World<'_> {
             crashes: self.crashes,
             outbox_messages: self.outbox_messages,
             shards: self.config.shards,
+            takeovers: self.takeovers,
+            fenced: self.fenced,
+            released: self.released,
             firings: std::mem::take(&mut self.firings),
         }
     }

@@ -33,11 +33,19 @@ impl World<'_> {
     }
 
     /// A shard dispatched an attempt.
-    pub(super) fn run_attempt(&mut self, shard: ShardId, order: AttemptOrder) {
+    pub(super) fn run_attempt(&mut self, p: usize, shard: ShardId, order: AttemptOrder) {
         let key = order.key;
         // Epochs only grow: a delivery reusing one cannot fence the copy
-        // it replaces.
-        if let Some(seen) = self.epochs.get(&key) {
+        // it replaces. (A process that lost the shard's lease while this
+        // dispatch was on its way runs a copy nobody will take the result
+        // of: its shard is fenced, so its epochs are not compared.)
+        if self.stale_owner(p, shard) {
+            self.log(format_args!(
+                "a fenced owner of {shard} dispatches {} step {} anyway",
+                self.name(key.run),
+                key.step
+            ));
+        } else if let Some(seen) = self.epochs.get(&key) {
             if order.epoch <= *seen {
                 let detail = format!(
                     "{} step {} attempt {} delivered under epoch {} after epoch {} was handed out",
@@ -54,9 +62,11 @@ impl World<'_> {
                 });
             }
         }
-        let seen = self.epochs.entry(key).or_insert(order.epoch);
-        *seen = (*seen).max(order.epoch);
-        let inc = self.process.inc;
+        if !self.stale_owner(p, shard) {
+            let seen = self.epochs.entry(key).or_insert(order.epoch);
+            *seen = (*seen).max(order.epoch);
+        }
+        let inc = self.processes[p].inc;
         let mock = self.setup.mocks.get(&order.activity_type).cloned();
         let injected = self.fault(FaultKind::ActivityFailure) && !order.final_attempt;
         let result = if injected {
@@ -117,9 +127,9 @@ impl World<'_> {
                     key.step
                 ));
                 let at = self.now + self.ms(0, 1);
-                self.input_at(
+                self.pinned_at(
                     at,
-                    Some(inc),
+                    inc,
                     shard,
                     ShardInput::AttemptRefused {
                         key,
@@ -192,7 +202,7 @@ impl World<'_> {
             let at = self.now + self.ms(0, duration);
             self.at(at, Ev::WorkerCrash { worker });
         }
-        self.process.copies.insert(
+        self.processes[p].copies.insert(
             copy,
             Copy {
                 result,
@@ -212,10 +222,15 @@ impl World<'_> {
     }
 
     /// The shard asked a copy to stop.
-    pub(super) fn stop_attempt(&mut self, shard: ShardId, key: AttemptKey, epoch: LeaseEpoch) {
-        let inc = self.process.inc;
-        let found = self
-            .process
+    pub(super) fn stop_attempt(
+        &mut self,
+        p: usize,
+        shard: ShardId,
+        key: AttemptKey,
+        epoch: LeaseEpoch,
+    ) {
+        let inc = self.processes[p].inc;
+        let found = self.processes[p]
             .copies
             .iter()
             .find(|(c, _)| c.inc == inc && c.shard == shard && c.key == key && c.epoch == epoch)
@@ -224,7 +239,7 @@ impl World<'_> {
             return;
         };
         let cooperative = self.rng.random_bool(0.5);
-        let c = self.process.copies.get_mut(&copy).expect("found");
+        let c = self.processes[p].copies.get_mut(&copy).expect("found");
         c.stop = true;
         if c.heartbeat_ms.is_none() && cooperative {
             // It notices at once and gives up.
@@ -240,7 +255,10 @@ impl World<'_> {
         if self.workers[worker] != life {
             return; // died with its worker
         }
-        let Some(c) = self.process.copies.get_mut(&copy) else {
+        let Some(p) = self.live(copy.inc) else {
+            return; // died with its process
+        };
+        let Some(c) = self.processes[p].copies.get_mut(&copy) else {
             return; // finished
         };
         if c.stop {
@@ -252,14 +270,14 @@ impl World<'_> {
         let Some(hb) = c.heartbeat_ms else {
             return;
         };
-        if c.silent || copy.inc != self.process.inc || !self.process.up {
+        if c.silent {
             return;
         }
         let details = Payload::encode(&self.now).ok();
         let at = self.now + self.ms(0, 1);
-        self.input_at(
+        self.pinned_at(
             at,
-            Some(copy.inc),
+            copy.inc,
             copy.shard,
             ShardInput::Heartbeat {
                 key: copy.key,
@@ -273,14 +291,17 @@ impl World<'_> {
 
     pub(super) fn worker_crash(&mut self, worker: usize) {
         let victims: Vec<CopyId> = self
-            .process
-            .copies
+            .processes
             .iter()
+            .flat_map(|p| p.copies.iter())
             .filter(|(_, c)| c.worker == worker)
             .map(|(id, _)| *id)
             .collect();
         let spared = |w: &Self, v: &CopyId| {
-            !w.may_fault(v.key, v.attempt) || w.process.copies.get(v).is_some_and(|c| c.fragile)
+            !w.may_fault(v.key, v.attempt)
+                || w.processes
+                    .iter()
+                    .any(|p| p.copies.get(v).is_some_and(|c| c.fragile))
         };
         if victims.iter().any(|v| spared(self, v)) {
             self.log(format_args!(
@@ -290,7 +311,9 @@ impl World<'_> {
         }
         for v in &victims {
             self.spend_fault(v.key, v.attempt);
-            self.process.copies.remove(v);
+            for p in &mut self.processes {
+                p.copies.remove(v);
+            }
         }
         self.workers[worker] += 1;
         self.log(format_args!(
@@ -303,10 +326,13 @@ impl World<'_> {
         if self.workers[worker] != life {
             return; // the worker died with the copy
         }
-        let result = match self.process.copies.get(&copy) {
+        let Some(p) = self.live(copy.inc) else {
+            return; // the engine that leased it is gone, and its copies
+        };
+        let result = match self.processes[p].copies.get(&copy) {
             Some(c) if c.worker == worker => {
                 let r = c.result.clone();
-                self.process.copies.remove(&copy);
+                self.processes[p].copies.remove(&copy);
                 r
             }
             // The transport's second copy (the first may have reported).
@@ -321,11 +347,6 @@ impl World<'_> {
             copy.epoch.0,
             if result.is_ok() { "ok" } else { "failed" }
         ));
-        if copy.inc != self.process.inc || !self.process.up {
-            // The engine that leased it is gone.
-            self.maybe_late(copy, result);
-            return;
-        }
         let input = ShardInput::AttemptFinished {
             key: copy.key,
             attempt: copy.attempt,
@@ -333,12 +354,12 @@ impl World<'_> {
             result: result.clone(),
         };
         let at = self.now + self.ms(0, 1);
-        self.input_at(at, Some(copy.inc), copy.shard, input);
+        self.pinned_at(at, copy.inc, copy.shard, input);
         if self.fault(FaultKind::DuplicateResult) {
             let at = self.now + self.ms(0, 50);
-            self.input_at(
+            self.pinned_at(
                 at,
-                Some(copy.inc),
+                copy.inc,
                 copy.shard,
                 ShardInput::AttemptFinished {
                     key: copy.key,
