@@ -355,15 +355,18 @@ impl Shared {
             {
                 DatabaseFault::Refused
             }
-            Some(c)
-                if *c == SqlState::ADMIN_SHUTDOWN
-                    || *c == SqlState::CRASH_SHUTDOWN
-                    || *c == SqlState::CANNOT_CONNECT_NOW =>
-            {
+            Some(c) if *c == SqlState::ADMIN_SHUTDOWN || *c == SqlState::CRASH_SHUTDOWN => {
                 DatabaseFault::Lost
             }
+            // The server is starting up or shutting down: it will be back.
+            Some(c) if *c == SqlState::CANNOT_CONNECT_NOW => DatabaseFault::Unreachable,
             Some(_) => DatabaseFault::Statement,
-            None => DatabaseFault::Lost,
+            // No SQLSTATE: the connection closed or its socket failed
+            // (the server went away), or the driver could not make sense
+            // of an answer, which retrying the same statement will not
+            // change.
+            None if e.is_closed() || io_source(e) => DatabaseFault::Lost,
+            None => DatabaseFault::Statement,
         };
         self.fault(fault, describe(e))
     }
@@ -406,6 +409,19 @@ impl Shared {
             prepared: Mutex::new(HashMap::new()),
         })
     }
+}
+
+/// Whether a driver error comes from the socket (the connection failed
+/// under it).
+fn io_source(e: &tokio_postgres::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if s.is::<std::io::Error>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// A driver error with its cause (the driver's own text is terse: "db
@@ -608,18 +624,6 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("keel");
         }
-        // keel never leaves a transaction open between its statements, but
-        // a process paused mid-commit would: its `fence()` share lock would
-        // hold off the takeover for as long as it stays paused. The server
-        // ends such a session after one lease, so a takeover waits at most
-        // that long (and the paused commit is rolled back, not written).
-        let lease_ms = options.lease_ms.max(PG_LEASE_MS_MIN);
-        let idle = format!("-c idle_in_transaction_session_timeout={lease_ms}");
-        let session = match config.get_options() {
-            Some(given) if !given.is_empty() => format!("{given} {idle}"),
-            _ => idle,
-        };
-        config.options(&session);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("keel-pg")
@@ -1318,8 +1322,19 @@ fn write_group(shared: &Shared, conn: &Conn, mutations: &[Mutation]) -> Written 
         };
     }
     let client = &conn.client;
+    // keel never leaves a transaction open between its statements, but a
+    // process paused mid-commit would: its `fence()` share lock would hold
+    // off the takeover for as long as it stays paused. The server ends
+    // such a transaction after one lease, so a takeover waits at most that
+    // long (and the paused commit is rolled back, not written). Set per
+    // transaction, not per session: a pooler in transaction mode
+    // (PgBouncer) refuses startup options and shares sessions.
+    let begin_sql = format!(
+        "begin; set local idle_in_transaction_session_timeout = {}",
+        shared.lease_ms
+    );
     let outcome = block(async {
-        let begin = client.batch_execute("begin");
+        let begin = client.batch_execute(&begin_sql);
         let writes = futures::future::join_all(
             statements
                 .iter()
@@ -1569,6 +1584,7 @@ fn commit_group(
 fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
     let renew_every = Duration::from_millis(shared.lease_ms / 5);
     let mut renewed = std::time::Instant::now();
+    let mut last_reconnect = renewed;
     let mut conn = Some(conn);
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
     let mut cache = WriterCache::default();
@@ -1585,9 +1601,20 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             renew(shared, &mut conn, &mut cache);
         }
         let Some(first) = first else { continue };
+        let health = shared.health.get();
+        if health.error().is_some()
+            && !health.is_failed()
+            && last_reconnect.elapsed() >= Duration::from_millis(PG_RECONNECT_PAUSE_MS)
+        {
+            // The database was out of reach: a commit is a reason to try
+            // it now rather than at the next renewal.
+            last_reconnect = std::time::Instant::now();
+            renewed = last_reconnect;
+            renew(shared, &mut conn, &mut cache);
+        }
         if let Some(e) = shared.health.get().error() {
-            // Fenced (nothing is written any more), or the database out of
-            // reach (answered at once until a renewal reconnects).
+            // Fenced (nothing is written any more), or the database still
+            // out of reach (answered at once).
             let _ = first.reply.send(Err(e));
             continue;
         }
