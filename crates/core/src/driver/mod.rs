@@ -543,7 +543,7 @@ impl Resumed {
 }
 
 /// Where an answer goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ReplyTo {
     /// Nobody waits.
     Nobody,
@@ -1019,6 +1019,9 @@ pub struct Shard {
     lease: Option<keel_storage::ShardLease>,
     /// A renewal is in flight.
     renewing: bool,
+    /// When the lease is next checked (renewed, or found ended): the one
+    /// [`Due::ShardLease`] that counts; earlier ones are stale.
+    lease_check_at: Option<Timestamp>,
     /// The lease was lost: the shard does nothing more.
     lost: bool,
 }
@@ -1037,8 +1040,11 @@ impl std::fmt::Debug for Shard {
 
 impl Shard {
     /// A shard with nothing in memory. `epoch_base` must be larger than any
-    /// lease epoch an earlier process of this engine handed out (the host
-    /// derives it from its clock): epochs only grow.
+    /// lease epoch an earlier process of this engine handed out: epochs
+    /// only grow. A host alone on its store derives it from its clock;
+    /// hosts sharing a store derive it from the shard lease's epoch, which
+    /// the store raises at every takeover, so a later owner's attempt
+    /// epochs are above every earlier owner's.
     pub fn new(
         id: ShardId,
         workflows: WorkflowRegistry,
@@ -1073,6 +1079,7 @@ impl Shard {
             store_health: keel_storage::StoreHealth::Healthy,
             lease: None,
             renewing: false,
+            lease_check_at: None,
             lost: false,
         }
     }
@@ -1106,7 +1113,13 @@ impl Shard {
     /// Feeds one input at time `now`.
     pub fn handle(&mut self, now: Timestamp, input: ShardInput) {
         self.now = self.now.max(now);
-        if self.lease_ended() {
+        if self.lost {
+            return;
+        }
+        if let Some(reason) = self.lease_over() {
+            // Whoever sent the input learns to ask the next owner.
+            self.turn_away(input);
+            self.lose(reason);
             return;
         }
         match input {
@@ -1164,7 +1177,7 @@ impl Shard {
         let refusal = Refusal::Unavailable(self.store_health.to_string());
         if self.store_health.is_failed() {
             tracing::error!(shard = %self.id, health = %self.store_health, "the store failed for good; the shard stops");
-            self.stop_answering(Answer::Refused(refusal));
+            self.stop_answering(Answer::Refused(refusal), false);
             return;
         }
         if was_healthy {
@@ -1206,7 +1219,11 @@ impl Shard {
     /// Runs everything due at `now`.
     pub fn handle_timeout(&mut self, now: Timestamp) {
         self.now = self.now.max(now);
-        if self.lease_ended() {
+        if self.lost {
+            return;
+        }
+        if let Some(reason) = self.lease_over() {
+            self.lose(reason);
             return;
         }
         while let Some(due) = self.due.pop(self.now) {
@@ -1241,59 +1258,50 @@ impl Shard {
     /// Stops: every client still waiting is answered that the engine shuts
     /// down; nothing more is started.
     pub fn shutdown(&mut self) {
-        self.stop_answering(Answer::Refused(Refusal::Shutdown));
+        self.stop_answering(Answer::Refused(Refusal::Shutdown), false);
     }
 
-    /// Stops, answering every waiting client with `answer`.
-    fn stop_answering(&mut self, answer: Answer) {
+    /// Stops, answering every waiting client with `answer`, and every
+    /// waiting shard too when `shards` (a shard that moves to another
+    /// process: its peers go on; at shutdown they stop as well).
+    fn stop_answering(&mut self, answer: Answer, shards: bool) {
         self.shut_down = true;
-        let mut clients = Vec::new();
+        let mut waiting = Vec::new();
         for slot in self.runs.values_mut() {
-            clients.extend(slot.take_clients());
+            waiting.extend(slot.take_waiting());
         }
         for waiters in std::mem::take(&mut self.results).into_values() {
-            clients.extend(waiters.into_values().filter_map(|r| match r {
-                ReplyTo::Client(id) => Some(id),
-                _ => None,
-            }));
+            waiting.extend(waiters.into_values());
         }
         for (_, reply) in std::mem::take(&mut self.updates).into_values().flatten() {
-            if let ReplyTo::Client(id) = reply {
-                clients.push(id);
-            }
+            waiting.push(reply);
         }
         for (_, _, reply, _) in std::mem::take(&mut self.continuing).into_values() {
-            if let ReplyTo::Client(id) = reply {
-                clients.push(id);
-            }
+            waiting.push(reply);
         }
         for read in std::mem::take(&mut self.reads).into_values() {
             match read {
-                ReadFor::Resolve {
-                    reply: ReplyTo::Client(id),
-                    ..
-                }
-                | ReadFor::Describe(_, _, ReplyTo::Client(id))
-                | ReadFor::QueryClosed {
-                    reply: ReplyTo::Client(id),
-                    ..
-                }
+                ReadFor::Resolve { reply, .. }
+                | ReadFor::Describe(_, _, reply)
+                | ReadFor::QueryClosed { reply, .. }
+                | ReadFor::List(reply)
                 | ReadFor::ClosedInput {
-                    origin: Origin::Reply(ReplyTo::Client(id)),
+                    origin: Origin::Reply(reply),
                     ..
-                } => clients.push(id),
-                ReadFor::Instance(job) => clients.extend(job.client()),
+                } => waiting.push(reply),
+                ReadFor::Instance(job) => waiting.push(job.reply_to()),
                 _ => {}
             }
         }
-        clients.sort();
-        clients.dedup();
-        for id in clients {
-            self.actions.push_back(Action::Reply {
-                id,
-                answer: answer.clone(),
-                cause: None,
-            });
+        waiting.retain(|r| match r {
+            ReplyTo::Nobody => false,
+            ReplyTo::Client(_) => true,
+            ReplyTo::Shard(..) => shards,
+        });
+        waiting.sort();
+        waiting.dedup();
+        for reply in waiting {
+            self.reply(reply, answer.clone(), None);
         }
     }
 

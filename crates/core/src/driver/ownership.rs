@@ -16,7 +16,7 @@
 
 use keel_storage::{Error as StoreError, Member, ShardLease, Timestamp};
 
-use super::{Action, Answer, Due, Shard, ShardId};
+use super::{Action, Answer, Due, Message, ReplyTo, Shard, ShardId, ShardInput};
 
 /// How long a shard lease lasts unless renewed, by default: a killed
 /// process's shards are taken over within this much of its last renewal.
@@ -112,6 +112,13 @@ impl Shard {
         assert_eq!(lease.shard, self.id.0, "a lease for another shard");
         let at = renew_at(&lease, self.config.shard_lease_ms);
         self.lease = Some(lease);
+        self.check_lease_at(at);
+    }
+
+    /// Schedules the lease's next check; an earlier one still queued
+    /// becomes stale (see [`Shard::lease_due`]).
+    fn check_lease_at(&mut self, at: Timestamp) {
+        self.lease_check_at = Some(at);
         self.due.push(at, Due::ShardLease);
     }
 
@@ -158,39 +165,53 @@ impl Shard {
         self.lost
     }
 
-    /// Whether the shard stopped: it lost its lease before, or its lease
-    /// has ended by its own clock (a process that was frozen, or too busy
-    /// to renew, stops before it acts on anything more).
-    pub(super) fn lease_ended(&mut self) -> bool {
-        if self.lost {
-            return true;
-        }
-        match &self.lease {
-            Some(l) if l.expired(self.now) => {
-                let reason = format!(
-                    "its lease (epoch {}) ended at {} before a renewal got through",
-                    l.epoch, l.expires_at
-                );
-                self.lose(reason);
-                true
-            }
-            _ => false,
-        }
+    /// Why the shard must stop now, if it must: its lease has ended by
+    /// its own clock (a process that was frozen, or too busy to renew,
+    /// stops before it acts on anything more).
+    pub(super) fn lease_over(&self) -> Option<String> {
+        let lease = self.lease.as_ref().filter(|l| l.expired(self.now))?;
+        Some(format!(
+            "its lease (epoch {}) ended at {} before a renewal got through",
+            lease.epoch, lease.expires_at
+        ))
     }
 
-    /// The renewal time came, or the lease's end.
+    /// An input that reached the shard as its lease ended: whoever waits
+    /// for an answer is told to ask again, and finds the next owner. The
+    /// rest needs no answer: store answers die with the shard, and an
+    /// attempt's report is redelivered by the next owner's lease check.
+    pub(super) fn turn_away(&mut self, input: ShardInput) {
+        let reply = match input {
+            ShardInput::Request { id, .. } => ReplyTo::Client(id),
+            ShardInput::Message(Message::ToRun { reply, .. } | Message::Start { reply, .. }) => {
+                reply
+            }
+            _ => return,
+        };
+        let answer = self.moved();
+        self.reply(reply, answer, None);
+    }
+
+    /// The answer for whoever waits on a shard that leaves this process.
+    fn moved(&self) -> Answer {
+        Answer::Retry(format!("{} moved to another engine process", self.id))
+    }
+
+    /// A [`Due::ShardLease`] came: when it is the scheduled check, the
+    /// shard renews its lease, or stops if the lease ended first.
     pub(super) fn lease_due(&mut self) {
+        if self.lease_check_at.is_none_or(|at| at > self.now) {
+            return; // stale: a later check replaced it
+        }
+        self.lease_check_at = None;
         let Some(lease) = self.lease.clone() else {
             return;
         };
         if self.lost {
             return;
         }
-        if lease.expired(self.now) {
-            self.lose(format!(
-                "its lease (epoch {}) ended at {} before a renewal got through",
-                lease.epoch, lease.expires_at
-            ));
+        if let Some(reason) = self.lease_over() {
+            self.lose(reason);
             return;
         }
         if !self.renewing {
@@ -200,7 +221,7 @@ impl Shard {
             });
         }
         // If no answer comes in time, the lease's end stops the shard.
-        self.due.push(lease.expires_at, Due::ShardLease);
+        self.check_lease_at(lease.expires_at);
     }
 
     /// The host's answer to [`Action::RenewLease`].
@@ -209,23 +230,28 @@ impl Shard {
         if !self.renewing || self.lost {
             return; // not this instance's renewal
         }
-        if let Ok(l) = &result {
-            if Some(l.epoch) != held {
-                return; // an earlier instance's renewal
-            }
+        let epoch = match &result {
+            Ok(l) => Some(l.epoch),
+            Err(StoreError::Fenced { epoch, .. }) => Some(*epoch),
+            Err(_) => held,
+        };
+        if epoch != held {
+            return; // an earlier instance's renewal
         }
         self.renewing = false;
         match result {
             Ok(lease) => {
                 let at = renew_at(&lease, self.config.shard_lease_ms);
                 self.lease = Some(lease);
-                self.due.push(at, Due::ShardLease);
+                self.check_lease_at(at);
             }
             Err(e @ StoreError::Fenced { .. }) => self.lose(e.to_string()),
             Err(e) => {
                 tracing::warn!(shard = %self.id, error = %e, "renewing the shard's lease failed; trying again");
-                let at = self.now.plus_ms(SHARD_LEASE_RETRY_MS);
-                self.due.push(at, Due::ShardLease);
+                // Never later than the lease's end, which stops the shard.
+                let end = self.lease.as_ref().map_or(self.now, |l| l.expires_at);
+                let at = self.now.plus_ms(SHARD_LEASE_RETRY_MS).min(end);
+                self.check_lease_at(at);
             }
         }
     }
@@ -249,10 +275,8 @@ impl Shard {
         for (key, epoch) in self.attempts.running_copies() {
             self.actions.push_back(Action::StopAttempt { key, epoch });
         }
-        self.stop_answering(Answer::Retry(format!(
-            "{} moved to another engine process",
-            self.id
-        )));
+        let answer = self.moved();
+        self.stop_answering(answer, true);
         self.due = Default::default();
         self.actions.extend(last);
         self.actions.push_back(Action::ShardLost {
@@ -366,5 +390,150 @@ mod tests {
         let leases: Vec<ShardLease> = (0..4).map(|s| lease(s, "a", 5_000)).collect();
         let members = [member("a", 5_000), member("b", 900)];
         assert!(shards_to_release(&leases, &members, 4, "a", now).is_empty());
+    }
+
+    // Goal: a shard that holds a lease renews it at a steady pace however
+    // long it runs (one renewal per renewal period, not more as stale
+    // checks pile up), ignores a refusal meant for an older lease, and
+    // answers an input that reaches it as its lease ends. Method: a shard
+    // with no runs, driven by hand through simulated time, its renewals
+    // answered at once.
+
+    use crate::driver::{DriverConfig, Request, RequestId};
+    use crate::workflow::WorkflowRegistry;
+
+    const LEASE_MS: u64 = 1_000;
+
+    fn held_shard() -> Shard {
+        let config = DriverConfig {
+            shard_lease_ms: LEASE_MS,
+            ..DriverConfig::default()
+        };
+        let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 1 << 40);
+        shard.hold(lease(0, "a", LEASE_MS));
+        shard
+    }
+
+    /// Runs the shard until `until`, answering renewals with `answer`;
+    /// returns the renewals it asked for.
+    fn run(
+        shard: &mut Shard,
+        until: u64,
+        mut answer: impl FnMut(&ShardLease, Timestamp) -> Result<ShardLease, StoreError>,
+    ) -> usize {
+        let mut renewals = 0;
+        while let Some(at) = shard.poll_timeout().filter(|t| t.0 <= until) {
+            shard.handle_timeout(at);
+            while let Some(action) = shard.poll_action() {
+                if let Action::RenewLease { lease } = action {
+                    renewals += 1;
+                    let result = answer(&lease, at);
+                    shard.handle(at, ShardInput::LeaseRenewed { result });
+                }
+            }
+        }
+        renewals
+    }
+
+    #[test]
+    fn renews_once_per_period_however_long_it_runs() {
+        let mut shard = held_shard();
+        let renewed = |l: &ShardLease, now: Timestamp| {
+            Ok(ShardLease {
+                expires_at: now.plus_ms(LEASE_MS),
+                ..l.clone()
+            })
+        };
+        let renewals = run(&mut shard, 100_000, renewed);
+        // Renewed with 60 % left: every 400 ms, 250 times in 100 s.
+        let period = LEASE_MS * (100 - SHARD_LEASE_RENEW_PERCENT) / 100;
+        let expected = 100_000 / period;
+        assert!(
+            (expected - 1..=expected + 1).contains(&(renewals as u64)),
+            "{renewals} renewals in 100 s, expected about {expected}"
+        );
+        assert!(!shard.lost());
+    }
+
+    #[test]
+    fn a_store_out_of_reach_stops_the_shard_at_its_lease_end() {
+        let mut shard = held_shard();
+        let unreachable = |_: &ShardLease, _: Timestamp| {
+            Err(StoreError::Io(std::io::Error::other("the store is down")))
+        };
+        let renewals = run(&mut shard, 10_000, unreachable);
+        assert!(shard.lost(), "the lease ended: the shard must stop");
+        // At 400 ms (60 % left), then every 200 ms: 600 and 800; at 1000
+        // the lease has ended and the shard stops instead.
+        assert_eq!(renewals, 3, "retries until the lease's end");
+    }
+
+    #[test]
+    fn a_refusal_for_an_older_lease_is_ignored() {
+        let mut shard = held_shard();
+        shard.handle_timeout(Timestamp(400));
+        assert!(matches!(
+            shard.poll_action(),
+            Some(Action::RenewLease { .. })
+        ));
+        // The renewal of an earlier holder of this shard's lease (epoch 0)
+        // is refused: not this lease's business.
+        let stale = StoreError::Fenced {
+            shard: 0,
+            epoch: 0,
+            current: Some(1),
+        };
+        shard.handle(
+            Timestamp(410),
+            ShardInput::LeaseRenewed { result: Err(stale) },
+        );
+        assert!(!shard.lost());
+        let fenced = StoreError::Fenced {
+            shard: 0,
+            epoch: 1,
+            current: Some(2),
+        };
+        shard.handle(
+            Timestamp(420),
+            ShardInput::LeaseRenewed {
+                result: Err(fenced),
+            },
+        );
+        assert!(shard.lost(), "its own lease refused: the shard stops");
+    }
+
+    #[test]
+    fn a_request_reaching_a_shard_whose_lease_ended_is_answered() {
+        let mut shard = held_shard();
+        let request = Request::List {
+            filter: Default::default(),
+            page_size: 10,
+            after: None,
+        };
+        shard.handle(
+            Timestamp(LEASE_MS),
+            ShardInput::Request {
+                id: RequestId(7),
+                request,
+            },
+        );
+        let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        let reply = actions.iter().position(|a| {
+            matches!(
+                a,
+                Action::Reply {
+                    id: RequestId(7),
+                    answer: Answer::Retry(_),
+                    ..
+                }
+            )
+        });
+        let lost = actions
+            .iter()
+            .position(|a| matches!(a, Action::ShardLost { .. }));
+        assert!(
+            reply.is_some() && reply < lost,
+            "answered before the shard leaves: {actions:?}"
+        );
     }
 }

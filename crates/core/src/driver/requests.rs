@@ -38,12 +38,9 @@ pub(crate) struct StartJob {
 }
 
 impl StartJob {
-    /// The client waiting, if one is.
-    pub(super) fn client(&self) -> Option<RequestId> {
-        match self.reply {
-            ReplyTo::Client(id) => Some(id),
-            _ => None,
-        }
+    /// Who waits for the start's answer.
+    pub(super) fn reply_to(&self) -> ReplyTo {
+        self.reply
     }
 }
 

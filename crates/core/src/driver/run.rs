@@ -17,7 +17,7 @@ use keel_storage::{
 
 use super::{
     Answer, BreakMode, Cause, CommitFor, Due, Origin, ReadFor, ReadQuery, ReadResult, Refusal,
-    ReplyTo, RequestId, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS, ASYNC_BIND_TRIES_MAX,
+    ReplyTo, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS, ASYNC_BIND_TRIES_MAX,
     CONTINUATION_CHECKS_MAX, CONTINUATION_CHECK_MS, RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX,
     RUN_RESTARTS_MAX,
 };
@@ -109,12 +109,13 @@ impl RunSlot {
             && !matches!(self.phase, Phase::Loading)
     }
 
-    /// The clients waiting on this run (answered at shutdown).
-    pub(super) fn take_clients(&mut self) -> Vec<RequestId> {
+    /// The clients and shards waiting on this run (answered when the
+    /// shard stops).
+    pub(super) fn take_waiting(&mut self) -> Vec<ReplyTo> {
         let mut out = Vec::new();
         let mut take = |o: &Origin| {
-            if let Origin::Reply(ReplyTo::Client(id)) = o {
-                out.push(*id);
+            if let Origin::Reply(reply) = o {
+                out.push(*reply);
             }
         };
         for (_, o) in self.waiting.drain(..).chain(self.drained.drain(..)) {
