@@ -8,8 +8,8 @@ use std::sync::Arc;
 use keel_storage::keys::{self, Cf};
 use keel_storage::kv::KvRead;
 use keel_storage::{
-    CommitAck, CommitBatch, CrashMode, Durability, Error, MemStore, Member, RocksStore, RunId, Seq,
-    ShardLease, Store, SyncedView, Timestamp,
+    CommitAck, CommitBatch, CrashMode, Durability, Error, MemStore, RocksStore, RunId, Seq,
+    ShardLeases, Store, SyncedView,
 };
 
 use crate::sim::SimError;
@@ -133,61 +133,11 @@ impl SimStore {
 
     /// The store holding shard leases: several processes run on the
     /// in-memory store only (`Simulation::run` refuses anything else).
-    fn leases(&self) -> Result<&MemStore, Error> {
+    pub(crate) fn leases(&self) -> &dyn ShardLeases {
         match self {
-            SimStore::Mem(m, _) => Ok(m),
+            SimStore::Mem(m, _) => m.as_ref(),
             SimStore::Rocks { .. } => unreachable!("several processes run on the in-memory store"),
         }
-    }
-
-    /// Every shard lease recorded.
-    pub(crate) fn shard_leases(&self) -> Result<Vec<ShardLease>, Error> {
-        self.leases()?.shard_leases()
-    }
-
-    /// Takes a shard's lease (see `keel_storage::lease`).
-    pub(crate) fn take_shard_lease(
-        &self,
-        shard: u16,
-        owner: &str,
-        now: Timestamp,
-        ttl_ms: u64,
-    ) -> Result<ShardLease, Error> {
-        self.leases()?.take_shard_lease(shard, owner, now, ttl_ms)
-    }
-
-    /// Renews a shard's lease.
-    pub(crate) fn renew_shard_lease(
-        &self,
-        held: &ShardLease,
-        now: Timestamp,
-        ttl_ms: u64,
-    ) -> Result<ShardLease, Error> {
-        self.leases()?.renew_shard_lease(held, now, ttl_ms)
-    }
-
-    /// Releases a shard's lease.
-    pub(crate) fn release_shard_lease(
-        &self,
-        held: &ShardLease,
-        now: Timestamp,
-    ) -> Result<(), Error> {
-        self.leases()?.release_shard_lease(held, now)
-    }
-
-    /// Records that a process is alive and wants shards.
-    pub(crate) fn heartbeat_member(
-        &self,
-        owner: &str,
-        now: Timestamp,
-        ttl_ms: u64,
-    ) -> Result<(), Error> {
-        self.leases()?.heartbeat_member(owner, now, ttl_ms)
-    }
-
-    /// Every member recorded.
-    pub(crate) fn members(&self) -> Result<Vec<Member>, Error> {
-        self.leases()?.members()
     }
 
     pub(crate) fn sync(&self) -> Result<(), Error> {

@@ -244,6 +244,13 @@ pub enum Error {
         /// The shard's epoch now.
         current: Option<u64>,
     },
+    /// A commit without a fence on a store several engine processes share:
+    /// only a commit made under a shard lease may write there.
+    #[error("database {target} is shared by engine processes: a commit must carry its shard lease's fence")]
+    FenceRequired {
+        /// The database and schema.
+        target: String,
+    },
     /// A shard's lease is held by a live owner; it can be taken once it
     /// expires.
     #[error("shard {shard} is held by {owner} until {expires_at}")]

@@ -112,6 +112,45 @@ pub struct Fence {
     pub epoch: u64,
 }
 
+/// A store several engine processes share: it keeps the shard leases and
+/// the members, and applies the rules of this module atomically (a lock,
+/// or a database transaction). Leases and members are durable as soon as
+/// a call returns, like a database's synchronous write of its row.
+pub trait ShardLeases: Send + Sync {
+    /// Takes shard `shard` for `owner` at `now` for `ttl_ms`
+    /// ([`decide_take`]): [`Error::ShardHeld`] while another holds it.
+    fn take_shard_lease(
+        &self,
+        shard: u16,
+        owner: &str,
+        now: Timestamp,
+        ttl_ms: u64,
+    ) -> Result<ShardLease>;
+
+    /// Renews `held` at `now` for `ttl_ms` ([`decide_renew`]):
+    /// [`Error::Fenced`] once another owner took the shard.
+    fn renew_shard_lease(
+        &self,
+        held: &ShardLease,
+        now: Timestamp,
+        ttl_ms: u64,
+    ) -> Result<ShardLease>;
+
+    /// Gives `held` up at `now` ([`decide_release`]); nothing happens if
+    /// it was lost already.
+    fn release_shard_lease(&self, held: &ShardLease, now: Timestamp) -> Result<()>;
+
+    /// Records that `owner` is alive and wants shards until `now` plus
+    /// `ttl_ms`, and forgets members gone for that long again.
+    fn heartbeat_member(&self, owner: &str, now: Timestamp, ttl_ms: u64) -> Result<()>;
+
+    /// Every member recorded (expired ones included), in name order.
+    fn members(&self) -> Result<Vec<Member>>;
+
+    /// Every shard lease recorded, in shard order.
+    fn shard_leases(&self) -> Result<Vec<ShardLease>>;
+}
+
 /// Reads shard `shard`'s lease.
 pub fn read(kv: &dyn KvRead, shard: u16) -> Result<Option<ShardLease>> {
     let Some(bytes) = kv.get(Cf::Meta, &keys::shard_lease_key(shard))? else {

@@ -46,7 +46,7 @@ pub use ids::{
     AttemptId, AttemptNo, CommandId, ExecutionId, InstanceId, LeaseEpoch, MessageKey, RunId, Seq,
     Step, Timestamp,
 };
-pub use lease::{Fence, Member, ShardLease};
+pub use lease::{Fence, Member, ShardLease, ShardLeases};
 pub use mem::{CrashMode, MemStore, SyncedView};
 pub use pg::{PgOptions, PgStore};
 pub use rocks::{LossReport, OpenMode, RocksStore};

@@ -10,7 +10,7 @@ use crate::health::{StoreHealth, WriteFault};
 use crate::ids::Timestamp;
 use crate::keys::{self, Cf};
 use crate::kv::{mutations_of, KvRead, KvWrite, Maps, Mutation};
-use crate::lease::{self, Member, ShardLease};
+use crate::lease::{self, Member, ShardLease, ShardLeases};
 use crate::store::{CommitHandle, Durability, Store};
 
 /// What a simulated crash does with commits that were written but not yet
@@ -91,89 +91,6 @@ impl MemStore {
         inner.live = inner.durable.clone();
     }
 
-    /// Takes shard `shard` for `owner` at `now` for `ttl_ms` (the rules of
-    /// [`lease::decide_take`]). The record is durable at once, as a
-    /// database's synchronous write of its lease row.
-    pub fn take_shard_lease(
-        &self,
-        shard: u16,
-        owner: &str,
-        now: Timestamp,
-        ttl_ms: u64,
-    ) -> Result<ShardLease> {
-        let mut inner = self.inner.lock();
-        if let Some(e) = inner.health.error() {
-            return Err(e);
-        }
-        let current = lease::read(&inner.live, shard)?;
-        let taken = lease::decide_take(current.as_ref(), shard, owner, now, ttl_ms)?;
-        inner.put_lease(&taken)?;
-        Ok(taken)
-    }
-
-    /// Renews `held` at `now` for `ttl_ms` ([`lease::decide_renew`]):
-    /// [`Error::Fenced`] once another owner took the shard.
-    pub fn renew_shard_lease(
-        &self,
-        held: &ShardLease,
-        now: Timestamp,
-        ttl_ms: u64,
-    ) -> Result<ShardLease> {
-        let mut inner = self.inner.lock();
-        if let Some(e) = inner.health.error() {
-            return Err(e);
-        }
-        let current = lease::read(&inner.live, held.shard)?;
-        let renewed = lease::decide_renew(current.as_ref(), held, now, ttl_ms)?;
-        inner.put_lease(&renewed)?;
-        Ok(renewed)
-    }
-
-    /// Gives `held` up at `now` ([`lease::decide_release`]); nothing
-    /// happens if it was lost already.
-    pub fn release_shard_lease(&self, held: &ShardLease, now: Timestamp) -> Result<()> {
-        let mut inner = self.inner.lock();
-        let current = lease::read(&inner.live, held.shard)?;
-        if let Some(released) = lease::decide_release(current.as_ref(), held, now) {
-            inner.put_lease(&released)?;
-        }
-        Ok(())
-    }
-
-    /// Records that `owner` is alive and wants shards, until `now` plus
-    /// `ttl_ms` (durable at once, like a lease).
-    pub fn heartbeat_member(&self, owner: &str, now: Timestamp, ttl_ms: u64) -> Result<()> {
-        let mut inner = self.inner.lock();
-        if let Some(e) = inner.health.error() {
-            return Err(e);
-        }
-        let member = lease::decide_member(owner, now, ttl_ms)?;
-        let bytes = lease::encode_member(&member)?;
-        let key = keys::member_key(owner);
-        inner.live.put(Cf::Meta, key.clone(), bytes.clone());
-        inner.durable.put(Cf::Meta, key, bytes);
-        // Members gone for a whole lease more are forgotten: the table
-        // stays as small as the processes alive.
-        for gone in lease::read_members(&inner.live)? {
-            if gone.expires_at.plus_ms(ttl_ms) < now {
-                let key = keys::member_key(&gone.owner);
-                inner.live.delete(Cf::Meta, key.clone());
-                inner.durable.delete(Cf::Meta, key);
-            }
-        }
-        Ok(())
-    }
-
-    /// Every member recorded (expired ones included), in name order.
-    pub fn members(&self) -> Result<Vec<Member>> {
-        lease::read_members(&self.inner.lock().live)
-    }
-
-    /// Every shard lease recorded, in shard order.
-    pub fn shard_leases(&self) -> Result<Vec<ShardLease>> {
-        lease::read_all(&self.inner.lock().live)
-    }
-
     /// Switches the duplicate-terminal check on or off (fault injection for
     /// the simulator's deliberately broken engine; never off in production).
     pub fn set_duplicate_terminal_check(&self, on: bool) {
@@ -222,6 +139,91 @@ impl Inner {
         self.live.put(Cf::Meta, key.clone(), bytes.clone());
         self.durable.put(Cf::Meta, key, bytes);
         Ok(())
+    }
+}
+
+impl ShardLeases for MemStore {
+    /// Takes shard `shard` for `owner` at `now` for `ttl_ms` (the rules of
+    /// [`lease::decide_take`]). The record is durable at once, as a
+    /// database's synchronous write of its lease row.
+    fn take_shard_lease(
+        &self,
+        shard: u16,
+        owner: &str,
+        now: Timestamp,
+        ttl_ms: u64,
+    ) -> Result<ShardLease> {
+        let mut inner = self.inner.lock();
+        if let Some(e) = inner.health.error() {
+            return Err(e);
+        }
+        let current = lease::read(&inner.live, shard)?;
+        let taken = lease::decide_take(current.as_ref(), shard, owner, now, ttl_ms)?;
+        inner.put_lease(&taken)?;
+        Ok(taken)
+    }
+
+    /// Renews `held` at `now` for `ttl_ms` ([`lease::decide_renew`]):
+    /// [`Error::Fenced`] once another owner took the shard.
+    fn renew_shard_lease(
+        &self,
+        held: &ShardLease,
+        now: Timestamp,
+        ttl_ms: u64,
+    ) -> Result<ShardLease> {
+        let mut inner = self.inner.lock();
+        if let Some(e) = inner.health.error() {
+            return Err(e);
+        }
+        let current = lease::read(&inner.live, held.shard)?;
+        let renewed = lease::decide_renew(current.as_ref(), held, now, ttl_ms)?;
+        inner.put_lease(&renewed)?;
+        Ok(renewed)
+    }
+
+    /// Gives `held` up at `now` ([`lease::decide_release`]); nothing
+    /// happens if it was lost already.
+    fn release_shard_lease(&self, held: &ShardLease, now: Timestamp) -> Result<()> {
+        let mut inner = self.inner.lock();
+        let current = lease::read(&inner.live, held.shard)?;
+        if let Some(released) = lease::decide_release(current.as_ref(), held, now) {
+            inner.put_lease(&released)?;
+        }
+        Ok(())
+    }
+
+    /// Records that `owner` is alive and wants shards, until `now` plus
+    /// `ttl_ms` (durable at once, like a lease).
+    fn heartbeat_member(&self, owner: &str, now: Timestamp, ttl_ms: u64) -> Result<()> {
+        let mut inner = self.inner.lock();
+        if let Some(e) = inner.health.error() {
+            return Err(e);
+        }
+        let member = lease::decide_member(owner, now, ttl_ms)?;
+        let bytes = lease::encode_member(&member)?;
+        let key = keys::member_key(owner);
+        inner.live.put(Cf::Meta, key.clone(), bytes.clone());
+        inner.durable.put(Cf::Meta, key, bytes);
+        // Members gone for a whole lease more are forgotten: the table
+        // stays as small as the processes alive.
+        for gone in lease::read_members(&inner.live)? {
+            if gone.expires_at.plus_ms(ttl_ms) < now {
+                let key = keys::member_key(&gone.owner);
+                inner.live.delete(Cf::Meta, key.clone());
+                inner.durable.delete(Cf::Meta, key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every member recorded (expired ones included), in name order.
+    fn members(&self) -> Result<Vec<Member>> {
+        lease::read_members(&self.inner.lock().live)
+    }
+
+    /// Every shard lease recorded, in shard order.
+    fn shard_leases(&self) -> Result<Vec<ShardLease>> {
+        lease::read_all(&self.inner.lock().live)
     }
 }
 

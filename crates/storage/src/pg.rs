@@ -27,6 +27,22 @@
 //! predecessor that crashed stops renewing, so its lease ends within its
 //! length), as a standby forever if told so.
 //!
+//! Opened [`PgOptions::sharded`], no process holds the whole database:
+//! several write at once, each for the shards whose leases it holds
+//! ([`ShardLeases`]: rows of `shard_lease`, with the processes alive in
+//! `member`). The first such process gives the database-wide lease to
+//! `<sharded>` for good, so a process that would write alone is refused
+//! rather than writing beside them (and one that did before is fenced).
+//! Every commit carries its shard's [`Fence`]: the writer reads the
+//! shard's epoch before validating the group (a process that lost the
+//! shard hears [`Error::Fenced`], not a clash with the new owner's rows),
+//! and the transaction first calls `shard_fence(shard, epoch)`, which
+//! holds the lease row shared and aborts unless the epoch is still the
+//! shard's, so the commit of a process that lost the shard writes nothing
+//! whatever the timing. A group holds commits of one fence only, and the
+//! writer's cache of its own writes is not trusted across groups (other
+//! processes write too).
+//!
 //! When the connection breaks while a group's transaction is in flight,
 //! the writer reconnects and reads one of the group's rows back to learn
 //! whether it committed, and answers accordingly: the engine never acts on
@@ -54,8 +70,10 @@ use crate::cache::{CachedView, Learned, ReadAhead, WriterCache};
 use crate::derive::{apply_batch_checked, Checks, CommitAck, CommitBatch, PreparedBatch};
 use crate::error::{DatabaseFault, Error, Result};
 use crate::health::{HealthCell, StoreHealth, WriteFault};
+use crate::ids::Timestamp;
 use crate::keys::{prefix_end, Cf};
 use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
+use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
 use crate::store::{CommitHandle, Durability, Store};
 use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
 
@@ -90,6 +108,14 @@ pub const PG_LEASE_POLL_MS: u64 = 250;
 /// The SQLSTATE `fence` raises when the lease is no longer this process's.
 const FENCED_SQLSTATE: &str = "KL001";
 
+/// The SQLSTATE `shard_fence()` raises when a commit's shard lease moved on.
+const SHARD_FENCED_SQLSTATE: &str = "KL002";
+
+/// The owner of the database-wide write lease once engine processes share
+/// the database ([`PgOptions::sharded`]): it never expires, so no process
+/// writes alone beside them.
+const SHARDED_OWNER: &str = "<sharded>";
+
 /// Longest PostgreSQL schema name keel accepts.
 pub const PG_SCHEMA_NAME_BYTES_MAX: usize = 48;
 
@@ -116,6 +142,10 @@ pub struct PgOptions {
     /// gives up with [`Error::DatabaseLocked`]; `None` waits as long as it
     /// takes (a standby).
     pub lease_wait_ms: Option<u64>,
+    /// Several engine processes write at once, each for the shards whose
+    /// leases it holds (see [`PgOptions::sharded`]); no database-wide write
+    /// lease is taken.
+    pub sharded: bool,
 }
 
 impl PgOptions {
@@ -128,7 +158,19 @@ impl PgOptions {
             read_connections: PG_READ_CONNECTIONS_MAX,
             lease_ms: PG_LEASE_MS_DEFAULT,
             lease_wait_ms: Some(2 * PG_LEASE_MS_DEFAULT),
+            sharded: false,
         }
+    }
+
+    /// The same options for a database several engine processes write at
+    /// once: no process holds the whole database; each takes shard leases
+    /// ([`ShardLeases`]) and every commit must carry its shard's fence,
+    /// checked in the commit's own transaction. Commits of different
+    /// fences go in different transactions, so one refused fence fails
+    /// only its own commits.
+    pub fn sharded(mut self) -> Self {
+        self.sharded = true;
+        self
     }
 
     /// The same options with another lease length (at least
@@ -187,6 +229,15 @@ struct Sql {
     event_scan_run: String,
     event_put: String,
     fence: String,
+    shard_fence: String,
+    shard_epoch: String,
+    lease_placeholder: String,
+    lease_for_update: String,
+    lease_put: String,
+    lease_all: String,
+    member_put: String,
+    member_purge: String,
+    member_all: String,
 }
 
 fn table(schema: &str, cf: Cf) -> String {
@@ -226,6 +277,31 @@ impl Sql {
                  order by seq limit $3"
             ),
             fence: format!("select \"{schema}\".fence($1, $2)"),
+            shard_fence: format!("select \"{schema}\".shard_fence($1, $2)"),
+            shard_epoch: format!("select epoch from \"{schema}\".shard_lease where shard = $1"),
+            lease_placeholder: format!(
+                "insert into \"{schema}\".shard_lease values ($1, '', 0, 0) on conflict do nothing"
+            ),
+            lease_for_update: format!(
+                "select owner, epoch, expires_at_ms from \"{schema}\".shard_lease \
+                 where shard = $1 for update"
+            ),
+            lease_put: format!(
+                "update \"{schema}\".shard_lease set owner = $2, epoch = $3, expires_at_ms = $4 \
+                 where shard = $1"
+            ),
+            lease_all: format!(
+                "select shard, owner, epoch, expires_at_ms from \"{schema}\".shard_lease \
+                 where owner <> '' order by shard"
+            ),
+            member_put: format!(
+                "insert into \"{schema}\".member values ($1, $2) \
+                 on conflict (owner) do update set expires_at_ms = excluded.expires_at_ms"
+            ),
+            member_purge: format!("delete from \"{schema}\".member where expires_at_ms < $1"),
+            member_all: format!(
+                "select owner, expires_at_ms from \"{schema}\".member order by owner collate \"C\""
+            ),
             event_put: format!(
                 "insert into {events} (run, seq, v) \
                  select * from unnest($1::bytea[], $2::int8[], $3::bytea[])"
@@ -272,6 +348,25 @@ impl Sql {
              'keel: the write lease of epoch % is no longer held by %', p_epoch, p_owner \
              using errcode = '{FENCED_SQLSTATE}'; end if; end $fence$"
         ));
+        // Shared by several processes: one row per shard that was ever
+        // taken (an empty owner: never), and the processes alive.
+        out.push(format!(
+            "create table if not exists \"{schema}\".shard_lease (shard int4 primary key, \
+             owner text not null, epoch int8 not null, expires_at_ms int8 not null)"
+        ));
+        out.push(format!(
+            "create table if not exists \"{schema}\".member (owner text primary key, \
+             expires_at_ms int8 not null)"
+        ));
+        out.push(format!(
+            "create or replace function \"{schema}\".shard_fence(p_shard int4, p_epoch int8) \
+             returns void language plpgsql as $fence$ begin \
+             perform 1 from \"{schema}\".shard_lease \
+             where shard = p_shard and epoch = p_epoch and epoch > 0 for share; \
+             if not found then raise exception \
+             'keel: the lease of shard % at epoch % is no longer held', p_shard, p_epoch \
+             using errcode = '{SHARD_FENCED_SQLSTATE}'; end if; end $fence$"
+        ));
         out
     }
 }
@@ -315,8 +410,11 @@ struct Shared {
     /// This process's name in the lease row (host, pid and a random part).
     owner: String,
     lease_ms: u64,
-    /// The epoch of the lease this store holds (0 before it took one).
+    /// The epoch of the lease this store holds (0 before it took one, and
+    /// always when `sharded`).
     epoch: AtomicI64,
+    /// Several processes write, each under its shard leases.
+    sharded: bool,
     health: HealthCell,
 }
 
@@ -498,6 +596,10 @@ impl Pool {
 /// A commit waiting for the writer.
 struct Request {
     prepared: PreparedBatch,
+    /// On a sharded store, the fence checked in the commit's transaction
+    /// (taken out of the batch: the rows the shared validation would read
+    /// it from live in `shard_lease`, not in a table it reads).
+    fence: Option<Fence>,
     reply: oneshot::Sender<Result<CommitAck>>,
 }
 
@@ -533,6 +635,10 @@ impl PgStore {
         let mut conn = shared.connect()?;
         create_or_check(&shared, &conn)?;
         let epoch = loop {
+            if shared.sharded {
+                claim_sharded(&shared, &conn)?;
+                break 0;
+            }
             match take_lease(&shared, &conn, options.lease_wait_ms) {
                 // A standby waits out a database restart too.
                 Err(Error::Database {
@@ -645,6 +751,7 @@ impl PgStore {
             ),
             lease_ms: options.lease_ms.max(PG_LEASE_MS_MIN),
             epoch: AtomicI64::new(0),
+            sharded: options.sharded,
             health: HealthCell::default(),
         });
         let pool = Pool {
@@ -779,11 +886,13 @@ fn take_lease(shared: &Shared, conn: &Conn, wait_ms: Option<u64>) -> Result<i64>
             tracing::info!(target = %shared.target, epoch, owner = %shared.owner, "took the write lease");
             return Ok(epoch);
         }
+        // Who holds it, and for how long yet (capped: a sharded database's
+        // lease never ends).
         let holder = conn
             .query(
                 shared,
                 &format!(
-                    "select owner, (extract(epoch from greatest(expires_at, clock_timestamp()) - clock_timestamp()) * 1000)::int8 \
+                    "select owner, (extract(epoch from least(greatest(expires_at, clock_timestamp()), clock_timestamp() + interval '1 day') - clock_timestamp()) * 1000)::int8 \
                      from \"{}\".lease where shard = 0",
                     shared.schema
                 ),
@@ -792,6 +901,14 @@ fn take_lease(shared: &Shared, conn: &Conn, wait_ms: Option<u64>) -> Result<i64>
             .first()
             .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
             .unwrap_or_default();
+        if holder.0 == SHARDED_OWNER {
+            return Err(Error::DatabaseLocked {
+                target: shared.target.clone(),
+                detail:
+                    "several engine processes share it (it was opened sharded); open it sharded too"
+                        .into(),
+            });
+        }
         let waited = started.elapsed().as_millis() as u64;
         if wait_ms.is_some_and(|w| waited >= w) {
             return Err(Error::DatabaseLocked {
@@ -808,6 +925,42 @@ fn take_lease(shared: &Shared, conn: &Conn, wait_ms: Option<u64>) -> Result<i64>
         }
         std::thread::sleep(Duration::from_millis(PG_LEASE_POLL_MS));
     }
+}
+
+/// Marks the database shared by engine processes: the write lease goes to
+/// [`SHARDED_OWNER`] for good, so a process that would write alone waits
+/// for nothing and is refused ([`take_lease`]), and one that wrote alone
+/// before is fenced. Refused while such a process holds the lease.
+fn claim_sharded(shared: &Shared, conn: &Conn) -> Result<()> {
+    let schema = &shared.schema;
+    let claimed = conn.query(
+        shared,
+        &format!(
+            "update \"{schema}\".lease set owner = $1, expires_at = 'infinity', \
+             epoch = case when owner = $1 then epoch else epoch + 1 end \
+             where shard = 0 and (expires_at < clock_timestamp() or owner = $1) \
+             returning epoch"
+        ),
+        &[&SHARDED_OWNER],
+    )?;
+    if !claimed.is_empty() {
+        return Ok(());
+    }
+    let holder: String = conn
+        .query(
+            shared,
+            &format!("select owner from \"{schema}\".lease where shard = 0"),
+            &[],
+        )?
+        .first()
+        .map(|r| r.get(0))
+        .unwrap_or_default();
+    Err(Error::DatabaseLocked {
+        target: shared.target.clone(),
+        detail: format!(
+            "{holder} writes to it alone; stop it before engine processes share the database"
+        ),
+    })
 }
 
 /// Extends this store's lease; `Ok(false)` when it is no longer ours.
@@ -905,12 +1058,19 @@ fn read_version(shared: &Shared, conn: &Conn) -> Result<Option<u32>> {
     Ok(rows.first().map(|r| r.get::<_, i32>(0) as u32))
 }
 
-/// Creates the tables if they are missing and records the version, or
-/// checks the version recorded. Concurrent openers serialise on a
-/// transaction-scoped advisory lock, so exactly one creates.
+/// Checks the version recorded, if any (a database of another version is
+/// left untouched); when something is missing, creates it (every statement
+/// is idempotent, so a database created by an earlier build of this
+/// version gets the tables added since) and records the version. A
+/// complete database is only read: an engine's role needs no CREATE
+/// privilege once the tables exist. Concurrent openers serialise on a
+/// transaction-scoped advisory lock.
 fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
     if let Some(found) = read_version(shared, conn)? {
-        return check_version(shared, found);
+        check_version(shared, found)?;
+        if schema_complete(shared, conn)? {
+            return Ok(());
+        }
     }
     let mut script = String::from("begin;\n");
     script.push_str(&format!(
@@ -936,6 +1096,23 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             "the tables were created but the version row is missing",
         )),
     }
+}
+
+/// Whether the objects added within this schema version (for engine
+/// processes sharing the database) are there.
+fn schema_complete(shared: &Shared, conn: &Conn) -> Result<bool> {
+    let s = &shared.schema;
+    let rows = block(conn.client.query(
+        "select to_regclass($1) is not null and to_regclass($2) is not null \
+         and to_regprocedure($3) is not null",
+        &[
+            &format!("\"{s}\".shard_lease"),
+            &format!("\"{s}\".member"),
+            &format!("\"{s}\".shard_fence(int4, int8)"),
+        ],
+    ))
+    .map_err(|e| shared.error(&e))?;
+    Ok(rows.first().is_some_and(|r| r.get::<_, bool>(0)))
 }
 
 fn check_version(shared: &Shared, found: u32) -> Result<()> {
@@ -1194,16 +1371,32 @@ impl Store for PgStore {
         self
     }
 
-    fn commit(&self, batch: CommitBatch) -> CommitHandle {
+    fn commit(&self, mut batch: CommitBatch) -> CommitHandle {
         let Some(tx) = &self.tx else {
             return CommitHandle::ready(Err(Error::ReadOnly));
+        };
+        let fence = if self.shared.sharded {
+            match batch.fence.take() {
+                Some(f) => Some(f),
+                None => {
+                    return CommitHandle::ready(Err(Error::FenceRequired {
+                        target: self.shared.target.clone(),
+                    }))
+                }
+            }
+        } else {
+            None
         };
         let prepared = match PreparedBatch::new(batch) {
             Ok(p) => p,
             Err(e) => return CommitHandle::ready(Err(e)),
         };
         let (reply, rx) = oneshot::channel();
-        match tx.send(Request { prepared, reply }) {
+        match tx.send(Request {
+            prepared,
+            fence,
+            reply,
+        }) {
             Ok(()) => CommitHandle::pending(rx),
             Err(_) => CommitHandle::ready(Err(Error::Closed)),
         }
@@ -1231,6 +1424,162 @@ impl Store for PgStore {
 
     fn health(&self) -> StoreHealth {
         self.shared.health.get()
+    }
+}
+
+impl PgStore {
+    /// Runs `f` in one transaction on a pooled connection: committed when
+    /// it returns `Ok`, rolled back otherwise. Like every keel
+    /// transaction, ended by the server if it stays open past a lease.
+    fn in_transaction<T>(&self, f: impl Fn(&Conn) -> Result<T>) -> Result<T> {
+        let shared = &self.shared;
+        // A lock held by a commit of a frozen process is given up on after
+        // a lease rather than waited for without end.
+        let begin = format!(
+            "begin; set local idle_in_transaction_session_timeout = {ms}; \
+             set local lock_timeout = {ms}",
+            ms = shared.lease_ms
+        );
+        self.with_conn(|conn| {
+            block(conn.client.batch_execute(&begin)).map_err(|e| shared.error(&e))?;
+            match f(conn) {
+                Ok(v) => {
+                    block(conn.client.batch_execute("commit")).map_err(|e| shared.error(&e))?;
+                    Ok(v)
+                }
+                Err(e) => {
+                    if let Err(r) = block(conn.client.batch_execute("rollback")) {
+                        debug!(error = %r, "rolling back a lease transaction");
+                    }
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Applies `decide` to shard `shard`'s lease row, locked for the rest
+    /// of the transaction (a commit's `shard_fence()` waits for it, and it
+    /// for a commit in flight), and writes what it decides.
+    fn update_lease(
+        &self,
+        shard: u16,
+        decide: impl Fn(Option<&ShardLease>) -> Result<Option<ShardLease>>,
+    ) -> Result<Option<ShardLease>> {
+        let shared = &self.shared;
+        let sql = &shared.sql;
+        let row = i32::from(shard);
+        self.in_transaction(|conn| {
+            // A shard never taken gets its row first, so that two
+            // processes taking it at once queue on the row's lock.
+            conn.query(shared, &sql.lease_placeholder, &[&row])?;
+            let current = conn
+                .query(shared, &sql.lease_for_update, &[&row])?
+                .first()
+                .and_then(|r| {
+                    let owner: String = r.get(0);
+                    (!owner.is_empty()).then(|| ShardLease {
+                        shard,
+                        owner,
+                        epoch: r.get::<_, i64>(1) as u64,
+                        expires_at: Timestamp(r.get::<_, i64>(2) as u64),
+                    })
+                });
+            let decided = decide(current.as_ref())?;
+            if let Some(l) = &decided {
+                conn.query(
+                    shared,
+                    &sql.lease_put,
+                    &[&row, &l.owner, &(l.epoch as i64), &(l.expires_at.0 as i64)],
+                )?;
+            }
+            Ok(decided)
+        })
+    }
+}
+
+/// The rules of [`crate::lease`], applied in transactions: a lease row is
+/// locked while a process decides on it, and a commit's `shard_fence()`
+/// holds it shared, so a takeover and a commit of the old owner are
+/// ordered: the commit either comes first or is refused. Times are the
+/// callers' clocks (the processes must agree within a small part of a
+/// lease; the fence keeps the data safe if they do not).
+impl ShardLeases for PgStore {
+    fn take_shard_lease(
+        &self,
+        shard: u16,
+        owner: &str,
+        now: Timestamp,
+        ttl_ms: u64,
+    ) -> Result<ShardLease> {
+        let taken = self.update_lease(shard, |current| {
+            lease::decide_take(current, shard, owner, now, ttl_ms).map(Some)
+        })?;
+        Ok(taken.expect("a take decides a lease or fails"))
+    }
+
+    fn renew_shard_lease(
+        &self,
+        held: &ShardLease,
+        now: Timestamp,
+        ttl_ms: u64,
+    ) -> Result<ShardLease> {
+        let renewed = self.update_lease(held.shard, |current| {
+            lease::decide_renew(current, held, now, ttl_ms).map(Some)
+        })?;
+        Ok(renewed.expect("a renewal decides a lease or fails"))
+    }
+
+    fn release_shard_lease(&self, held: &ShardLease, now: Timestamp) -> Result<()> {
+        self.update_lease(held.shard, |current| {
+            Ok(lease::decide_release(current, held, now))
+        })
+        .map(|_| ())
+    }
+
+    fn heartbeat_member(&self, owner: &str, now: Timestamp, ttl_ms: u64) -> Result<()> {
+        let member = lease::decide_member(owner, now, ttl_ms)?;
+        let shared = &self.shared;
+        let gone_before = now.0.saturating_sub(ttl_ms) as i64;
+        self.with_conn(|conn| {
+            conn.query(
+                shared,
+                &shared.sql.member_put,
+                &[&member.owner, &(member.expires_at.0 as i64)],
+            )?;
+            // Members gone for a whole lease more are forgotten.
+            conn.query(shared, &shared.sql.member_purge, &[&gone_before])?;
+            Ok(())
+        })
+    }
+
+    fn members(&self) -> Result<Vec<Member>> {
+        let shared = &self.shared;
+        self.with_conn(|conn| {
+            Ok(conn
+                .query(shared, &shared.sql.member_all, &[])?
+                .iter()
+                .map(|r| Member {
+                    owner: r.get(0),
+                    expires_at: Timestamp(r.get::<_, i64>(1) as u64),
+                })
+                .collect())
+        })
+    }
+
+    fn shard_leases(&self) -> Result<Vec<ShardLease>> {
+        let shared = &self.shared;
+        self.with_conn(|conn| {
+            Ok(conn
+                .query(shared, &shared.sql.lease_all, &[])?
+                .iter()
+                .map(|r| ShardLease {
+                    shard: r.get::<_, i32>(0) as u16,
+                    owner: r.get(1),
+                    epoch: r.get::<_, i64>(2) as u64,
+                    expires_at: Timestamp(r.get::<_, i64>(3) as u64),
+                })
+                .collect())
+        })
     }
 }
 
@@ -1283,16 +1632,27 @@ enum Written {
     Unknown(Error),
 }
 
-/// Writes `mutations` in one transaction, its statements pipelined.
-fn write_group(shared: &Shared, conn: &Conn, mutations: &[Mutation]) -> Written {
+/// Writes `mutations` in one transaction, its statements pipelined, under
+/// the database's write lease or, on a sharded store, under `fence`.
+fn write_group(
+    shared: &Shared,
+    conn: &Conn,
+    mutations: &[Mutation],
+    fence: Option<Fence>,
+) -> Written {
     let rows = Rows::of(mutations);
     let sql = &shared.sql;
     let mut statements: Vec<(Statement, Vec<&(dyn ToSql + Sync)>)> = Vec::new();
     let prepare = |text: &str| conn.statement(shared, text);
     let epoch = shared.epoch.load(Ordering::Acquire);
+    let (fence_shard, fence_epoch) = fence.map_or((0, 0), |f| (i32::from(f.shard), f.epoch as i64));
     let mut plan = || -> Result<()> {
         // First: the lease is still ours, and stays so until the commit.
-        statements.push((prepare(&sql.fence)?, vec![&epoch, &shared.owner]));
+        if shared.sharded {
+            statements.push((prepare(&sql.shard_fence)?, vec![&fence_shard, &fence_epoch]));
+        } else {
+            statements.push((prepare(&sql.fence)?, vec![&epoch, &shared.owner]));
+        }
         if !rows.event_runs.is_empty() {
             statements.push((
                 prepare(&sql.event_put)?,
@@ -1327,8 +1687,7 @@ fn write_group(shared: &Shared, conn: &Conn, mutations: &[Mutation]) -> Written 
     // off the takeover for as long as it stays paused. The server ends
     // such a transaction after one lease, so a takeover waits at most that
     // long (and the paused commit is rolled back, not written). Set per
-    // transaction, not per session: a pooler in transaction mode
-    // (PgBouncer) refuses startup options and shares sessions.
+    // transaction rather than as a startup option, which poolers refuse.
     let begin_sql = format!(
         "begin; set local idle_in_transaction_session_timeout = {}",
         shared.lease_ms
@@ -1352,6 +1711,19 @@ fn write_group(shared: &Shared, conn: &Conn, mutations: &[Mutation]) -> Written 
         .next();
     match first_error {
         None => Written::Committed,
+        Some(e) if e.code().is_some_and(|c| c.code() == SHARD_FENCED_SQLSTATE) => {
+            // The transaction was rolled back: the connection is usable.
+            let current = conn
+                .query(shared, &sql.shard_epoch, &[&fence_shard])
+                .ok()
+                .and_then(|rows| rows.first().map(|r| r.get::<_, i64>(0) as u64))
+                .filter(|epoch| *epoch > 0);
+            Written::Refused(Error::Fenced {
+                shard: fence_shard as u16,
+                epoch: fence_epoch as u64,
+                current,
+            })
+        }
         Some(e) if e.code().is_some_and(|c| c.code() == FENCED_SQLSTATE) => {
             let detail = describe(&e);
             shared.fenced(detail.clone());
@@ -1451,6 +1823,9 @@ fn renew(shared: &Shared, conn: &mut Option<Conn>, cache: &mut WriterCache) {
         }
     }
     let Some(c) = conn.as_ref() else { return };
+    if shared.sharded {
+        return; // no database-wide lease: each shard's is its engine's
+    }
     match renew_lease(shared, c) {
         Ok(true) => {}
         Ok(false) => shared.fenced(format!(
@@ -1480,6 +1855,11 @@ fn commit_group(
             }
         )
     };
+    if shared.sharded {
+        // Other processes write too: what this writer learned from its own
+        // writes may be out of date (a shard it held was taken over).
+        cache.forget();
+    }
     let mut tries_left = 2;
     loop {
         tries_left -= 1;
@@ -1499,6 +1879,35 @@ fn commit_group(
             }
         }
         let Some(c) = conn.as_ref() else { continue };
+        if let Some(fence) = group[0].fence {
+            // A process that lost the shard learns it as such, not as a
+            // validation error against the new owner's writes. The check
+            // in the transaction stays the one that counts.
+            match c.query(shared, &shared.sql.shard_epoch, &[&i32::from(fence.shard)]) {
+                Ok(rows) => {
+                    let current = rows
+                        .first()
+                        .map(|r| r.get::<_, i64>(0) as u64)
+                        .filter(|epoch| *epoch > 0);
+                    if current != Some(fence.epoch) {
+                        let fenced = || Error::Fenced {
+                            shard: fence.shard,
+                            epoch: fence.epoch,
+                            current,
+                        };
+                        return (group.iter().map(|_| Err(fenced())).collect(), Ok(()));
+                    }
+                }
+                Err(e) if tries_left > 0 && lost(&e) => {
+                    *conn = None;
+                    continue;
+                }
+                Err(e) => {
+                    let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
+                    return (results, Ok(()));
+                }
+            }
+        }
         let view = ConnView { shared, conn: c };
         // What validation reads for certain, in one round trip; most of
         // the rest is known from this writer's own writes.
@@ -1549,7 +1958,7 @@ fn commit_group(
         if mutations.is_empty() {
             return (results, Ok(()));
         }
-        let written = match write_group(shared, c, &mutations) {
+        let written = match write_group(shared, c, &mutations, group[0].fence) {
             Written::Committed => Ok(()),
             Written::Refused(e) => Err(e),
             Written::Unknown(e) => {
@@ -1588,8 +1997,14 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
     let mut conn = Some(conn);
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
     let mut cache = WriterCache::default();
+    // A commit under another fence than its group's: it starts the next.
+    let mut held: Option<Request> = None;
     loop {
-        let first = match rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())) {
+        let waited = match held.take() {
+            Some(r) => Ok(r),
+            None => rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())),
+        };
+        let first = match waited {
             Ok(r) => Some(r),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
@@ -1622,6 +2037,12 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         group.push(first);
         while group.len() < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
             match rx.try_recv() {
+                // One fence per transaction (a sharded store): a refused
+                // fence fails its own shard's commits only.
+                Ok(r) if r.fence != group[0].fence => {
+                    held = Some(r);
+                    break;
+                }
                 Ok(r) => {
                     bytes += r.prepared.bytes();
                     group.push(r);
@@ -1639,7 +2060,9 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         );
         for (req, result) in group.drain(..).zip(results) {
             let result = match (&written, result) {
-                (Err(e @ Error::Database { .. }), Ok(_)) => Err(e.clone_shallow()),
+                (Err(e @ (Error::Database { .. } | Error::Fenced { .. })), Ok(_)) => {
+                    Err(e.clone_shallow())
+                }
                 (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
                 (_, r) => r,
             };
@@ -1647,7 +2070,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         }
     }
     // Closed: hand the lease on at once rather than let it run out.
-    if shared.health.get().is_healthy() {
+    if shared.health.get().is_healthy() && !shared.sharded {
         if let Some(c) = conn.as_ref().filter(|c| !c.client.is_closed()) {
             if let Err(e) = release_lease(shared, c) {
                 debug!(error = %e, "releasing the write lease");
@@ -1672,6 +2095,15 @@ impl Error {
             Error::DatabaseLocked { target, detail } => Error::DatabaseLocked {
                 target: target.clone(),
                 detail: detail.clone(),
+            },
+            Error::Fenced {
+                shard,
+                epoch,
+                current,
+            } => Error::Fenced {
+                shard: *shard,
+                epoch: *epoch,
+                current: *current,
             },
             other => Error::CommitFailed(other.to_string()),
         }

@@ -16,8 +16,8 @@ use std::sync::Barrier;
 use common::*;
 use keel_storage::{
     AppendAck, CommitBatch, Durability, DurableKey, Error, Event, EventKind, InstanceId, MemStore,
-    OutboxMessage, Outcome, ParentClosePolicy, ParentRef, Payload, RocksStore, RunAppend,
-    RunFilter, RunStatus, Seq, Step, Store, Timestamp, PAYLOAD_BYTES_MAX,
+    OutboxMessage, Outcome, ParentClosePolicy, ParentRef, Payload, PgStore, RocksStore, RunAppend,
+    RunFilter, RunStatus, Seq, ShardLeases, Step, Store, Timestamp, PAYLOAD_BYTES_MAX,
 };
 
 fn start(store: &dyn Store, n: u64, instance: &str, wtype: &str) -> RunBuilder {
@@ -1044,19 +1044,20 @@ fn racing_commits_to_one_run_have_exactly_one_winner() {
     for_each_store(race_same_run);
 }
 
-#[test]
-fn a_commit_under_a_lost_shard_lease_is_refused() {
-    // Goal: a process whose shard lease was taken over can never commit for
-    // that shard again. Method: p1 takes shard 3 and commits under its
-    // fence; after its lease ends p2 takes the shard; p1's next commit and
-    // its renewal are refused as fenced and write nothing; p2 commits.
-    let store = MemStore::new(Durability::Sync);
-    let p1 = store
+/// One engine process's handles on a store processes share.
+struct Process<'a> {
+    store: &'a dyn Store,
+    leases: &'a dyn ShardLeases,
+}
+
+fn lease_fencing(p1: Process, p2: Process) {
+    let p1_lease = p1
+        .leases
         .take_shard_lease(3, "p1", Timestamp(0), 1_000)
         .unwrap();
-    assert_eq!(p1.epoch, 1);
+    assert_eq!(p1_lease.epoch, 1);
     assert!(matches!(
-        store.take_shard_lease(3, "p2", Timestamp(500), 1_000),
+        p2.leases.take_shard_lease(3, "p2", Timestamp(500), 1_000),
         Err(Error::ShardHeld { shard: 3, .. })
     ));
     let run = run_id(1);
@@ -1068,16 +1069,18 @@ fn a_commit_under_a_lost_shard_lease_is_refused() {
         parked: Vec::new(),
         fence: Some(keel_storage::Fence { shard: 3, epoch }),
     };
-    store
+    p1.store
         .commit(fenced(vec![ev(1, 100, started(run, "fence", "wf"))], 1))
         .wait()
         .unwrap();
-    let p2 = store
+    let p2_lease = p2
+        .leases
         .take_shard_lease(3, "p2", Timestamp(1_000), 1_000)
         .unwrap();
-    assert_eq!(p2.epoch, 2);
-    let before = dump(&store);
-    let err = store
+    assert_eq!(p2_lease.epoch, 2);
+    let before = dump(p2.store);
+    let err = p1
+        .store
         .commit(fenced(vec![ev(2, 1_100, signal("s", b"stale"))], 1))
         .wait()
         .unwrap_err();
@@ -1092,27 +1095,93 @@ fn a_commit_under_a_lost_shard_lease_is_refused() {
         ),
         "{err}"
     );
-    assert_eq!(dump(&store), before, "a fenced commit wrote something");
+    assert_eq!(dump(p2.store), before, "a fenced commit wrote something");
     assert!(matches!(
-        store.renew_shard_lease(&p1, Timestamp(1_100), 1_000),
+        p1.leases
+            .renew_shard_lease(&p1_lease, Timestamp(1_100), 1_000),
         Err(Error::Fenced { .. })
     ));
-    store
+    p2.store
         .commit(fenced(vec![ev(2, 1_200, signal("s", b"owner"))], 2))
         .wait()
         .unwrap();
     // A renewal keeps the epoch; a release lets the next owner in at once.
-    let p2 = store
-        .renew_shard_lease(&p2, Timestamp(1_500), 1_000)
+    let p2_lease = p2
+        .leases
+        .renew_shard_lease(&p2_lease, Timestamp(1_500), 1_000)
         .unwrap();
-    assert_eq!((p2.epoch, p2.expires_at), (2, Timestamp(2_500)));
-    store.release_shard_lease(&p2, Timestamp(1_600)).unwrap();
-    let p3 = store
+    assert_eq!((p2_lease.epoch, p2_lease.expires_at), (2, Timestamp(2_500)));
+    p2.leases
+        .release_shard_lease(&p2_lease, Timestamp(1_600))
+        .unwrap();
+    let p3 = p1
+        .leases
         .take_shard_lease(3, "p3", Timestamp(1_600), 1_000)
         .unwrap();
     assert_eq!(p3.epoch, 3);
-    assert_eq!(store.shard_leases().unwrap(), vec![p3]);
-    assert!(store.verify().unwrap().ok);
+    assert_eq!(p2.leases.shard_leases().unwrap(), vec![p3]);
+    assert!(p2.store.verify().unwrap().ok);
+    // Members: the live ones, and the long gone forgotten.
+    p1.leases
+        .heartbeat_member("p1", Timestamp(0), 1_000)
+        .unwrap();
+    p2.leases
+        .heartbeat_member("p2", Timestamp(1_500), 1_000)
+        .unwrap();
+    let names = |ms: Vec<keel_storage::Member>| -> Vec<String> {
+        ms.into_iter().map(|m| m.owner).collect()
+    };
+    assert_eq!(names(p1.leases.members().unwrap()), ["p1", "p2"]);
+    p2.leases
+        .heartbeat_member("p2", Timestamp(2_500), 1_000)
+        .unwrap();
+    assert_eq!(
+        names(p1.leases.members().unwrap()),
+        ["p2"],
+        "p1 ended at 1000, gone by 2000"
+    );
+}
+
+#[test]
+fn a_commit_under_a_lost_shard_lease_is_refused() {
+    // Goal: on every store processes can share, a process whose shard
+    // lease was taken over can never commit for that shard again. Method:
+    // p1 takes shard 3 and commits under its fence; after its lease ends
+    // p2 takes the shard; p1's next commit and its renewal are refused as
+    // fenced and write nothing; p2 commits, renews and releases, and the
+    // next taker gets the next epoch. On the in-memory store both
+    // processes use one handle; on PostgreSQL each opens the database
+    // sharded.
+    let store = MemStore::new(Durability::Sync);
+    let process = || Process {
+        store: &store,
+        leases: &store,
+    };
+    lease_fencing(process(), process());
+    if let Some(url) = postgres_url() {
+        let scratch = PgScratch::new(&url);
+        let a = PgStore::open(scratch.0.clone().sharded()).expect("open p1");
+        let b = PgStore::open(scratch.0.clone().sharded()).expect("open p2");
+        lease_fencing(
+            Process {
+                store: &a,
+                leases: &a,
+            },
+            Process {
+                store: &b,
+                leases: &b,
+            },
+        );
+    }
+    let run = run_id(1);
+    let fenced = |events, epoch| CommitBatch {
+        appends: vec![RunAppend {
+            run_id: run,
+            events,
+        }],
+        parked: Vec::new(),
+        fence: Some(keel_storage::Fence { shard: 3, epoch }),
+    };
 
     // A store nobody leased shards of refuses a fenced commit too.
     let dir = tempfile::tempdir().unwrap();

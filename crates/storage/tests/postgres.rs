@@ -15,7 +15,8 @@
 // (scripts/postgres.sh); the server's own SQL (through tokio-postgres)
 // changes the version row and kills the store's connections with
 // `pg_terminate_backend`, from a thread that keeps killing while commits
-// run.
+// run. Opened sharded (several processes at once), the store fences every
+// commit by its shard's lease, per shard.
 
 mod common;
 
@@ -23,7 +24,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use keel_storage::{DatabaseFault, Error, PgOptions, PgStore, Seq, Store, SCHEMA_VERSION};
+use keel_storage::{
+    CommitBatch, DatabaseFault, Error, Fence, PgOptions, PgStore, Seq, ShardLease, ShardLeases,
+    Store, Timestamp, SCHEMA_VERSION,
+};
 
 /// Runs one SQL statement on the test server (its own runtime: the store's
 /// is private).
@@ -311,4 +315,244 @@ fn an_owner_past_its_lease_is_fenced_and_a_standby_takes_over() {
     let third = PgStore::open(scratch.0.clone().lease_wait_ms(0)).expect("lease was released");
     assert!(started.elapsed() < std::time::Duration::from_secs(2));
     drop(third);
+}
+
+#[test]
+fn processes_sharing_a_database_are_fenced_per_shard() {
+    // Goal: on a database several engine processes share (opened sharded),
+    // a commit must carry a fence; two processes taking one shard at once
+    // get one lease between them; and a process that lost one of its
+    // shards keeps committing for the others while its commit for the lost
+    // shard, sent in the same breath, is refused and writes nothing.
+    // Method: two stores on one fresh schema as two processes; the takes
+    // race on threads; the two commits are both sent before either is
+    // waited for, so the writer has them together.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let p1 = PgStore::open(scratch.0.clone().sharded()).expect("p1");
+    let p2 = PgStore::open(scratch.0.clone().sharded()).expect("p2");
+
+    let run = |n: u64, shard: u16, epoch: u64, seq: u64| CommitBatch {
+        fence: Some(Fence { shard, epoch }),
+        ..CommitBatch::append(
+            run_id(n),
+            vec![if seq == 1 {
+                ev(1, 100, started(run_id(n), &format!("i{n}"), "wf"))
+            } else {
+                ev(seq, 100 * seq, signal("s", b"x"))
+            }],
+        )
+    };
+    let unfenced = CommitBatch::append(run_id(9), vec![ev(1, 1, started(run_id(9), "u", "wf"))]);
+    let err = p1.commit(unfenced).wait().expect_err("unfenced");
+    assert!(matches!(err, Error::FenceRequired { .. }), "{err}");
+
+    // Two processes take shard 5 at once: one lease, one refusal.
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| p1.take_shard_lease(5, "p1", Timestamp(0), 1_000));
+        let b = s.spawn(|| p2.take_shard_lease(5, "p2", Timestamp(0), 1_000));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(
+        a.is_ok() != b.is_ok(),
+        "exactly one take wins: {a:?} / {b:?}"
+    );
+    let leases = p1.shard_leases().unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0].epoch, 1);
+
+    // p1 holds shards 1 and 2 and starts a run on each.
+    let s1 = p1.take_shard_lease(1, "p1", Timestamp(0), 1_000).unwrap();
+    let s2 = p1.take_shard_lease(2, "p1", Timestamp(0), 1_000).unwrap();
+    p1.commit(run(1, 1, s1.epoch, 1)).wait().unwrap();
+    p1.commit(run(2, 2, s2.epoch, 1)).wait().unwrap();
+    // Its lease on shard 2 ends and p2 takes it.
+    let taken = p2
+        .take_shard_lease(2, "p2", Timestamp(1_000), 1_000)
+        .unwrap();
+    assert_eq!(taken.epoch, s2.epoch + 1);
+    let renewed = p1.renew_shard_lease(&s1, Timestamp(1_000), 1_000).unwrap();
+    // The new owner goes on where p1 stopped.
+    p2.commit(run(2, 2, taken.epoch, 2)).wait().unwrap();
+    // p1, unaware, sends commits for both shards, alternating, before it
+    // waits for any: the writer has several queued and must not let a
+    // refused fence fail another shard's commits. Its commits for shard 2
+    // also clash with p2's row at seq 2: still refused as fenced, so p1
+    // learns that it lost the shard.
+    let handles: Vec<_> = (2..12)
+        .flat_map(|seq| {
+            [
+                (1, p1.commit(run(1, 1, renewed.epoch, seq))),
+                (2, p1.commit(run(2, 2, s2.epoch, 2))),
+            ]
+        })
+        .collect();
+    for (shard, handle) in handles {
+        match (shard, handle.wait()) {
+            (1, result) => {
+                result.expect("shard 1 is still p1's");
+            }
+            (_, result) => {
+                let err = result.expect_err("shard 2 is p2's");
+                assert!(
+                    matches!(err, Error::Fenced { shard: 2, epoch, current: Some(c) } if epoch == s2.epoch && c == taken.epoch),
+                    "{err}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        p2.history(run_id(1)).unwrap().len(),
+        11,
+        "shard 1's commits were written"
+    );
+    assert_eq!(
+        p2.history(run_id(2)).unwrap().len(),
+        2,
+        "the fenced commits wrote nothing"
+    );
+    assert!(p2.verify().unwrap().ok);
+
+    // A process that would write alone is refused beside processes that
+    // share the database, and the reverse.
+    let alone = PgStore::open(scratch.0.clone().lease_wait_ms(0)).expect_err("alone");
+    assert!(
+        matches!(&alone, Error::DatabaseLocked { detail, .. } if detail.contains("sharded")),
+        "{alone}"
+    );
+    let other = PgScratch::new(&url);
+    let writer = PgStore::open(other.0.clone()).expect("a writer alone");
+    let shared = PgStore::open(other.0.clone().sharded()).expect_err("sharded beside it");
+    assert!(matches!(shared, Error::DatabaseLocked { .. }), "{shared}");
+    drop(writer);
+}
+
+#[test]
+fn a_takeover_fences_every_later_commit_of_the_old_owner() {
+    // Goal: the cluster invariant at the store, under real concurrency:
+    // once a process's take of a shard at epoch e returned, no commit sent
+    // afterwards under an older epoch of that shard is written; every
+    // commit answered Ok is in the history and every refused one is not.
+    // Method: two sharded stores on one schema as two processes, each on
+    // its own thread, share three shards on a common clock advanced by
+    // both; each takes free shards, commits once per round to a run of its
+    // own per (shard, epoch), so that only the fence (not a sequence
+    // clash) can refuse a stale owner, and renews only in some rounds, so
+    // leases lapse and are taken over while the old owner still commits.
+    // A global counter orders every take's return before or after every
+    // commit's sending.
+    use std::collections::HashMap;
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Mutex;
+
+    const SHARDS: u16 = 3;
+    const ROUNDS: u64 = 40;
+    const TTL_MS: u64 = 1_000;
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let stores: Vec<PgStore> = (0..2)
+        .map(|_| PgStore::open(scratch.0.clone().sharded()).expect("open"))
+        .collect();
+    let clock = AtomicU64::new(0);
+    let order = AtomicU64::new(0);
+    // (shard, epoch, when the take returned)
+    let takes = Mutex::new(Vec::<(u16, u64, u64)>::new());
+    // (shard, epoch, when it was sent, run, seq, written)
+    let commits = Mutex::new(Vec::<(u16, u64, u64, u64, u64, bool)>::new());
+    std::thread::scope(|s| {
+        for (p, store) in stores.iter().enumerate() {
+            let (clock, order, takes, commits) = (&clock, &order, &takes, &commits);
+            s.spawn(move || {
+                let me = format!("p{p}");
+                // shard -> (lease, run number, next seq)
+                let mut held: HashMap<u16, (ShardLease, u64, u64)> = HashMap::new();
+                for round in 0..ROUNDS {
+                    let now = Timestamp(clock.fetch_add(100, Ordering::SeqCst));
+                    for shard in 0..SHARDS {
+                        if held.contains_key(&shard) {
+                            continue;
+                        }
+                        if let Ok(lease) = store.take_shard_lease(shard, &me, now, TTL_MS) {
+                            let at = order.fetch_add(1, Ordering::SeqCst);
+                            takes.lock().unwrap().push((shard, lease.epoch, at));
+                            let run = u64::from(shard) * 1_000 + lease.epoch;
+                            held.insert(shard, (lease, run, 1));
+                        }
+                    }
+                    let mut lost = Vec::new();
+                    for (shard, (lease, run, next)) in held.iter_mut() {
+                        let kind = if *next == 1 {
+                            started(run_id(*run), &format!("i{run}"), "wf")
+                        } else {
+                            signal("s", b"x")
+                        };
+                        let batch = CommitBatch {
+                            fence: Some(lease.fence()),
+                            ..CommitBatch::append(run_id(*run), vec![ev(*next, *next, kind)])
+                        };
+                        let sent = order.fetch_add(1, Ordering::SeqCst);
+                        let result = store.commit(batch).wait();
+                        let ok = match &result {
+                            Ok(_) => true,
+                            Err(Error::Fenced { .. }) => false,
+                            Err(e) => panic!("p{p}: unexpected commit error: {e}"),
+                        };
+                        commits
+                            .lock()
+                            .unwrap()
+                            .push((*shard, lease.epoch, sent, *run, *next, ok));
+                        if ok {
+                            *next += 1;
+                        } else {
+                            lost.push(*shard);
+                        }
+                    }
+                    // Renew in some rounds only: the leases lapse now and then.
+                    if (round + p as u64) % 9 < 4 {
+                        for (shard, (lease, _, _)) in held.iter_mut() {
+                            match store.renew_shard_lease(lease, now, TTL_MS) {
+                                Ok(l) => *lease = l,
+                                Err(Error::Fenced { .. }) => lost.push(*shard),
+                                Err(e) => panic!("p{p}: unexpected renewal error: {e}"),
+                            }
+                        }
+                    }
+                    for shard in lost {
+                        held.remove(&shard);
+                    }
+                }
+            });
+        }
+    });
+    let takes = takes.into_inner().unwrap();
+    let commits = commits.into_inner().unwrap();
+    for &(shard, epoch, sent, run, seq, ok) in &commits {
+        let superseded = takes
+            .iter()
+            .any(|&(s, e, at)| s == shard && e > epoch && at < sent);
+        assert!(
+            !(ok && superseded),
+            "shard {shard}: a commit of epoch {epoch} (run {run}, seq {seq}) was written after a newer epoch was taken"
+        );
+    }
+    let takeovers = takes.iter().filter(|(_, epoch, _)| *epoch > 1).count();
+    let refused = commits.iter().filter(|c| !c.5).count();
+    assert!(
+        takeovers >= 3,
+        "the test must take shards over: {takeovers}"
+    );
+    assert!(refused >= 1, "the test must fence a stale owner: {refused}");
+    let mut written: HashMap<u64, u64> = HashMap::new();
+    for c in commits.iter().filter(|c| c.5) {
+        *written.entry(c.3).or_default() += 1;
+    }
+    for (run, count) in written {
+        let history = stores[0].history(run_id(run)).unwrap();
+        assert_eq!(
+            history.len() as u64,
+            count,
+            "run {run}: the history holds exactly the commits answered Ok"
+        );
+    }
+    assert!(stores[0].verify().unwrap().ok);
 }

@@ -3,7 +3,7 @@
 //! checked against the durable log before it happens.
 
 use keel_core::driver::{Action, Message, ReadQuery, ReadResult, ShardId, ShardInput, Token};
-use keel_storage::{CommitBatch, Error as StoreError};
+use keel_storage::{CommitBatch, Error as StoreError, ShardLease};
 use rand::RngExt;
 
 use super::{Ev, Pending, World, SLOW_SYNC_MS_MAX, STORE_STOP_MS_MAX, SYNC_MS_MAX};
@@ -81,9 +81,10 @@ impl World<'_> {
             }
             Action::RenewLease { lease } => {
                 let now = keel_storage::Timestamp(self.now);
-                let result = self
-                    .store
-                    .renew_shard_lease(&lease, now, self.config.shard_lease_ms);
+                let result =
+                    self.store
+                        .leases()
+                        .renew_shard_lease(&lease, now, self.config.shard_lease_ms);
                 if let Err(e) = &result {
                     self.log(format_args!("{shard} of {} cannot renew: {e}", lease.owner));
                 }
@@ -94,7 +95,7 @@ impl World<'_> {
                 self.released += 1;
                 self.released_pending.insert((p, shard));
                 let now = keel_storage::Timestamp(self.now);
-                if let Err(e) = self.store.release_shard_lease(&lease, now) {
+                if let Err(e) = self.store.leases().release_shard_lease(&lease, now) {
                     self.log(format_args!("{shard} cannot be released: {e}"));
                 }
             }
@@ -266,11 +267,16 @@ impl World<'_> {
         }
     }
 
-    /// Whether process `p` holds `shard` under a lease that is no longer
-    /// the shard's (several processes only).
-    pub(super) fn stale_owner(&self, p: usize, shard: ShardId) -> bool {
+    /// When process `p` holds `shard` under a lease that is no longer the
+    /// shard's (several processes only): the epoch it holds, and the
+    /// shard's lease as the store records it.
+    fn owner_mismatch(
+        &self,
+        p: usize,
+        shard: ShardId,
+    ) -> Option<(Option<u64>, Option<ShardLease>)> {
         if !self.shared() {
-            return false;
+            return None;
         }
         let held = self.processes[p]
             .shards
@@ -278,30 +284,25 @@ impl World<'_> {
             .and_then(|s| s.lease().map(|l| l.epoch));
         let current = self
             .store
+            .leases()
             .shard_leases()
             .ok()
-            .and_then(|ls| ls.into_iter().find(|l| l.shard == shard.0))
-            .map(|l| l.epoch);
-        held.is_none() || held != current
+            .and_then(|ls| ls.into_iter().find(|l| l.shard == shard.0));
+        let stale = held.is_none() || held != current.as_ref().map(|l| l.epoch);
+        stale.then_some((held, current))
+    }
+
+    /// Whether process `p` holds `shard` under a lease that is no longer
+    /// the shard's (several processes only).
+    pub(super) fn stale_owner(&self, p: usize, shard: ShardId) -> bool {
+        self.owner_mismatch(p, shard).is_some()
     }
 
     /// A commit was written for `shard` by process `p`: with several
     /// processes, `p` must hold the shard's current lease (the fence is
     /// what guarantees it; `--break skip-fence` removes it).
     fn check_owner(&mut self, p: usize, shard: ShardId) {
-        if !self.shared() {
-            return;
-        }
-        let held = self.processes[p]
-            .shards
-            .get(&shard)
-            .and_then(|s| s.lease().map(|l| l.epoch));
-        let current = self
-            .store
-            .shard_leases()
-            .ok()
-            .and_then(|ls| ls.into_iter().find(|l| l.shard == shard.0));
-        if held.is_none() || held != current.as_ref().map(|l| l.epoch) {
+        if let Some((held, current)) = self.owner_mismatch(p, shard) {
             let detail = format!(
                 "process {p} ({}) committed for {shard} under epoch {held:?}, but the shard's lease is {}",
                 self.processes[p].name,

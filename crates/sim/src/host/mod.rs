@@ -809,7 +809,9 @@ impl<'a> World<'a> {
     pub(super) fn report_store_health(&mut self) {
         let health = self.store_health();
         for p in 0..self.processes.len() {
-            if !self.processes[p].up {
+            // A frozen process learns nothing until it wakes (then the
+            // next report reaches it).
+            if !self.running(p) {
                 continue;
             }
             let stale: Vec<ShardId> = self.processes[p]

@@ -58,10 +58,13 @@ impl World<'_> {
         let now = Timestamp(self.now);
         let name = self.processes[p].name.clone();
         let ttl = self.config.shard_lease_ms;
-        if let Err(e) = self.store.heartbeat_member(&name, now, ttl) {
+        if let Err(e) = self.store.leases().heartbeat_member(&name, now, ttl) {
             self.log(format_args!("{name} cannot say it is alive: {e}"));
         }
-        let (leases, members) = match (self.store.shard_leases(), self.store.members()) {
+        let (leases, members) = match (
+            self.store.leases().shard_leases(),
+            self.store.leases().members(),
+        ) {
             (Ok(l), Ok(m)) => (l, m),
             (Err(e), _) | (_, Err(e)) => {
                 self.log(format_args!("{name} cannot read the leases: {e}"));
@@ -81,17 +84,18 @@ impl World<'_> {
                 continue; // a lost shard not dropped yet
             }
             let before = leases.iter().find(|l| l.shard == shard.0).cloned();
-            let lease =
-                match self
-                    .store
-                    .take_shard_lease(shard.0, &name, now, self.config.shard_lease_ms)
-                {
-                    Ok(l) => l,
-                    Err(e) => {
-                        self.log(format_args!("{name} cannot take {shard}: {e}"));
-                        continue;
-                    }
-                };
+            let lease = match self.store.leases().take_shard_lease(
+                shard.0,
+                &name,
+                now,
+                self.config.shard_lease_ms,
+            ) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.log(format_args!("{name} cannot take {shard}: {e}"));
+                    continue;
+                }
+            };
             if before.is_some() {
                 self.takeovers += 1;
             }
@@ -150,6 +154,8 @@ impl World<'_> {
             }
             self.perform(p, shard, action);
         }
+        // What the store did while it was frozen.
+        self.report_store_health();
     }
 
     /// One process of several dies; it starts again later.
