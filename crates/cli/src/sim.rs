@@ -32,8 +32,8 @@ pub(crate) struct SimArgs {
     /// redelivery, duplicate-result, late-result, reorder, worker-crash,
     /// outbox-redelivery, timer-skew, commit-failure, engine-crash,
     /// activity-failure, stray-command, silent-worker, slow-attempt,
-    /// store-stop, process-pause, process-kill (the last two with
-    /// `--processes` 2 or more).
+    /// store-stop, process-pause, process-kill, lease-answer-lost (the
+    /// last three with `--processes` 2 or more).
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
     /// Workflows per seed (the default mix).

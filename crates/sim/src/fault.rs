@@ -72,11 +72,16 @@ pub enum FaultKind {
     /// With several processes: one is killed and started again later; its
     /// shards are taken over once their leases end (per commit).
     ProcessKill,
+    /// With several processes: a shard's take is written but its answer is
+    /// lost (the connection broke as it committed), so the process holds a
+    /// lease it does not know of; it releases it at its next look (per
+    /// take).
+    LeaseAnswerLost,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 17] = [
+    pub const ALL: [FaultKind; 18] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -94,6 +99,7 @@ impl FaultKind {
         FaultKind::StoreStop,
         FaultKind::ProcessPause,
         FaultKind::ProcessKill,
+        FaultKind::LeaseAnswerLost,
     ];
 
     /// The name used on the command line and in reports.
@@ -116,13 +122,17 @@ impl FaultKind {
             FaultKind::StoreStop => "store-stop",
             FaultKind::ProcessPause => "process-pause",
             FaultKind::ProcessKill => "process-kill",
+            FaultKind::LeaseAnswerLost => "lease-answer-lost",
         }
     }
 
     /// Whether the kind only fires with several engine processes
     /// (`Simulation::processes`).
     pub fn needs_processes(self) -> bool {
-        matches!(self, FaultKind::ProcessPause | FaultKind::ProcessKill)
+        matches!(
+            self,
+            FaultKind::ProcessPause | FaultKind::ProcessKill | FaultKind::LeaseAnswerLost
+        )
     }
 
     /// The largest probability a seed may draw for this kind.
@@ -145,6 +155,7 @@ impl FaultKind {
             FaultKind::StoreStop => 0.003,
             FaultKind::ProcessPause => 0.01,
             FaultKind::ProcessKill => 0.005,
+            FaultKind::LeaseAnswerLost => 0.2,
         }
     }
 

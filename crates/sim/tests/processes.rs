@@ -6,8 +6,9 @@
 // finish every workflow with the outcome of a fault-free single-process
 // run (the simulator compares them); summed over the sweep, processes were
 // paused and killed, shards were taken over, shards stopped on a lost
-// lease, and shards were given up to spread the load (the first process
-// takes every shard; the others join). Same seed, same trace.
+// lease, shards were given up to spread the load (the first process
+// takes every shard; the others join), and takes whose answer was lost
+// left leases their process released. Same seed, same trace.
 
 use keel_sim::{FaultKind, Faults, Simulation};
 
@@ -17,7 +18,7 @@ const SEEDS: u64 = 200;
 #[test]
 fn three_processes_keep_every_invariant_under_pauses_and_kills() {
     let (mut pauses, mut kills, mut takeovers, mut lost) = (0u64, 0u64, 0u64, 0u64);
-    let mut released = 0u64;
+    let (mut released, mut answers_lost) = (0u64, 0u64);
     for seed in 0..SEEDS {
         let r = Simulation::new(seed)
             .default_mix(20)
@@ -37,6 +38,11 @@ fn three_processes_keep_every_invariant_under_pauses_and_kills() {
             .get(&FaultKind::ProcessKill)
             .copied()
             .unwrap_or(0);
+        answers_lost += r
+            .faults_fired
+            .get(&FaultKind::LeaseAnswerLost)
+            .copied()
+            .unwrap_or(0);
         takeovers += u64::from(r.takeovers);
         lost += u64::from(r.shards_lost);
         released += u64::from(r.shards_released);
@@ -46,6 +52,10 @@ fn three_processes_keep_every_invariant_under_pauses_and_kills() {
     assert!(takeovers > 10, "{takeovers} takeovers");
     assert!(lost > 5, "{lost} shards stopped on a lost lease");
     assert!(released > 10, "{released} shards given up to rebalance");
+    assert!(
+        answers_lost > 5,
+        "{answers_lost} takes whose answer was lost"
+    );
 }
 
 #[test]

@@ -1044,6 +1044,14 @@ fn racing_commits_to_one_run_have_exactly_one_winner() {
     for_each_store(race_same_run);
 }
 
+/// A batch for `run` under shard 3's lease at `epoch`.
+fn fenced_batch(run: keel_storage::RunId, events: Vec<Event>, epoch: u64) -> CommitBatch {
+    CommitBatch {
+        fence: Some(keel_storage::Fence { shard: 3, epoch }),
+        ..CommitBatch::append(run, events)
+    }
+}
+
 /// One engine process's handles on a store processes share.
 struct Process<'a> {
     store: &'a dyn Store,
@@ -1061,14 +1069,7 @@ fn lease_fencing(p1: Process, p2: Process) {
         Err(Error::ShardHeld { shard: 3, .. })
     ));
     let run = run_id(1);
-    let fenced = |events, epoch| CommitBatch {
-        appends: vec![RunAppend {
-            run_id: run,
-            events,
-        }],
-        parked: Vec::new(),
-        fence: Some(keel_storage::Fence { shard: 3, epoch }),
-    };
+    let fenced = |events, epoch| fenced_batch(run, events, epoch);
     p1.store
         .commit(fenced(vec![ev(1, 100, started(run, "fence", "wf"))], 1))
         .wait()
@@ -1174,14 +1175,7 @@ fn a_commit_under_a_lost_shard_lease_is_refused() {
         );
     }
     let run = run_id(1);
-    let fenced = |events, epoch| CommitBatch {
-        appends: vec![RunAppend {
-            run_id: run,
-            events,
-        }],
-        parked: Vec::new(),
-        fence: Some(keel_storage::Fence { shard: 3, epoch }),
-    };
+    let fenced = |events, epoch| fenced_batch(run, events, epoch);
 
     // A store nobody leased shards of refuses a fenced commit too.
     let dir = tempfile::tempdir().unwrap();

@@ -55,8 +55,8 @@ use crate::workflow::WorkflowRegistry;
 pub use attempts::{FAILURE_MESSAGE_BYTES_MAX, PROFILE_DEADLINE_MS_DEFAULT};
 pub use describe::{AttemptView, ChildView, MachineView, RunDescription};
 pub use ownership::{
-    shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT, SHARD_LEASE_RENEW_PERCENT,
-    SHARD_LEASE_RETRY_MS,
+    leases_unheld, shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT,
+    SHARD_LEASE_RENEW_PERCENT, SHARD_LEASE_RETRY_MS,
 };
 pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX};
 

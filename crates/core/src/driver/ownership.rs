@@ -104,6 +104,23 @@ pub fn shards_to_release(
         .unwrap_or_default()
 }
 
+/// The live leases the store records for `me` that no shard of this
+/// process holds (`held`: the fences of the shards it runs): a take that
+/// was written but whose answer never came back (the connection broke as
+/// it committed). The host releases them, so that such a shard does not
+/// sit unowned until its lease runs out.
+pub fn leases_unheld<'a>(
+    leases: &'a [ShardLease],
+    me: &str,
+    held: &[keel_storage::Fence],
+    now: Timestamp,
+) -> Vec<&'a ShardLease> {
+    leases
+        .iter()
+        .filter(|l| l.owner == me && !l.expired(now) && !held.contains(&l.fence()))
+        .collect()
+}
+
 impl Shard {
     /// Gives the shard the lease its host took for it (call before
     /// [`Shard::recover`]): its commits carry the lease's fence from now
@@ -348,6 +365,30 @@ mod tests {
             owner: owner.into(),
             expires_at: Timestamp(expires),
         }
+    }
+
+    #[test]
+    fn a_live_lease_of_mine_that_no_shard_holds_is_released() {
+        let now = Timestamp(1_000);
+        let leases = [
+            lease(0, "a", 5_000), // held
+            lease(1, "a", 5_000), // taken, answer lost
+            lease(2, "a", 900),   // ended: nothing to release
+            lease(3, "b", 5_000), // another's
+        ];
+        let held = [leases[0].fence()];
+        let unheld: Vec<u16> = leases_unheld(&leases, "a", &held, now)
+            .iter()
+            .map(|l| l.shard)
+            .collect();
+        assert_eq!(unheld, vec![1]);
+        // A shard held under an older epoch does not hold the newer lease.
+        let mut older = leases[1].fence();
+        older.epoch -= 1;
+        assert_eq!(
+            leases_unheld(&leases[..2], "a", &[leases[0].fence(), older], now).len(),
+            1
+        );
     }
 
     #[test]

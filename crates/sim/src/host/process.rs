@@ -7,18 +7,21 @@
 //! (the driver's `shards_to_take` decides which, the store's lease rules
 //! decide whether), and the faults are the ones a cluster meets: a process
 //! frozen past its leases that wakes up and carries on with the actions
-//! it had decided (its commits must be fenced), and a process killed and
-//! started again (its shards are taken over once their leases end).
+//! it had decided (its commits must be fenced), a process killed and
+//! started again (its shards are taken over once their leases end), and a
+//! take whose answer is lost (the process releases the lease it does not
+//! know it holds at its next look).
 
 use std::collections::BTreeMap;
 
-use keel_core::driver::{shards_to_release, shards_to_take, Shard, ShardId};
+use keel_core::driver::{leases_unheld, shards_to_release, shards_to_take, Shard, ShardId};
 use keel_storage::history::pending_steps;
 use keel_storage::{CrashMode, Event, EventKind, InstanceId, Outcome, RunFilter, RunId, Timestamp};
 use rand::RngExt;
 
 use super::{Ev, Process, World, WorldResult, LOOK_MS, PAUSES_MAX};
 use crate::check::{self, Violation, ViolationKind};
+use crate::fault::FaultKind;
 
 impl World<'_> {
     /// Starts engine process `p` as a new incarnation. Alone on the store,
@@ -71,6 +74,25 @@ impl World<'_> {
                 (Vec::new(), Vec::new())
             }
         };
+        // A lease it holds without knowing (a take whose answer was lost):
+        // given back, so the shard is taken again without waiting it out.
+        let held: Vec<keel_storage::Fence> = self.processes[p]
+            .shards
+            .values()
+            .filter_map(|s| s.lease().map(keel_storage::ShardLease::fence))
+            .collect();
+        for lease in leases_unheld(&leases, &name, &held, now) {
+            self.log(format_args!(
+                "{name} releases shard {} (epoch {}): no shard of it holds that lease",
+                lease.shard, lease.epoch
+            ));
+            if let Err(e) = self.store.leases().release_shard_lease(lease, now) {
+                self.log(format_args!(
+                    "{name} cannot release shard {}: {e}",
+                    lease.shard
+                ));
+            }
+        }
         // More than its share while another process has less: give one
         // up (the shard stops, then its lease is released).
         for shard in shards_to_release(&leases, &members, self.config.shards, &name, now) {
@@ -96,6 +118,13 @@ impl World<'_> {
                     continue;
                 }
             };
+            if self.fault(FaultKind::LeaseAnswerLost) {
+                self.log(format_args!(
+                    "{name} took {shard} at epoch {}, but the answer was lost",
+                    lease.epoch
+                ));
+                continue;
+            }
             if before.is_some() {
                 self.takeovers += 1;
             }
