@@ -81,25 +81,13 @@ pub fn read_members(kv: &dyn KvRead) -> Result<Vec<Member>> {
         true
     })?;
     raw.iter()
-        .map(|v| {
-            codec::decode(RecordKind::Member, v).map_err(|source| Error::Corrupt {
-                cf: Cf::Meta.name(),
-                run: None,
-                seq: None,
-                source,
-            })
-        })
+        .map(|v| codec::decode(RecordKind::Member, v).map_err(meta_corrupt))
         .collect()
 }
 
 /// The encoded record of `member`.
 pub fn encode_member(member: &Member) -> Result<Vec<u8>> {
-    codec::encode(RecordKind::Member, member).map_err(|source| Error::Corrupt {
-        cf: Cf::Meta.name(),
-        run: None,
-        seq: None,
-        source,
-    })
+    codec::encode(RecordKind::Member, member).map_err(meta_corrupt)
 }
 
 /// What a commit made under a shard lease carries: the store refuses it
@@ -158,12 +146,7 @@ pub fn read(kv: &dyn KvRead, shard: u16) -> Result<Option<ShardLease>> {
     };
     codec::decode(RecordKind::ShardLease, &bytes)
         .map(Some)
-        .map_err(|source| Error::Corrupt {
-            cf: Cf::Meta.name(),
-            run: None,
-            seq: None,
-            source,
-        })
+        .map_err(meta_corrupt)
 }
 
 /// Every shard lease recorded, in shard order.
@@ -174,25 +157,13 @@ pub fn read_all(kv: &dyn KvRead) -> Result<Vec<ShardLease>> {
         true
     })?;
     raw.iter()
-        .map(|v| {
-            codec::decode(RecordKind::ShardLease, v).map_err(|source| Error::Corrupt {
-                cf: Cf::Meta.name(),
-                run: None,
-                seq: None,
-                source,
-            })
-        })
+        .map(|v| codec::decode(RecordKind::ShardLease, v).map_err(meta_corrupt))
         .collect()
 }
 
 /// The encoded record of `lease`.
 pub fn encode(lease: &ShardLease) -> Result<Vec<u8>> {
-    codec::encode(RecordKind::ShardLease, lease).map_err(|source| Error::Corrupt {
-        cf: Cf::Meta.name(),
-        run: None,
-        seq: None,
-        source,
-    })
+    codec::encode(RecordKind::ShardLease, lease).map_err(meta_corrupt)
 }
 
 /// Refuses a commit fenced by `fence` unless the shard's lease still has
@@ -275,6 +246,17 @@ pub fn decide_release(
             ..l.clone()
         }),
         _ => None,
+    }
+}
+
+/// A lease or member record of the `Meta` family that does not encode or
+/// decode.
+fn meta_corrupt(source: codec::Error) -> Error {
+    Error::Corrupt {
+        cf: Cf::Meta.name(),
+        run: None,
+        seq: None,
+        source,
     }
 }
 

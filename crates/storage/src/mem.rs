@@ -135,10 +135,23 @@ impl Inner {
     /// Writes a lease record to the live and the durable state alike.
     fn put_lease(&mut self, l: &ShardLease) -> Result<()> {
         let bytes = lease::encode(l)?;
-        let key = keys::shard_lease_key(l.shard);
-        self.live.put(Cf::Meta, key.clone(), bytes.clone());
-        self.durable.put(Cf::Meta, key, bytes);
+        self.put_meta_durable(keys::shard_lease_key(l.shard), Some(bytes));
         Ok(())
+    }
+
+    /// Writes (`Some`) or deletes a `Meta` record in the live and the
+    /// durable state alike: lease and member records are durable at once.
+    fn put_meta_durable(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        match value {
+            Some(v) => {
+                self.live.put(Cf::Meta, key.clone(), v.clone());
+                self.durable.put(Cf::Meta, key, v);
+            }
+            None => {
+                self.live.delete(Cf::Meta, key.clone());
+                self.durable.delete(Cf::Meta, key);
+            }
+        }
     }
 }
 
@@ -202,15 +215,13 @@ impl ShardLeases for MemStore {
         let member = lease::decide_member(owner, now, ttl_ms)?;
         let bytes = lease::encode_member(&member)?;
         let key = keys::member_key(owner);
-        inner.live.put(Cf::Meta, key.clone(), bytes.clone());
-        inner.durable.put(Cf::Meta, key, bytes);
+        inner.put_meta_durable(key, Some(bytes));
         // Members gone for a whole lease more are forgotten: the table
         // stays as small as the processes alive.
         for gone in lease::read_members(&inner.live)? {
             if gone.expires_at.plus_ms(ttl_ms) < now {
                 let key = keys::member_key(&gone.owner);
-                inner.live.delete(Cf::Meta, key.clone());
-                inner.durable.delete(Cf::Meta, key);
+                inner.put_meta_durable(key, None);
             }
         }
         Ok(())

@@ -143,8 +143,8 @@ pub struct PgOptions {
     /// takes (a standby).
     pub lease_wait_ms: Option<u64>,
     /// Several engine processes write at once, each for the shards whose
-    /// leases it holds (see [`PgOptions::sharded`]); no database-wide write
-    /// lease is taken.
+    /// leases it holds (see [`PgOptions::sharded`]); the database-wide write
+    /// lease is held by none of them.
     pub sharded: bool,
 }
 
@@ -283,7 +283,7 @@ impl Sql {
                 "insert into \"{schema}\".shard_lease values ($1, '', 0, 0) on conflict do nothing"
             ),
             lease_for_update: format!(
-                "select owner, epoch, expires_at_ms from \"{schema}\".shard_lease \
+                "select shard, owner, epoch, expires_at_ms from \"{schema}\".shard_lease \
                  where shard = $1 for update"
             ),
             lease_put: format!(
@@ -1475,15 +1475,7 @@ impl PgStore {
             let current = conn
                 .query(shared, &sql.lease_for_update, &[&row])?
                 .first()
-                .and_then(|r| {
-                    let owner: String = r.get(0);
-                    (!owner.is_empty()).then(|| ShardLease {
-                        shard,
-                        owner,
-                        epoch: r.get::<_, i64>(1) as u64,
-                        expires_at: Timestamp(r.get::<_, i64>(2) as u64),
-                    })
-                });
+                .and_then(lease_of_row);
             let decided = decide(current.as_ref())?;
             if let Some(l) = &decided {
                 conn.query(
@@ -1572,15 +1564,31 @@ impl ShardLeases for PgStore {
             Ok(conn
                 .query(shared, &shared.sql.lease_all, &[])?
                 .iter()
-                .map(|r| ShardLease {
-                    shard: r.get::<_, i32>(0) as u16,
-                    owner: r.get(1),
-                    epoch: r.get::<_, i64>(2) as u64,
-                    expires_at: Timestamp(r.get::<_, i64>(3) as u64),
-                })
+                .filter_map(lease_of_row)
                 .collect())
         })
     }
+}
+
+/// A `shard_lease` row (shard, owner, epoch, expires_at_ms) as a lease;
+/// `None` for the row of a shard never taken (no owner).
+fn lease_of_row(r: &tokio_postgres::Row) -> Option<ShardLease> {
+    let owner: String = r.get(1);
+    (!owner.is_empty()).then(|| ShardLease {
+        shard: r.get::<_, i32>(0) as u16,
+        owner,
+        epoch: r.get::<_, i64>(2) as u64,
+        expires_at: Timestamp(r.get::<_, i64>(3) as u64),
+    })
+}
+
+/// Shard `shard`'s lease epoch now, `None` if it was never taken.
+fn shard_epoch(shared: &Shared, conn: &Conn, shard: u16) -> Result<Option<u64>> {
+    Ok(conn
+        .query(shared, &shared.sql.shard_epoch, &[&i32::from(shard)])?
+        .first()
+        .map(|r| r.get::<_, i64>(0) as u64)
+        .filter(|epoch| *epoch > 0))
 }
 
 /// Keys and values of one table, as two arrays to bind.
@@ -1713,11 +1721,7 @@ fn write_group(
         None => Written::Committed,
         Some(e) if e.code().is_some_and(|c| c.code() == SHARD_FENCED_SQLSTATE) => {
             // The transaction was rolled back: the connection is usable.
-            let current = conn
-                .query(shared, &sql.shard_epoch, &[&fence_shard])
-                .ok()
-                .and_then(|rows| rows.first().map(|r| r.get::<_, i64>(0) as u64))
-                .filter(|epoch| *epoch > 0);
+            let current = shard_epoch(shared, conn, fence_shard as u16).ok().flatten();
             Written::Refused(Error::Fenced {
                 shard: fence_shard as u16,
                 epoch: fence_epoch as u64,
@@ -1883,12 +1887,8 @@ fn commit_group(
             // A process that lost the shard learns it as such, not as a
             // validation error against the new owner's writes. The check
             // in the transaction stays the one that counts.
-            match c.query(shared, &shared.sql.shard_epoch, &[&i32::from(fence.shard)]) {
-                Ok(rows) => {
-                    let current = rows
-                        .first()
-                        .map(|r| r.get::<_, i64>(0) as u64)
-                        .filter(|epoch| *epoch > 0);
+            match shard_epoch(shared, c, fence.shard) {
+                Ok(current) => {
                     if current != Some(fence.epoch) {
                         let fenced = || Error::Fenced {
                             shard: fence.shard,
