@@ -8,25 +8,25 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use actix::Addr;
 use futures::channel::oneshot;
 use keel_core::driver::{
-    Answer, Refusal, Request, RequestId, Resumed, ReusePolicy, RunDescription, ShardInput,
+    Answer, Refusal, Request, RequestId, Resumed, ReusePolicy, RunDescription, ShardId, ShardInput,
     StartSignal,
 };
 use keel_core::Workflow;
 use keel_storage::search;
 use keel_storage::{
-    CommandId, Failure, InstanceId, Outcome, PageToken, Payload, RunFilter, RunId, RunPage,
-    SearchValue, PAYLOAD_BYTES_MAX,
+    CommandId, Failure, InstanceId, Outcome, PageToken, Payload, RelayTo, RunFilter, RunId,
+    RunPage, SearchValue, PAYLOAD_BYTES_MAX,
 };
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::shard::{Feed, ShardActor};
+use crate::routes::{Routes, Wire};
+use crate::shard::Feed;
 
 /// Times a call is sent again when the engine answered "try again" (a
 /// commit failed) before the call fails with [`EngineError::Unavailable`].
@@ -35,6 +35,10 @@ pub const CLIENT_RETRIES_MAX: u32 = 8;
 /// Times a signal, cancel or terminate for an instance is sent again after
 /// the run it reached was closed (it may have continued as new).
 pub const CONTINUE_AS_NEW_FOLLOWS_MAX: u32 = 3;
+
+/// The answer a relayed call gets when none came in time (see
+/// [`REMOTE_ANSWER_WAIT_MS`]).
+const NO_ANSWER: &str = "no answer from the engine process that owns the shard; asking again";
 
 /// Whether `request` is an input for an instance (not for one run by id).
 fn names_instance(request: &Request) -> bool {
@@ -290,11 +294,35 @@ impl StartOutcome {
     }
 }
 
-/// What clients share: the shards' addresses and the calls waiting for
+/// How long a client waits for the answer to a request it sent through
+/// the relay (its shard runs in another engine process) before sending it
+/// again: the owner may have died with the request, and the next owner
+/// answers the copy.
+pub const REMOTE_ANSWER_WAIT_MS: u64 = 5_000;
+
+/// Who waits for the answer to a request.
+enum Waiter {
+    /// A call of this process.
+    Local {
+        tx: oneshot::Sender<Answer>,
+        /// When it was relayed to another process, if it was.
+        relayed_at: Option<Instant>,
+        /// The local shard (and its generation) it went to.
+        at: Option<(ShardId, u64)>,
+    },
+    /// A call of another process, relayed here to a local shard.
+    Remote {
+        from: String,
+        id: RequestId,
+        at: (ShardId, u64),
+    },
+}
+
+/// What clients share: the routes to the shards and the calls waiting for
 /// their answer.
 pub(crate) struct ClientCore {
-    pub(crate) shards: OnceLock<Vec<Addr<ShardActor>>>,
-    pending: Mutex<HashMap<RequestId, oneshot::Sender<Answer>>>,
+    pub(crate) routes: Arc<Routes>,
+    pending: Mutex<HashMap<RequestId, Waiter>>,
     next: AtomicU64,
     rng: Mutex<u64>,
     shutting_down: AtomicBool,
@@ -303,9 +331,9 @@ pub(crate) struct ClientCore {
 }
 
 impl ClientCore {
-    pub(crate) fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64, routes: Arc<Routes>) -> Self {
         ClientCore {
-            shards: OnceLock::new(),
+            routes,
             pending: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
             rng: Mutex::new(seed),
@@ -316,17 +344,96 @@ impl ClientCore {
 
     /// A shard answered request `id`.
     pub(crate) fn answer(&self, id: RequestId, answer: Answer) {
-        if let Some(tx) = self.pending.lock().remove(&id) {
-            let _ = tx.send(answer);
+        let waiter = self.pending.lock().remove(&id);
+        match waiter {
+            Some(Waiter::Local { tx, .. }) => {
+                let _ = tx.send(answer);
+            }
+            Some(Waiter::Remote { from, id, .. }) => {
+                // This process stopping is no reason for the other's
+                // call to fail: the shard's next owner answers it.
+                let answer = match answer {
+                    Answer::Refused(Refusal::Shutdown) => {
+                        Answer::Retry("the engine process that ran the shard stopped".into())
+                    }
+                    other => other,
+                };
+                self.routes
+                    .relay(RelayTo::Process(from), Wire::Answer { id, answer });
+            }
+            None => {}
         }
     }
 
-    /// The engine stops: every waiting call ends with a shutdown error.
+    /// A request relayed from process `from`, where it has id `id`: the
+    /// id it gets here, under which a shard answers it.
+    pub(crate) fn relayed(&self, from: String, id: RequestId, at: (ShardId, u64)) -> RequestId {
+        let mine = RequestId(self.next.fetch_add(1, Ordering::Relaxed) + 1);
+        self.pending
+            .lock()
+            .insert(mine, Waiter::Remote { from, id, at });
+        mine
+    }
+
+    /// Generation `generation` of `shard` stopped here: whoever still
+    /// waits on it is told to ask again (the driver may have dropped a
+    /// request it was still reading for), and finds the shard's next
+    /// owner. A retried request is idempotent by its ids.
+    pub(crate) fn shard_stopped(&self, shard: ShardId, generation: u64) {
+        let at = Some((shard, generation));
+        let waiting: Vec<RequestId> = self
+            .pending
+            .lock()
+            .iter()
+            .filter_map(|(id, w)| match w {
+                Waiter::Local { at: a, .. } if *a == at => Some(*id),
+                Waiter::Remote { at: a, .. } if Some(*a) == at => Some(*id),
+                _ => None,
+            })
+            .collect();
+        for id in waiting {
+            self.answer(id, Answer::Retry(format!("{shard} moved")));
+        }
+    }
+
+    /// Calls relayed to another process and unanswered for
+    /// [`REMOTE_ANSWER_WAIT_MS`] are told to send again.
+    pub(crate) fn expire_relayed(&self, now: Instant) {
+        let wait = Duration::from_millis(REMOTE_ANSWER_WAIT_MS);
+        let expired: Vec<RequestId> = self
+            .pending
+            .lock()
+            .iter()
+            .filter_map(|(id, w)| match w {
+                Waiter::Local {
+                    relayed_at: Some(at),
+                    ..
+                } if now.duration_since(*at) >= wait => Some(*id),
+                _ => None,
+            })
+            .collect();
+        for id in expired {
+            self.answer(id, Answer::Retry(NO_ANSWER.to_string()));
+        }
+    }
+
+    /// The engine stops: every waiting call ends with a shutdown error
+    /// (one relayed from another process is told to ask again: the next
+    /// owner of its shard answers it).
     pub(crate) fn shut_down(&self) {
         self.shutting_down.store(true, Ordering::Release);
         let waiting: Vec<_> = self.pending.lock().drain().collect();
-        for (_, tx) in waiting {
-            let _ = tx.send(Answer::Refused(Refusal::Shutdown));
+        for (_, waiter) in waiting {
+            match waiter {
+                Waiter::Local { tx, .. } => {
+                    let _ = tx.send(Answer::Refused(Refusal::Shutdown));
+                }
+                Waiter::Remote { from, id, .. } => {
+                    let answer = Answer::Retry("the engine process stopped".into());
+                    self.routes
+                        .relay(RelayTo::Process(from), Wire::Answer { id, answer });
+                }
+            }
         }
     }
 
@@ -336,8 +443,10 @@ impl ClientCore {
         let _ = self.failed.set(why.clone());
         self.shutting_down.store(true, Ordering::Release);
         let waiting: Vec<_> = self.pending.lock().drain().collect();
-        for (_, tx) in waiting {
-            let _ = tx.send(Answer::Refused(Refusal::Unavailable(why.clone())));
+        for (_, waiter) in waiting {
+            if let Waiter::Local { tx, .. } = waiter {
+                let _ = tx.send(Answer::Refused(Refusal::Unavailable(why.clone())));
+            }
         }
     }
 
@@ -377,6 +486,11 @@ impl ClientCore {
                 {
                     follows += 1;
                 }
+                // A relayed call nobody answered in time (its shard's
+                // owner died with it, or the shard is between owners): sent
+                // again, without counting against the retries, since a
+                // long wait (a result) looks the same.
+                Answer::Retry(why) if why == NO_ANSWER => {}
                 Answer::Retry(why) => {
                     tries += 1;
                     if tries >= CLIENT_RETRIES_MAX {
@@ -402,19 +516,65 @@ impl ClientCore {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(self.stopped());
         }
-        let shards = self.shards.get().ok_or(EngineError::Shutdown)?;
         let id = RequestId(self.next.fetch_add(1, Ordering::Relaxed) + 1);
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().insert(id, tx);
-        let shard = request.shard(shards.len() as u16);
-        let addr = &shards[usize::from(shard.0)];
-        if addr
-            .send(Feed(ShardInput::Request { id, request }))
-            .await
-            .is_err()
-        {
-            self.pending.lock().remove(&id);
-            return Err(EngineError::Shutdown);
+        let shard = request.shard(self.routes.count());
+        // A list reads the index every shard shares: any shard of this
+        // process serves it.
+        let local = match &request {
+            Request::List { .. } => self.routes.any_local(),
+            _ => self.routes.local_entry(shard),
+        };
+        match (local, &self.routes.relay) {
+            (Some((at, local)), _) => {
+                let addr = local.addr;
+                self.pending.lock().insert(
+                    id,
+                    Waiter::Local {
+                        tx,
+                        relayed_at: None,
+                        at: Some((at, local.generation)),
+                    },
+                );
+                if addr
+                    .send(Feed(ShardInput::Request { id, request }))
+                    .await
+                    .is_err()
+                {
+                    self.pending.lock().remove(&id);
+                    if self.shutting_down.load(Ordering::Acquire) {
+                        return Err(self.stopped());
+                    }
+                    // The shard stopped here (it moved to another process).
+                    return Ok(Answer::Retry(format!("{shard} moved")));
+                }
+            }
+            (None, Some(link)) if !matches!(request, Request::List { .. }) => {
+                self.pending.lock().insert(
+                    id,
+                    Waiter::Local {
+                        tx,
+                        relayed_at: Some(Instant::now()),
+                        at: None,
+                    },
+                );
+                let wire = Wire::Request {
+                    from: link.name.clone(),
+                    id,
+                    request,
+                };
+                if !self.routes.relay(RelayTo::Shard(shard.0), wire) {
+                    self.pending.lock().remove(&id);
+                    return Ok(Answer::Retry(
+                        "the relay to other engine processes is full".into(),
+                    ));
+                }
+            }
+            (None, _) => {
+                return Ok(Answer::Retry(format!(
+                    "{shard} does not run in this engine process yet"
+                )));
+            }
         }
         // Shut down after the request was queued: nobody will answer it.
         if self.shutting_down.load(Ordering::Acquire) {
@@ -615,7 +775,7 @@ impl Client {
         check_size(&input)?;
         // The run lives on the shard that resolves the instance's name, so
         // this start and later requests naming the instance meet there.
-        let shards = self.core.shards.get().map_or(1, |s| s.len() as u16);
+        let shards = self.core.routes.count();
         let home = keel_core::driver::shard_of_target(instance, shards);
         let request = Request::Start {
             run_id: keel_core::driver::run_id_on_shard(

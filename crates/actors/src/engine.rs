@@ -11,13 +11,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use actix::{Actor, Addr, Arbiter};
+use actix::{Actor, Addr, Arbiter, ArbiterHandle};
 use keel_core::driver::{
     AttemptKey, DriverConfig, Message, Shard, ShardId, ShardInput, LEASE_MS_DEFAULT,
-    RUN_CACHE_MAX_DEFAULT, WORKER_CONCURRENCY_MAX,
+    RUN_CACHE_MAX_DEFAULT, SHARD_LEASE_MS_DEFAULT, WORKER_CONCURRENCY_MAX,
 };
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
@@ -28,7 +28,9 @@ use keel_storage::{
 use parking_lot::Mutex;
 
 use crate::client::{Client, ClientCore, EngineError};
+use crate::cluster::{ClusterHandle, Member};
 use crate::readers::{ReadQueue, Readers};
+use crate::routes::{Local, RelayLink, Routes, Wire};
 use crate::shard::{Counts, Feed, ShardActor, Stop};
 
 /// How long a shutdown waits for activity code to reach an await point.
@@ -59,6 +61,10 @@ pub struct EngineConfig {
     pub worker_concurrency_max: usize,
     /// How commits are made durable.
     pub durability: Durability,
+    /// On a store several engine processes share: how long a shard lease
+    /// lasts unless renewed (a dead process's shards are taken over within
+    /// about this much of its last renewal).
+    pub shard_lease_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -71,6 +77,7 @@ impl Default for EngineConfig {
             lease_ms_default: LEASE_MS_DEFAULT,
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
             durability: Durability::Sync,
+            shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
         }
     }
 }
@@ -222,18 +229,27 @@ pub(crate) struct Host {
     pub(crate) activity_rt: tokio::runtime::Handle,
     /// Where the shards' store reads go (see [`crate::readers`]).
     pub(crate) reads: ReadQueue,
-    pub(crate) shards: OnceLock<Vec<Addr<ShardActor>>>,
+    pub(crate) routes: Arc<Routes>,
     pub(crate) client: Arc<ClientCore>,
+    /// How long a shard lease lasts unless renewed (a shared store).
+    pub(crate) shard_lease_ms: u64,
     pub(crate) copies: Mutex<HashMap<(AttemptKey, LeaseEpoch), CancelSignal>>,
 }
 
 impl Host {
     /// Delivers a message to a shard (a hand-off between live actors: their
     /// mailboxes never refuse it; at shutdown the store still holds the
-    /// work, and the next start recovers it).
+    /// work, and the next start recovers it). A shard another process runs
+    /// gets it through the relay; one nobody runs now, when its next owner
+    /// takes it. A message lost on the way (a process killed) is sent again
+    /// by the outbox until answered.
     pub(crate) fn send(&self, to: ShardId, message: Message) {
-        if let Some(addr) = self.shards.get().and_then(|s| s.get(usize::from(to.0))) {
-            addr.do_send(Feed(ShardInput::Message(message)));
+        match self.routes.local(to) {
+            Some(addr) => addr.do_send(Feed(ShardInput::Message(message))),
+            None => {
+                self.routes
+                    .relay(keel_storage::RelayTo::Shard(to.0), Wire::Message(message));
+            }
         }
     }
 
@@ -245,11 +261,25 @@ impl Host {
     }
 }
 
+/// This process's name among the engine processes sharing a store:
+/// machine, process id and a random part (a restarted process is a new
+/// member).
+fn member_name(seed: u64) -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    format!("{host}:{}:{:06x}", std::process::id(), seed & 0xff_ffff)
+}
+
 /// A running engine. Dropping it shuts it down; in async code prefer
 /// [`Engine::shutdown`].
 pub struct Engine {
     host: Option<Arc<Host>>,
     client: Arc<ClientCore>,
+    /// The member thread, on a store several engine processes share.
+    cluster: Option<ClusterHandle>,
     system: Option<actix::System>,
     thread: Option<std::thread::JoinHandle<()>>,
     activity_rt: Option<tokio::runtime::Runtime>,
@@ -300,54 +330,75 @@ impl Engine {
         // Lease epochs only grow, across restarts too: start from the clock.
         let epoch_base = clock.as_micros() as u64;
         let seed = clock.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32);
-        let client = Arc::new(ClientCore::new(seed));
+        let shards = config.shards.clamp(1, usize::from(u16::MAX));
+        // On a store several engine processes share, this process runs the
+        // shards it holds leases for, and reaches the others through the
+        // store's relay.
+        let shared = store.shared().is_some();
+        let name = member_name(seed);
+        let (relay, outgoing) = if shared {
+            let (tx, rx) = crossbeam_channel::bounded(crate::routes::RELAY_QUEUE_MAX);
+            let link = RelayLink {
+                name: name.clone(),
+                tx,
+            };
+            (Some(link), Some(rx))
+        } else {
+            (None, None)
+        };
+        let routes = Arc::new(Routes::new(shards as u16, relay));
+        let client = Arc::new(ClientCore::new(seed, routes.clone()));
         let host = Arc::new(Host {
             store,
             activities,
             profiles,
             activity_rt: activity_rt.handle().clone(),
             reads,
-            shards: OnceLock::new(),
+            routes,
             client: client.clone(),
+            shard_lease_ms: config.shard_lease_ms,
             copies: Mutex::new(HashMap::new()),
         });
-        let shards = config.shards.clamp(1, usize::from(u16::MAX));
         let driver = DriverConfig {
             shards: shards as u16,
             run_cache_max: (config.run_cache_max / shards).max(1),
             lease_ms_default: config.lease_ms_default,
             worker_concurrency_max: (config.worker_concurrency_max / shards).max(1),
             profiles: host.profiles.clone(),
-            shard_lease_ms: keel_core::driver::SHARD_LEASE_MS_DEFAULT,
+            shard_lease_ms: config.shard_lease_ms,
             breaks: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
         let h2 = host.clone();
-        let w2 = workflows.clone();
+        let (w2, d2) = (workflows.clone(), driver.clone());
         let thread = std::thread::Builder::new()
             .name("keel-engine".into())
             .spawn(move || {
                 let sys = actix::System::new();
                 let arbiters: Vec<Arbiter> = (0..shards).map(|_| Arbiter::new()).collect();
-                let addrs: Vec<Addr<ShardActor>> = arbiters
-                    .iter()
-                    .enumerate()
-                    .map(|(i, a)| {
-                        let (workflows, config) = (w2.clone(), driver.clone());
+                if !shared {
+                    // Alone on its store: every shard runs here.
+                    for (i, a) in arbiters.iter().enumerate() {
+                        let (workflows, config) = (w2.clone(), d2.clone());
                         let host = h2.clone();
                         // Built on its arbiter: a shard holds run machines,
                         // which stay on one thread.
-                        ShardActor::start_in_arbiter(&a.handle(), move |_| {
+                        let addr = ShardActor::start_in_arbiter(&a.handle(), move |_| {
                             let shard =
                                 Shard::new(ShardId(i as u16), workflows, config, epoch_base);
-                            ShardActor::new(shard, host)
-                        })
-                    })
-                    .collect();
-                let _ = h2.shards.set(addrs.clone());
-                let _ = h2.client.shards.set(addrs);
+                            ShardActor::new(shard, host, 0)
+                        });
+                        let local = Local {
+                            addr,
+                            fence: None,
+                            generation: 0,
+                        };
+                        h2.routes.set(ShardId(i as u16), local);
+                    }
+                }
                 drop(h2);
-                let _ = tx.send(actix::System::current());
+                let handles: Vec<ArbiterHandle> = arbiters.iter().map(Arbiter::handle).collect();
+                let _ = tx.send((actix::System::current(), handles));
                 sys.run().ok();
                 for a in arbiters {
                     a.stop();
@@ -355,15 +406,50 @@ impl Engine {
                 }
             })
             .map_err(keel_storage::Error::from)?;
-        let system = rx.recv().map_err(|_| EngineError::Shutdown)?;
+        let (system, arbiters) = rx.recv().map_err(|_| EngineError::Shutdown)?;
+        let cluster = match outgoing {
+            Some(outgoing) => Some(
+                Member {
+                    host: host.clone(),
+                    name,
+                    workflows: workflows.clone(),
+                    driver,
+                    arbiters,
+                    outgoing,
+                }
+                .spawn()
+                .map_err(keel_storage::Error::from)?,
+            ),
+            None => None,
+        };
         Ok(Engine {
             host: Some(host),
             client,
+            cluster,
             system: Some(system),
             thread: Some(thread),
             activity_rt: Some(activity_rt),
             readers: Some(readers),
             workflows,
+        })
+    }
+
+    /// The shards running in this process now.
+    fn local_shards(&self) -> Vec<Addr<ShardActor>> {
+        self.host.as_ref().map_or_else(Vec::new, |h| {
+            h.routes
+                .all_local()
+                .into_iter()
+                .map(|(_, l)| l.addr)
+                .collect()
+        })
+    }
+
+    /// Whether this process shares its store with other engine processes,
+    /// and which shards it runs now.
+    pub fn shards_here(&self) -> Vec<u16> {
+        self.host.as_ref().map_or_else(Vec::new, |h| {
+            h.routes.all_local().iter().map(|(s, _)| s.0).collect()
         })
     }
 
@@ -398,8 +484,8 @@ impl Engine {
     /// Runs and attempts the shards hold in memory now.
     pub async fn in_memory(&self) -> (usize, usize) {
         let mut total = (0, 0);
-        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
-            for s in shards {
+        {
+            for s in self.local_shards() {
                 if let Ok((r, a)) = s.send(Counts).await {
                     total.0 += r;
                     total.1 += a;
@@ -428,8 +514,13 @@ impl Engine {
     /// engine stopped and its store is closed.
     pub fn shutdown_blocking(mut self) {
         self.client.shut_down();
-        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
-            for s in shards {
+        // No shard is taken from now on; the ones here stop and give
+        // their leases back.
+        if let Some(c) = &self.cluster {
+            c.quiesce();
+        }
+        {
+            for s in self.local_shards() {
                 // Waits for the shard to answer its clients; a stopped
                 // shard answers nothing, which is the same.
                 let _ = futures::executor::block_on(s.send(Stop));
@@ -441,8 +532,13 @@ impl Engine {
 
     async fn stop_shards_async(&self) {
         self.client.shut_down();
-        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
-            for s in shards {
+        // No shard is taken from now on; the ones here stop and give
+        // their leases back.
+        if let Some(c) = &self.cluster {
+            c.quiesce();
+        }
+        {
+            for s in self.local_shards() {
                 let _ = s.send(Stop).await;
             }
         }
@@ -450,6 +546,7 @@ impl Engine {
 
     fn take_parts(&mut self) -> Parts {
         Parts {
+            cluster: self.cluster.take(),
             system: self.system.take(),
             thread: self.thread.take(),
             activity_rt: self.activity_rt.take(),
@@ -461,6 +558,7 @@ impl Engine {
 
 /// What stopping an engine takes apart, in order.
 struct Parts {
+    cluster: Option<ClusterHandle>,
     system: Option<actix::System>,
     thread: Option<std::thread::JoinHandle<()>>,
     activity_rt: Option<tokio::runtime::Runtime>,
@@ -470,6 +568,11 @@ struct Parts {
 
 impl Parts {
     fn finish(&mut self) {
+        // The answers queued for other processes' clients go out; then
+        // nothing takes shards or notes any more.
+        if let Some(mut c) = self.cluster.take() {
+            c.stop();
+        }
         if let Some(sys) = self.system.take() {
             sys.stop();
         }
@@ -508,8 +611,13 @@ impl Drop for Engine {
             return; // shut down already
         }
         self.client.shut_down();
-        if let Some(shards) = self.host.as_ref().and_then(|h| h.shards.get()) {
-            for s in shards {
+        // No shard is taken from now on; the ones here stop and give
+        // their leases back.
+        if let Some(c) = &self.cluster {
+            c.quiesce();
+        }
+        {
+            for s in self.local_shards() {
                 s.do_send(Stop);
             }
         }

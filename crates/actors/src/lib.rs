@@ -11,17 +11,21 @@
 
 mod attempts;
 mod client;
+mod cluster;
 mod engine;
 mod readers;
+mod routes;
 mod schedules;
 mod shard;
 
 pub use client::{
     Client, EngineError, MessageSent, SignalWithStart, StartOptions, StartOutcome,
-    CLIENT_RETRIES_MAX, CONTINUE_AS_NEW_FOLLOWS_MAX,
+    CLIENT_RETRIES_MAX, CONTINUE_AS_NEW_FOLLOWS_MAX, REMOTE_ANSWER_WAIT_MS,
 };
+pub use cluster::{LOOK_MS, RELAY_POLL_MS, RELAY_SEND_NOTES_MAX, RELAY_TAKE_NOTES_MAX};
 pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
 pub use readers::{READER_THREADS, READ_QUEUE_MAX};
+pub use routes::RELAY_QUEUE_MAX;
 pub use schedules::{NewSchedule, ScheduleSummary, Schedules, SCHEDULES_LIST_MAX};
 pub use shard::{SHARD_MAILBOX_MAX, STORE_HEALTH_POLL_MS};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use keel_core::driver::{Action, Shard, ShardInput};
+use keel_core::driver::{Action, Answer, Shard, ShardInput};
 use keel_storage::Timestamp;
 
 use crate::engine::{now, Host};
@@ -32,6 +32,11 @@ pub(crate) struct Feed(pub(crate) ShardInput);
 #[rtype(result = "()")]
 pub(crate) struct Stop;
 
+/// Give the shard up for another process to take (a rebalance).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Release;
+
 /// What the shard holds in memory, for tests and benches.
 #[derive(Message)]
 #[rtype(result = "(usize, usize)")]
@@ -42,18 +47,30 @@ pub(crate) struct ShardActor {
     host: Arc<Host>,
     /// The wake-up queued for the driver: when, and its handle.
     wake: Option<(Timestamp, SpawnHandle)>,
+    /// Tells this actor of the shard from the next one in this process.
+    generation: u64,
 }
 
 impl ShardActor {
-    pub(crate) fn new(driver: Shard, host: Arc<Host>) -> Self {
+    pub(crate) fn new(driver: Shard, host: Arc<Host>, generation: u64) -> Self {
         ShardActor {
             driver,
             host,
             wake: None,
+            generation,
         }
     }
 
     fn feed(&mut self, input: ShardInput, ctx: &mut Context<Self>) {
+        if self.driver.lost() {
+            // Stopping: a client waiting here asks again, and finds the
+            // shard's next owner; the rest is sent again by its sender.
+            if let ShardInput::Request { id, .. } = input {
+                let why = format!("{} moved to another engine process", self.driver.id());
+                self.host.client.answer(id, Answer::Retry(why));
+            }
+            return;
+        }
         self.driver.handle(now(), input);
         self.drain(ctx);
     }
@@ -119,9 +136,38 @@ impl ShardActor {
             ),
             Action::Send { to, message, .. } => self.host.send(to, message),
             Action::Reply { id, answer, .. } => self.host.client.answer(id, answer),
-            Action::RenewLease { .. } | Action::ReleaseLease { .. } | Action::ShardLost { .. } => {
-                // Only a shard given a lease (`Shard::hold`) asks for these.
-                unreachable!("the actix host holds no shard leases: its store has one writer")
+            Action::RenewLease { lease } => {
+                let store = self.host.store.clone();
+                let ttl = self.host.shard_lease_ms;
+                let me = ctx.address();
+                self.host.reads.submit(Box::new(move || {
+                    let result = match store.shared() {
+                        Some(shared) => shared.renew_shard_lease(&lease, now(), ttl),
+                        None => Err(keel_storage::Error::Fenced {
+                            shard: lease.shard,
+                            epoch: lease.epoch,
+                            current: None,
+                        }),
+                    };
+                    me.do_send(Feed(ShardInput::LeaseRenewed { result }));
+                }));
+            }
+            Action::ReleaseLease { lease } => {
+                let store = self.host.store.clone();
+                self.host.reads.submit(Box::new(move || {
+                    if let Some(shared) = store.shared() {
+                        if let Err(e) = shared.release_shard_lease(&lease, now()) {
+                            tracing::warn!(shard = lease.shard, error = %e, "releasing the shard's lease failed; it ends by itself");
+                        }
+                    }
+                }));
+            }
+            Action::ShardLost { shard, reason } => {
+                tracing::info!(%shard, %reason, "the shard leaves this engine process");
+                self.host.routes.remove(shard, self.generation);
+                // Nothing here answers what still waits on this shard.
+                self.host.client.shard_stopped(shard, self.generation);
+                ctx.stop();
             }
         }
     }
@@ -161,6 +207,25 @@ impl Handler<Stop> for ShardActor {
 
     fn handle(&mut self, _: Stop, ctx: &mut Self::Context) {
         self.driver.shutdown();
+        self.drain(ctx);
+        // Given back at once, so that another process takes the shard
+        // without waiting for the lease to end (a commit still in flight
+        // carries the old fence, and is refused once it is taken).
+        if let (Some(lease), Some(shared)) = (self.driver.lease(), self.host.store.shared()) {
+            if !self.driver.lost() {
+                if let Err(e) = shared.release_shard_lease(lease, now()) {
+                    tracing::warn!(shard = lease.shard, error = %e, "releasing the shard's lease at shutdown failed; it ends by itself");
+                }
+            }
+        }
+    }
+}
+
+impl Handler<Release> for ShardActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Release, ctx: &mut Self::Context) {
+        self.driver.release();
         self.drain(ctx);
     }
 }

@@ -43,13 +43,14 @@ pub(crate) type SharedHandlers = Rc<RefCell<Handlers>>;
 
 /// Why a query or an update was not answered by the run's code. Nothing was
 /// written.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum HandlerError {
     /// The run's code registered no handler by that name (yet).
     #[error("no {kind} handler named {name:?} (registered: {known})")]
     Unknown {
         /// `query` or `update`.
-        kind: &'static str,
+        #[serde(deserialize_with = "crate::driver::wire::handler_kind")]
+        kind: crate::driver::wire::Word,
         /// The name asked for.
         name: String,
         /// The names registered, comma-separated.
@@ -75,7 +76,8 @@ pub enum HandlerError {
     #[error("{kind} handler {name:?} failed: {detail}")]
     Failed {
         /// `query` or `update`.
-        kind: &'static str,
+        #[serde(deserialize_with = "crate::driver::wire::handler_kind")]
+        kind: crate::driver::wire::Word,
         /// The handler.
         name: String,
         /// What happened.

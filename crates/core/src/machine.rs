@@ -92,7 +92,7 @@ impl MachineError {
 }
 
 /// Everything needed to start a run.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StartSpec {
     /// The new run.
     pub run_id: RunId,
@@ -249,7 +249,7 @@ impl StartSpec {
 }
 
 /// An input to a live run.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Input {
     /// An attempt completed.
     ActivityCompleted {
@@ -372,7 +372,7 @@ pub enum Input {
 }
 
 /// A message stream of a run, as `describe` shows it.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StreamPosition {
     /// The stream's name.
     pub name: String,

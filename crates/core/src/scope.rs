@@ -30,7 +30,7 @@ use crate::core::Core;
 pub(crate) type ScopeRegistry = Rc<RefCell<BTreeMap<Step, Weak<RefCell<ScopeState>>>>>;
 
 /// A live scope, for `describe`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct ScopeView {
     /// The scope's step.
     pub step: Step,

@@ -270,6 +270,22 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
+    /// A note between engine processes over the relay's size limit.
+    #[error("a note for {to} of {bytes} bytes is over the relay's limit of {max} bytes")]
+    NoteTooLarge {
+        /// Its addressee.
+        to: String,
+        /// Its size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The in-memory relay is full.
+    #[error("the in-memory relay holds {max} notes already")]
+    RelayFull {
+        /// The limit.
+        max: usize,
+    },
     /// An error from the file system.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),

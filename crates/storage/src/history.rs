@@ -8,7 +8,7 @@ use crate::event::{Event, EventKind, GroupPath};
 use crate::ids::{AttemptNo, RunId, Step, Timestamp};
 
 /// What a pending step waits for.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StepKind {
     /// An activity execution.
@@ -64,7 +64,7 @@ impl ChildState {
 }
 
 /// A durable wait that history shows as open.
-#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, serde::Deserialize)]
 pub struct PendingStep {
     /// The command's step.
     pub step: Step,

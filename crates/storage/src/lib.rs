@@ -24,6 +24,7 @@ pub mod kv;
 pub mod lease;
 pub mod mem;
 pub mod pg;
+pub mod relay;
 pub mod rocks;
 pub mod search;
 pub mod state;
@@ -49,6 +50,7 @@ pub use ids::{
 pub use lease::{Fence, Member, ShardLease, ShardLeases};
 pub use mem::{CrashMode, MemStore, SyncedView};
 pub use pg::{PgOptions, PgStore};
+pub use relay::{Note, Relay, RelayTo, SharedStore};
 pub use rocks::{LossReport, OpenMode, RocksStore};
 pub use search::{
     Condition, Field, FilterError, ListError, MetadataError, Op, PageToken, RunFilter, RunPage,

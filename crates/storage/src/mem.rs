@@ -11,6 +11,7 @@ use crate::ids::Timestamp;
 use crate::keys::{self, Cf};
 use crate::kv::{mutations_of, KvRead, KvWrite, Maps, Mutation};
 use crate::lease::{self, Member, ShardLease, ShardLeases};
+use crate::relay::{MemRelay, Note, Relay, RelayTo};
 use crate::store::{CommitHandle, Durability, Store};
 
 /// What a simulated crash does with commits that were written but not yet
@@ -39,6 +40,9 @@ struct Inner {
 pub struct MemStore {
     inner: Mutex<Inner>,
     durability: Durability,
+    /// Shared by engine processes (see [`MemStore::shared_by_processes`]).
+    sharded: bool,
+    relay: MemRelay,
 }
 
 impl MemStore {
@@ -49,6 +53,19 @@ impl MemStore {
         MemStore {
             inner: Mutex::new(Inner::default()),
             durability,
+            sharded: false,
+            relay: MemRelay::default(),
+        }
+    }
+
+    /// An empty store that several engines in this process share as
+    /// engine processes share a database: each runs the shards it holds
+    /// leases for ([`Store::shared`]), and they pass notes through its
+    /// relay.
+    pub fn shared_by_processes(durability: Durability) -> Self {
+        MemStore {
+            sharded: true,
+            ..MemStore::new(durability)
         }
     }
 
@@ -254,9 +271,28 @@ impl KvRead for MemStore {
     }
 }
 
+impl Relay for MemStore {
+    fn relay_send(&self, notes: &[Note], now: Timestamp) -> Result<()> {
+        self.relay.relay_send(notes, now)
+    }
+
+    fn relay_take(&self, to: &[RelayTo], max: usize) -> Result<Vec<Note>> {
+        self.relay.relay_take(to, max)
+    }
+
+    fn relay_forget(&self, before: Timestamp) -> Result<u64> {
+        self.relay.relay_forget(before)
+    }
+}
+
 impl Store for MemStore {
     fn view(&self) -> &dyn KvRead {
         self
+    }
+
+    fn shared(&self) -> Option<&dyn crate::relay::SharedStore> {
+        self.sharded
+            .then_some(self as &dyn crate::relay::SharedStore)
     }
 
     fn commit(&self, batch: CommitBatch) -> CommitHandle {

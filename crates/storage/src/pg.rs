@@ -74,6 +74,7 @@ use crate::ids::Timestamp;
 use crate::keys::{prefix_end, Cf};
 use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
 use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
+use crate::relay::{self, Note, Relay, RelayTo};
 use crate::store::{CommitHandle, Durability, Store};
 use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
 
@@ -238,6 +239,9 @@ struct Sql {
     member_put: String,
     member_purge: String,
     member_all: String,
+    relay_put: String,
+    relay_take: String,
+    relay_forget: String,
 }
 
 fn table(schema: &str, cf: Cf) -> String {
@@ -302,6 +306,16 @@ impl Sql {
             member_all: format!(
                 "select owner, expires_at_ms from \"{schema}\".member order by owner collate \"C\""
             ),
+            relay_put: format!(
+                "insert into \"{schema}\".relay (dest, at_ms, body) \
+                 select * from unnest($1::text[], $2::int8[], $3::bytea[])"
+            ),
+            relay_take: format!(
+                "delete from \"{schema}\".relay where id in (select id from \"{schema}\".relay \
+                 where dest = any($1::text[]) order by id limit $2 for update skip locked) \
+                 returning id, dest, body"
+            ),
+            relay_forget: format!("delete from \"{schema}\".relay where at_ms < $1"),
             event_put: format!(
                 "insert into {events} (run, seq, v) \
                  select * from unnest($1::bytea[], $2::int8[], $3::bytea[])"
@@ -357,6 +371,14 @@ impl Sql {
         out.push(format!(
             "create table if not exists \"{schema}\".member (owner text primary key, \
              expires_at_ms int8 not null)"
+        ));
+        // Notes between the processes (see `crate::relay`).
+        out.push(format!(
+            "create table if not exists \"{schema}\".relay (id bigserial primary key, \
+             dest text not null, at_ms int8 not null, body bytea not null)"
+        ));
+        out.push(format!(
+            "create index if not exists relay_dest on \"{schema}\".relay (dest, id)"
         ));
         out.push(format!(
             "create or replace function \"{schema}\".shard_fence(p_shard int4, p_epoch int8) \
@@ -1104,11 +1126,12 @@ fn schema_complete(shared: &Shared, conn: &Conn) -> Result<bool> {
     let s = &shared.schema;
     let rows = block(conn.client.query(
         "select to_regclass($1) is not null and to_regclass($2) is not null \
-         and to_regprocedure($3) is not null",
+         and to_regprocedure($3) is not null and to_regclass($4) is not null",
         &[
             &format!("\"{s}\".shard_lease"),
             &format!("\"{s}\".member"),
             &format!("\"{s}\".shard_fence(int4, int8)"),
+            &format!("\"{s}\".relay"),
         ],
     ))
     .map_err(|e| shared.error(&e))?;
@@ -1371,6 +1394,12 @@ impl Store for PgStore {
         self
     }
 
+    fn shared(&self) -> Option<&dyn crate::relay::SharedStore> {
+        self.shared
+            .sharded
+            .then_some(self as &dyn crate::relay::SharedStore)
+    }
+
     fn commit(&self, mut batch: CommitBatch) -> CommitHandle {
         let Some(tx) = &self.tx else {
             return CommitHandle::ready(Err(Error::ReadOnly));
@@ -1566,6 +1595,52 @@ impl ShardLeases for PgStore {
                 .iter()
                 .filter_map(lease_of_row)
                 .collect())
+        })
+    }
+}
+
+/// Notes as rows of `relay`: taken with `for update skip locked`, so two
+/// processes reading the same address never take the same note.
+impl Relay for PgStore {
+    fn relay_send(&self, notes: &[Note], now: Timestamp) -> Result<()> {
+        notes.iter().try_for_each(relay::check_note)?;
+        if notes.is_empty() {
+            return Ok(());
+        }
+        let dests: Vec<String> = notes.iter().map(|n| n.to.key()).collect();
+        let ats: Vec<i64> = vec![now.0 as i64; notes.len()];
+        let bodies: Vec<&[u8]> = notes.iter().map(|n| n.body.as_slice()).collect();
+        let shared = &self.shared;
+        self.with_conn(|conn| {
+            conn.query(shared, &shared.sql.relay_put, &[&dests, &ats, &bodies])?;
+            Ok(())
+        })
+    }
+
+    fn relay_take(&self, to: &[RelayTo], max: usize) -> Result<Vec<Note>> {
+        let dests: Vec<String> = to.iter().map(RelayTo::key).collect();
+        let limit = max as i64;
+        let shared = &self.shared;
+        let mut rows: Vec<(i64, Note)> = self.with_conn(|conn| {
+            Ok(conn
+                .query(shared, &shared.sql.relay_take, &[&dests, &limit])?
+                .iter()
+                .filter_map(|r| {
+                    let to = RelayTo::parse(r.get::<_, &str>(1))?;
+                    Some((r.get::<_, i64>(0), Note { to, body: r.get(2) }))
+                })
+                .collect())
+        })?;
+        rows.sort_by_key(|(id, _)| *id);
+        Ok(rows.into_iter().map(|(_, n)| n).collect())
+    }
+
+    fn relay_forget(&self, before: Timestamp) -> Result<u64> {
+        let shared = &self.shared;
+        let before = before.0 as i64;
+        self.with_conn(|conn| {
+            let st = conn.statement(shared, &shared.sql.relay_forget)?;
+            block(conn.client.execute(&st, &[&before])).map_err(|e| shared.error(&e))
         })
     }
 }

@@ -107,6 +107,13 @@ pub trait Store: Send + Sync + 'static {
         crate::health::StoreHealth::Healthy
     }
 
+    /// What the store offers engine processes sharing it (shard leases
+    /// and the relay), when it is opened to be shared; `None` when one
+    /// process writes alone.
+    fn shared(&self) -> Option<&dyn crate::relay::SharedStore> {
+        None
+    }
+
     /// Bytes the store holds in memory for buffering and caching (memtables,
     /// table readers, block cache), where the backend can tell.
     fn memory_bytes(&self) -> Option<u64> {

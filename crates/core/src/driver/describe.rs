@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{Answer, ReadResult, Refusal, ReplyTo, Shard};
 
 /// A child run as its parent's history records it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct ChildView {
     /// The parent's step.
     pub step: Step,
@@ -25,7 +25,7 @@ pub struct ChildView {
 }
 
 /// One supervised attempt and its lease.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct AttemptView {
     /// The execution's step.
     pub step: Step,
@@ -44,7 +44,8 @@ pub struct AttemptView {
     /// again.
     pub delayed_by: Option<String>,
     /// `waiting`, `queued`, `running`, `refused`, `reporting` or `fallback`.
-    pub state: &'static str,
+    #[serde(deserialize_with = "super::wire::attempt_state")]
+    pub state: super::wire::Word,
     /// Whether its execution was asked to cancel.
     pub cancel_requested: bool,
 }
@@ -63,7 +64,7 @@ pub struct MachineView {
 }
 
 /// What `describe` reports about a run.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct RunDescription {
     /// The run.
     pub run_id: RunId,

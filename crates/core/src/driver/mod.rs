@@ -39,6 +39,7 @@ mod ownership;
 mod read;
 mod requests;
 mod run;
+pub mod wire;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -121,7 +122,9 @@ pub const ASYNC_BIND_RETRY_MS: u64 = 20;
 pub const ASYNC_BIND_TRIES_MAX: u32 = 50;
 
 /// A shard of the engine: a fixed slice of runs by hash.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub struct ShardId(pub u16);
 
 impl std::fmt::Display for ShardId {
@@ -186,12 +189,16 @@ pub fn shard_of_target(target: &str, shards: u16) -> ShardId {
 
 /// A client request's id, chosen by the host; its [`Action::Reply`] carries
 /// it back.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub struct RequestId(pub u64);
 
 /// A token a shard hands out with a read, a commit or a message that
 /// expects an answer; the answer carries it back.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub struct Token(pub u64);
 
 /// One activity execution as its shard supervises it: (run, step).
@@ -208,7 +215,7 @@ pub struct AttemptKey {
 pub type Cause = Option<(RunId, Seq)>;
 
 /// What `start` does when the instance's last run is closed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ReusePolicy {
     /// Start a new run.
     #[default]
@@ -220,7 +227,7 @@ pub enum ReusePolicy {
 }
 
 /// A client request.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub enum Request {
     /// Start a run of `workflow_type` as `instance`; `run_id` is the new
     /// run's id if one starts (drawn by the host).
@@ -328,6 +335,7 @@ pub enum Request {
     },
     /// One page of the runs a filter matches, read through the store's
     /// index (committed state only).
+    #[serde(skip)]
     List {
         /// Which runs.
         filter: keel_storage::RunFilter,
@@ -339,7 +347,7 @@ pub enum Request {
 }
 
 /// The signal of a signal-with-start ([`Request::Start`]).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StartSignal {
     /// The signal's name.
     pub name: String,
@@ -370,7 +378,7 @@ impl Request {
 }
 
 /// Why a request was refused for good. Nothing was written.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum Refusal {
     /// No workflow of this type is registered.
     #[error("unknown workflow type {0:?}")]
@@ -399,7 +407,8 @@ pub enum Refusal {
         /// Its last run.
         run: RunId,
         /// That run's status.
-        status: &'static str,
+        #[serde(deserialize_with = "wire::run_status")]
+        status: wire::Word,
     },
     /// The run is parked.
     #[error("run {run} is parked: {reason}")]
@@ -467,7 +476,7 @@ pub enum Refusal {
 
 /// The answer to a request or a message: one vocabulary for everything a
 /// shard answers.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Answer {
     /// Committed: its event is durable.
     Committed,
@@ -494,6 +503,7 @@ pub enum Answer {
     /// An update's outcome: its handler's value or failure.
     Updated(Result<Payload, keel_storage::Failure>),
     /// A page of runs.
+    #[serde(skip)]
     Listed(keel_storage::RunPage),
     /// A stream message is committed at `offset`; `first` is false when a
     /// send with the same key committed it before.
@@ -506,7 +516,7 @@ pub enum Answer {
 }
 
 /// What [`Request::Resume`] found.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Resumed {
     /// The run.
     pub run: RunId,
@@ -543,7 +553,9 @@ impl Resumed {
 }
 
 /// Where an answer goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub enum ReplyTo {
     /// Nobody waits.
     Nobody,
@@ -554,7 +566,7 @@ pub enum ReplyTo {
 }
 
 /// What a message asks of a run.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum RunOp {
     /// An input.
     Input(Input),
@@ -576,7 +588,7 @@ pub enum RunOp {
 }
 
 /// A message between shards (a shard may send one to itself).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Message {
     /// An operation on a run of the receiving shard.
     ToRun {
