@@ -51,6 +51,13 @@ pub(crate) struct DemoArgs {
     /// stand by); kills them as the module documentation says.
     #[arg(long, default_value_t = 1)]
     processes: usize,
+    /// With `--processes`: the processes share the database's shards and
+    /// all work at once (each starts and awaits its own slice of the
+    /// orders; requests for a shard another process runs are relayed);
+    /// the demo SIGKILLs one of them a quarter of the way and two at once
+    /// half way, restarting each.
+    #[arg(long, requires = "processes")]
+    sharded: bool,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
@@ -70,7 +77,20 @@ pub(crate) struct WorkerArgs {
     /// Wait for the database's write lease as long as it takes.
     #[arg(long)]
     standby: bool,
+    /// Share the database's shards with other engine processes; this one
+    /// starts and awaits the orders `i` with `i % slots == slot`.
+    #[arg(long)]
+    sharded: bool,
+    #[arg(long, default_value_t = 0)]
+    slot: usize,
+    #[arg(long, default_value_t = 1)]
+    slots: usize,
 }
+
+/// Shards the sharded demo spreads runs over (the same in every process):
+/// several per process, so that a killed process's shards spread over the
+/// others.
+const DEMO_SHARDS: usize = 12;
 
 #[derive(Serialize)]
 struct Summary {
@@ -330,6 +350,108 @@ struct Disruptions {
     fenced: u32,
 }
 
+/// Several engine processes sharing the database's shards, all working:
+/// process `slot` starts and awaits its slice of the orders. One is
+/// SIGKILLed a quarter of the way and two at once half way; each is
+/// started again (as a new member, which gets shards back as the others
+/// give them up). Every process must exit cleanly once its slice is done.
+fn run_sharded(
+    args: &DemoArgs,
+    exe: &Path,
+    prefix: &str,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<Disruptions> {
+    // (slot, generation, `done N` or `None` once its output ended)
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, u64, Option<u64>)>();
+    let mut slots: Vec<Option<(u64, std::process::Child)>> = Vec::new();
+    let mut generation = 0u64;
+    let mut spawn = |slot: usize| -> anyhow::Result<(u64, std::process::Child)> {
+        generation += 1;
+        let gen = generation;
+        let mut child = worker_command(exe, args, prefix, false)
+            .arg("--sharded")
+            .args(["--slot", &slot.to_string()])
+            .args(["--slots", &args.processes.to_string()])
+            .spawn()
+            .context("starting an engine process")?;
+        let stdout = child.stdout.take().context("engine stdout")?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(n) = line.strip_prefix("done ").and_then(|n| n.parse().ok()) {
+                    if tx.send((slot, gen, Some(n))).is_err() {
+                        return;
+                    }
+                }
+            }
+            let _ = tx.send((slot, gen, None));
+        });
+        Ok((gen, child))
+    };
+    for slot in 0..args.processes {
+        slots.push(Some(spawn(slot)?));
+    }
+    // Per slot, the most orders of its slice any of its processes saw done
+    // (a restarted one counts the finished ones again).
+    let mut done = vec![0u64; args.processes];
+    let mut finished = vec![false; args.processes];
+    let (kill_one_at, kill_two_at) = ((args.workflows / 4).max(1), (args.workflows / 2).max(2));
+    let mut crashes = 0u32;
+    while !finished.iter().all(|f| *f) {
+        let (slot, gen, heard) = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .context("no engine process said anything for 120 s")?;
+        if slots[slot].as_ref().is_none_or(|(g, _)| *g != gen) {
+            continue; // said by a process killed since
+        }
+        let Some(n) = heard else {
+            let Some((_, mut child)) = slots[slot].take() else {
+                continue;
+            };
+            let status = child.wait()?;
+            anyhow::ensure!(status.success(), "engine process {slot} failed: {status}");
+            finished[slot] = true;
+            continue;
+        };
+        done[slot] = done[slot].max(n);
+        let total: u64 = done.iter().sum();
+        bar.set_position(total);
+        let victims: Vec<usize> = match crashes {
+            0 if !args.no_crash && total >= kill_one_at => vec![0],
+            1 if !args.no_crash && total >= kill_two_at => {
+                (1..=2).map(|s| s % args.processes).collect()
+            }
+            _ => Vec::new(),
+        };
+        let victims: Vec<usize> = victims.into_iter().filter(|v| !finished[*v]).collect();
+        if victims.is_empty() {
+            continue;
+        }
+        crashes += 1;
+        for &v in &victims {
+            if let Some((_, mut c)) = slots[v].take() {
+                c.kill().context("killing an engine process")?;
+                let _ = c.wait();
+            }
+        }
+        bar.suspend(|| {
+            eprintln!(
+                "killed engine process{} {victims:?} (SIGKILL) after {total} of {} orders; starting them again",
+                if victims.len() > 1 { "es" } else { "" },
+                args.workflows
+            )
+        });
+        for v in victims {
+            slots[v] = Some(spawn(v)?);
+        }
+    }
+    Ok(Disruptions {
+        crashes,
+        takeovers: Vec::new(),
+        fenced: 0,
+    })
+}
+
 /// Sends `SIGNAL` (`STOP`, `CONT`) to a process.
 fn signal(pid: u32, name: &str) -> anyhow::Result<()> {
     let status = Command::new("kill")
@@ -355,7 +477,11 @@ pub(crate) fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             );
         }
         let started = Instant::now();
-        let disruptions = run_processes(&args, &exe, &prefix, &bar)?;
+        let disruptions = if args.sharded {
+            run_sharded(&args, &exe, &prefix, &bar)?
+        } else {
+            run_processes(&args, &exe, &prefix, &bar)?
+        };
         bar.finish_and_clear();
         let mut summary = check(
             &args,
@@ -426,7 +552,16 @@ fn report(args: &DemoArgs, summary: Summary) -> anyhow::Result<ExitCode> {
         println!("  completed           {}", summary.completed);
         println!("  lost                {}", summary.lost);
         println!("  duplicate commits   {}", summary.duplicate_commits);
-        if args.processes > 1 {
+        if args.sharded {
+            println!(
+                "  engine processes    {} sharing one database's {DEMO_SHARDS} shards, all working",
+                args.processes
+            );
+            println!(
+                "  kills               {} (SIGKILL one process, then two at once; each started again)",
+                summary.crashes
+            );
+        } else if args.processes > 1 {
             println!(
                 "  engine processes    {} on one database (one works, the others stand by)",
                 args.processes
@@ -543,7 +678,20 @@ fn check(
 /// The engine process: starts (or re-attaches to) every order, approves the
 /// large ones, and prints `done N` as orders finish.
 pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        args.slot < args.slots.max(1),
+        "--slot {} is not below --slots {}",
+        args.slot,
+        args.slots
+    );
     let builder = match crate::output::postgres_of(&args.data) {
+        Some(options) if args.sharded => Engine::builder()
+            .postgres_options(options.sharded())
+            .config(keel::EngineConfig {
+                shards: DEMO_SHARDS,
+                ..keel::EngineConfig::default()
+            }),
+        None if args.sharded => anyhow::bail!("--sharded needs a PostgreSQL store"),
         Some(options) if args.standby => Engine::builder().postgres_options(options.standby()),
         Some(options) => Engine::builder().postgres_options(options),
         None => Engine::builder().data_dir(&args.data),
@@ -584,7 +732,8 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let result: anyhow::Result<()> = rt.block_on(async {
         let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let mut tasks = Vec::new();
-        for i in 0..args.workflows {
+        let slots = args.slots.max(1);
+        for i in (0..args.workflows).filter(|i| *i as usize % slots == args.slot) {
             let permit = sem.clone().acquire_owned().await?;
             let (client, done, out, prefix) = (
                 client.clone(),

@@ -5,6 +5,8 @@
 //! standby takes over; the woken process must find itself fenced and
 //! commit nothing more). Afterwards `keel verify` against the database is
 //! clean.
+//! The same with the processes sharing the database's shards
+//! (`--sharded`): all three work, one is SIGKILLed, then two at once.
 //! Method: `keel demo --store URL --processes 3 --json` on a database of
 //! this test's own (created and dropped here) on the server `.ci/run`
 //! starts; the demo's summary counts completed, lost and duplicated
@@ -75,10 +77,12 @@ impl Drop for Database {
     }
 }
 
-#[test]
-fn killed_and_frozen_processes_lose_nothing_and_commit_nothing_twice() {
-    let Some(url) = postgres_url() else { return };
-    let name = format!("keel_procs_{}", std::process::id());
+/// Runs `keel demo --processes 3` with `extra` on a database of its own,
+/// checks that every order completed once, and runs `keel verify` on it;
+/// returns the demo's summary and its error output.
+fn demo_on_own_database(tag: &str, extra: &[&str]) -> Option<(serde_json::Value, String)> {
+    let url = postgres_url()?;
+    let name = format!("keel_procs_{tag}_{}", std::process::id());
     admin(
         &url,
         &format!("drop database if exists {name} with (force)"),
@@ -92,9 +96,10 @@ fn killed_and_frozen_processes_lose_nothing_and_commit_nothing_twice() {
     let out = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["demo", "--processes", "3", "--concurrency", "50", "--json"])
         .args(["--workflows", &WORKFLOWS.to_string(), "--store", &store])
+        .args(extra)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "demo failed: {stderr}");
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("demo printed no JSON ({e}): {stderr}"));
@@ -102,15 +107,6 @@ fn killed_and_frozen_processes_lose_nothing_and_commit_nothing_twice() {
     assert_eq!(summary["lost"], 0, "{summary}");
     assert_eq!(summary["duplicate_commits"], 0, "{summary}");
     assert_eq!(summary["verify_ok"], true, "{summary}");
-    // Two kills and one freeze, each followed by a takeover; the frozen
-    // process was fenced when it woke.
-    assert_eq!(summary["crashes"], 3, "{summary}\n{stderr}");
-    assert_eq!(
-        summary["takeovers_s"].as_array().map(Vec::len),
-        Some(3),
-        "{summary}\n{stderr}"
-    );
-    assert_eq!(summary["fenced"], 1, "{summary}\n{stderr}");
 
     let verify = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["verify", "--json", "--store", &store])
@@ -125,4 +121,31 @@ fn killed_and_frozen_processes_lose_nothing_and_commit_nothing_twice() {
     assert!(verify.status.success(), "{report}");
     assert_eq!(report["ok"], true, "{report}");
     drop(db);
+    Some((summary, stderr))
+}
+
+#[test]
+fn killed_and_frozen_processes_lose_nothing_and_commit_nothing_twice() {
+    let Some((summary, stderr)) = demo_on_own_database("standby", &[]) else {
+        return;
+    };
+    // Two kills and one freeze, each followed by a takeover; the frozen
+    // process was fenced when it woke.
+    assert_eq!(summary["crashes"], 3, "{summary}\n{stderr}");
+    assert_eq!(
+        summary["takeovers_s"].as_array().map(Vec::len),
+        Some(3),
+        "{summary}\n{stderr}"
+    );
+    assert_eq!(summary["fenced"], 1, "{summary}\n{stderr}");
+}
+
+#[test]
+fn processes_sharing_the_shards_lose_nothing_when_killed() {
+    // All three work at once, each on the shards it leases, serving each
+    // other's clients through the relay; one is killed, then two at once.
+    let Some((summary, stderr)) = demo_on_own_database("sharded", &["--sharded"]) else {
+        return;
+    };
+    assert_eq!(summary["crashes"], 2, "{summary}\n{stderr}");
 }
