@@ -37,7 +37,9 @@ pub enum Cf {
 }
 
 impl Cf {
-    /// Every column family, in a fixed order.
+    /// Every column family, in the order of [`Cf::index`] (per-family
+    /// arrays, such as the PostgreSQL store's statements, are built from it
+    /// and looked up by index).
     pub const ALL: [Cf; 11] = [
         Cf::Events,
         Cf::Runs,
@@ -48,8 +50,8 @@ impl Cf {
         Cf::Outbox,
         Cf::Tasks,
         Cf::Index,
-        Cf::Meta,
         Cf::Children,
+        Cf::Meta,
     ];
 
     /// The derived column families that `verify` rebuilds.
@@ -258,6 +260,10 @@ pub fn shard_lease_key(shard: u16) -> Vec<u8> {
     k
 }
 
+/// Key of the shard count of a shared store in `Meta` (see
+/// [`crate::lease::decide_shard_count`]).
+pub const SHARD_COUNT_KEY: &[u8] = b"shard-count";
+
 /// Prefix of the members of a shared store in `Meta` (see
 /// [`crate::lease::Member`]).
 pub const MEMBER_PREFIX: &[u8] = b"member/";
@@ -287,4 +293,20 @@ pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod cf_tests {
+    // Goal: `Cf::ALL[cf.index()] == cf` for every family, so an array built
+    // from `ALL` and read by `index()` names the right family (the
+    // PostgreSQL store once kept children in `kv_meta` and its metadata in
+    // `kv_children` because the two were listed out of order).
+    use super::*;
+
+    #[test]
+    fn every_family_sits_at_its_index() {
+        for (i, cf) in Cf::ALL.iter().enumerate() {
+            assert_eq!(cf.index(), i, "{cf:?}");
+        }
+    }
 }
