@@ -12,6 +12,8 @@ use serde::Serialize;
 
 use crate::output::{max_rss_mb, percentile, progress};
 
+#[path = "bench_cluster.rs"]
+mod bench_cluster;
 #[path = "bench_pg.rs"]
 mod bench_pg;
 #[path = "bench_store.rs"]
@@ -22,6 +24,9 @@ mod bench_store;
 pub(crate) enum BenchCommand {
     /// W1: N workflows of 3 sequential no-op activities, Sync durability.
     W1(W1Args),
+    /// (internal) One engine process of `w1 --processes N`.
+    #[command(hide = true)]
+    W1Process(bench_cluster::W1ProcessArgs),
     /// W2: one workflow fanning out to N no-op activities (`all`, or
     /// `all_limited` with `--limit`).
     W2(crate::bench_fanout::W2Args),
@@ -45,6 +50,7 @@ pub(crate) enum BenchCommand {
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::W1(args) => w1(args),
+        BenchCommand::W1Process(args) => bench_cluster::w1_process(args),
         BenchCommand::W2(args) => crate::bench_fanout::w2(args),
         BenchCommand::Idle(args) => crate::bench_fanout::idle(args),
         BenchCommand::Append(args) => bench_store::append(args),
@@ -72,6 +78,16 @@ pub(crate) struct W1Args {
     /// of its own and drops it afterwards.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
+    /// With `--store`: this many engine processes share the database, each
+    /// a child process running its share of the shards and of the
+    /// workflows (1: one engine in this process, the database its own).
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// With `--processes` of 2 or more: SIGKILL one of them a third of the
+    /// way through and report how long the others took to take its shards
+    /// over, and the latency of the workflows in flight meanwhile.
+    #[arg(long)]
+    kill_one: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -115,11 +131,19 @@ struct W1Report {
     events_per_s: f64,
     max_rss_mb: f64,
     store: &'static str,
+    /// Engine processes (each its own OS process when more than one).
+    processes: usize,
     /// What the database server did (PostgreSQL runs).
     server: Option<bench_pg::ServerLoad>,
+    /// With `--kill-one`: how the killed process's shards moved.
+    takeover: Option<bench_cluster::Takeover>,
 }
 
 fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
+    if args.processes > 1 {
+        return w1_cluster(args);
+    }
+    anyhow::ensure!(!args.kill_one, "--kill-one needs --processes 2 or more");
     let dir = tempfile::Builder::new().prefix("keel-bench-w1").tempdir()?;
     let postgres = match &args.store {
         Some(url) if keel_storage::pg::is_postgres_url(url) => Some(
@@ -216,14 +240,67 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         } else {
             "rocksdb"
         },
+        processes: 1,
         server,
+        takeover: None,
     };
     engine.shutdown_blocking();
     if let Some(options) = &postgres {
         keel_storage::PgStore::drop_schema(options)?;
     }
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+    print_w1(&report, args.json)
+}
+
+/// `w1 --processes N`: the same workload over N engine processes sharing
+/// one PostgreSQL database.
+fn w1_cluster(args: W1Args) -> anyhow::Result<ExitCode> {
+    let Some(url) = args
+        .store
+        .as_deref()
+        .filter(|u| keel_storage::pg::is_postgres_url(u))
+    else {
+        anyhow::bail!(
+            "--processes needs --store postgres://...: a data directory is opened by one process"
+        );
+    };
+    anyhow::ensure!(
+        args.rate.is_none(),
+        "--processes runs closed-loop: drop --rate"
+    );
+    let run = bench_cluster::run(
+        url,
+        args.processes,
+        args.workflows,
+        args.concurrency,
+        args.kill_one,
+    )?;
+    let events = run.workflows * 8;
+    let report = W1Report {
+        workload: format!(
+            "w1 concurrency={} processes={}",
+            args.concurrency, args.processes
+        ),
+        workflows: run.workflows,
+        concurrency: Some(args.concurrency),
+        rate: None,
+        workflows_per_s: run.workflows as f64 / run.wall_s,
+        p50_ms: percentile(&run.sorted_ms, 0.50),
+        p99_ms: percentile(&run.sorted_ms, 0.99),
+        wall_s: run.wall_s,
+        events,
+        events_per_s: events as f64 / run.wall_s,
+        max_rss_mb: max_rss_mb(),
+        store: "postgres",
+        processes: args.processes,
+        server: Some(run.server),
+        takeover: run.takeover,
+    };
+    print_w1(&report, args.json)
+}
+
+fn print_w1(report: &W1Report, json: bool) -> anyhow::Result<ExitCode> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
     } else {
         println!(
             "{}: {} workflows in {:.2} s = {:.0} workflows/s, {:.0} events/s; latency p50 {:.2} ms, p99 {:.2} ms; max rss {:.0} MiB",
@@ -234,6 +311,12 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
             println!(
                 "postgres: {:.0} WAL flushes/s, {:.0} WAL writes/s, {:.0} transactions/s, server CPU {:.2} cores",
                 s.wal_flushes_per_s, s.wal_writes_per_s, s.transactions_per_s, s.server_cpu_cores
+            );
+        }
+        if let Some(t) = &report.takeover {
+            println!(
+                "takeover: every shard held again {:.0} ms after the kill ({:.0} ms after the killed leases ended); {} workflows in flight meanwhile: p50 {:.0} ms, p99 {:.0} ms",
+                t.kill_to_taken_ms, t.lease_end_to_taken_ms, t.workflows_during, t.p50_during_ms, t.p99_during_ms
             );
         }
     }
