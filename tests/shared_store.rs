@@ -2,15 +2,20 @@
 //! them and serve each other's clients: a workflow started, signalled and
 //! awaited on either process completes once, wherever its shard (and its
 //! child's) runs; when one process stops, the other takes its shards over
-//! and finishes what it left. Method: two engines in this test process,
+//! and finishes what it left; a process configured with another shard
+//! count is refused at start; an activity attempt is run by whichever
+//! process runs its type, wherever its shard is. Method: two engines in this test process,
 //! each as a separate engine process would be (its own member name,
 //! threads and, on PostgreSQL, its own connections), over an in-memory
 //! store opened for sharing and over a sharded PostgreSQL database (the
 //! server `.ci/run` starts; skipped without one unless
 //! `KEEL_REQUIRE_POSTGRES=1`). Orders are started on one engine, signalled
-//! on the other, and awaited on both; the histories are then checked for
+//! on the other, and awaited on both; only the first process registers
+//! the activity, so the second's shards depend on it taking their attempts
+//! from the store; the histories are then checked for
 //! exactly one start and one completion per run, and the store verified.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,13 +27,17 @@ use keel::{
 
 const SHARDS: usize = 4;
 
-#[derive(Default)]
-struct Price;
+/// Counts the copies it ran (in the engine it was given to).
+#[derive(Clone, Default)]
+struct Price {
+    ran: Arc<AtomicU64>,
+}
 impl Activity for Price {
     const NAME: &'static str = "price";
     type Input = u64;
     type Output = u64;
     async fn run(&self, _: ActivityContext, n: u64) -> Result<u64, ActivityError> {
+        self.ran.fetch_add(1, Ordering::Relaxed);
         Ok(n * 10)
     }
 }
@@ -57,19 +66,31 @@ impl Workflow for Order {
     }
 }
 
-fn engine(store: Arc<dyn Store>) -> anyhow::Result<Engine> {
+/// An engine process; it runs `price` attempts (its own shards' and the
+/// other process's) when given `price`.
+fn engine(store: Arc<dyn Store>, price: Option<Price>) -> anyhow::Result<Engine> {
+    Ok(engine_with_shards(store, SHARDS, price)?)
+}
+
+fn engine_with_shards(
+    store: Arc<dyn Store>,
+    shards: usize,
+    price: Option<Price>,
+) -> Result<Engine, keel::EngineError> {
     let config = EngineConfig {
-        shards: SHARDS,
+        shards,
         shard_lease_ms: 1_000,
         ..EngineConfig::default()
     };
-    Ok(Engine::builder()
+    let builder = Engine::builder()
         .store(store)
         .config(config)
         .register_workflow::<Order>()
-        .register_workflow::<Line>()
-        .register_activity::<Price>()
-        .build()?)
+        .register_workflow::<Line>();
+    match price {
+        Some(p) => builder.activity(p).build(),
+        None => builder.build(),
+    }
 }
 
 /// Waits until `engines` run every shard between them, each some.
@@ -88,12 +109,25 @@ fn wait_for_split(engines: &[&Engine]) {
     }
 }
 
+/// `a` runs the `price` activity (counting in `a_ran`), `b` does not: every
+/// attempt, of `b`'s shards too, is taken from the store by `a`.
 async fn orders_across_processes(
     a: Engine,
+    a_ran: Arc<AtomicU64>,
     b: Engine,
     store: Arc<dyn Store>,
 ) -> anyhow::Result<()> {
     wait_for_split(&[&a, &b]);
+    // A third process counting shards differently would own runs the
+    // others own too: it is refused before it starts, naming both counts.
+    match engine_with_shards(store.clone(), SHARDS + 1, None) {
+        Err(keel::EngineError::Store(keel::storage::Error::ShardCountDiffers {
+            recorded,
+            configured,
+        })) => assert_eq!((recorded, configured), (SHARDS as u16, SHARDS as u16 + 1)),
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("an engine with another shard count started"),
+    }
     let (ca, cb) = (a.client(), b.client());
     const ORDERS: u64 = 16;
     for i in 0..ORDERS {
@@ -117,6 +151,15 @@ async fn orders_across_processes(
         let got = c.result::<Order>(&format!("order-{i}")).await?;
         assert_eq!(got, format!("{} approved by b", i * 10 + 1));
     }
+    // Either process lists every run, whichever shard it is on.
+    for c in [&ca, &cb] {
+        let page = c.list(&Default::default(), 100, None).await?;
+        assert_eq!(
+            page.runs.len() as u64,
+            2 * ORDERS,
+            "one order and one line each"
+        );
+    }
     // One process stops: the other takes every shard and finishes work
     // started on it.
     b.shutdown().await;
@@ -130,6 +173,9 @@ async fn orders_across_processes(
         .await?;
     assert_eq!(ca.result::<Order>("after").await?, "71 approved by a");
     a.shutdown().await;
+    // Every line was priced, by `a` (at least once each: a copy may run
+    // again after a lease ends, never committed twice).
+    assert!(a_ran.load(Ordering::Relaxed) > ORDERS, "one price per line");
 
     let runs = store.runs(&Default::default())?;
     assert_eq!(
@@ -155,9 +201,10 @@ async fn orders_across_processes(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_engines_share_an_in_memory_store() -> anyhow::Result<()> {
     let store: Arc<dyn Store> = Arc::new(MemStore::shared_by_processes(Durability::Sync));
-    let a = engine(store.clone())?;
-    let b = engine(store.clone())?;
-    orders_across_processes(a, b, store).await
+    let price = Price::default();
+    let a = engine(store.clone(), Some(price.clone()))?;
+    let b = engine(store.clone(), None)?;
+    orders_across_processes(a, price.ran, b, store).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,9 +227,10 @@ async fn two_engine_processes_share_a_postgres_database() -> anyhow::Result<()> 
         || -> anyhow::Result<Arc<dyn Store>> { Ok(Arc::new(PgStore::open(options.clone())?)) };
     let result = async {
         let (sa, sb) = (open()?, open()?);
-        let a = engine(sa)?;
-        let b = engine(sb)?;
-        orders_across_processes(a, b, open()?).await
+        let price = Price::default();
+        let a = engine(sa, Some(price.clone()))?;
+        let b = engine(sb, None)?;
+        orders_across_processes(a, price.ran, b, open()?).await
     }
     .await;
     let _ = PgStore::drop_schema(&options);

@@ -1,8 +1,10 @@
 //! The activity runtime: runs the attempts a shard dispatches on a tokio
 //! pool off the arbiter threads, admits each through its resilience profile
 //! in this process, turns a panic into a retryable failure, and reports
-//! results and heartbeats (with the lease epoch) to the shard. A copy the
-//! shard asks to stop sees its [`keel_core::CancelSignal`] raised.
+//! results and heartbeats (with the lease epoch) to the shard (through the
+//! relay when the attempt was taken from it, and its shard runs in another
+//! process). A copy the shard asks to stop sees its
+//! [`keel_core::CancelSignal`] raised.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -15,21 +17,24 @@ use keel_core::{ActivityContext, CancelSignal, HeartbeatFn};
 use keel_storage::{AttemptId, AttemptNo, ExecutionId, Failure, FailureKind, Payload};
 use tracing::{info_span, Instrument};
 
-use crate::engine::Host;
+use crate::engine::{Host, ReportTo};
 use crate::shard::{Feed, ShardActor};
 
-/// Runs one copy of an attempt.
-pub(crate) fn run(host: &Arc<Host>, shard: Addr<ShardActor>, order: AttemptOrder) {
+/// Runs one copy of an attempt, reporting to `shard`.
+pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder) {
     let (key, epoch, attempt) = (order.key, order.epoch, order.attempt);
     let cancel = CancelSignal::new();
     host.copies.lock().insert((key, epoch), cancel.clone());
-    let beats = shard.clone();
+    let (beats, beat_host) = (shard.clone(), host.clone());
     let heartbeat: HeartbeatFn = Arc::new(move |details| {
-        beats.do_send(Feed(ShardInput::Heartbeat {
-            key,
-            epoch,
-            details,
-        }));
+        beats.send(
+            &beat_host,
+            ShardInput::Heartbeat {
+                key,
+                epoch,
+                details,
+            },
+        );
     });
     let id = AttemptId {
         execution: ExecutionId {
@@ -71,7 +76,7 @@ pub(crate) fn run(host: &Arc<Host>, shard: Addr<ShardActor>, order: AttemptOrder
                     }
                     Err(policy) => {
                         host.copies.lock().remove(&(key, epoch));
-                        shard.do_send(Feed(ShardInput::AttemptRefused { key, epoch, policy }));
+                        shard.send(&host, ShardInput::AttemptRefused { key, epoch, policy });
                         return;
                     }
                 }
@@ -106,12 +111,15 @@ pub(crate) fn run(host: &Arc<Host>, shard: Addr<ShardActor>, order: AttemptOrder
                 a.settle(verdict);
             }
             host.copies.lock().remove(&(key, epoch));
-            shard.do_send(Feed(ShardInput::AttemptFinished {
-                key,
-                attempt,
-                epoch,
-                result,
-            }));
+            shard.send(
+                &host,
+                ShardInput::AttemptFinished {
+                    key,
+                    attempt,
+                    epoch,
+                    result,
+                },
+            );
         }
         .instrument(span),
     );

@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
 use keel_core::driver::{
-    Answer, Refusal, Request, RequestId, Resumed, ReusePolicy, RunDescription, ShardId, ShardInput,
-    StartSignal,
+    list_answer, Answer, ReadQuery, Refusal, Request, RequestId, Resumed, ReusePolicy,
+    RunDescription, ShardId, ShardInput, StartSignal,
 };
 use keel_core::Workflow;
 use keel_storage::search;
 use keel_storage::{
     CommandId, Failure, InstanceId, Outcome, PageToken, Payload, RelayTo, RunFilter, RunId,
-    RunPage, SearchValue, PAYLOAD_BYTES_MAX,
+    RunPage, SearchValue, Store, PAYLOAD_BYTES_MAX,
 };
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
@@ -322,6 +322,9 @@ enum Waiter {
 /// their answer.
 pub(crate) struct ClientCore {
     pub(crate) routes: Arc<Routes>,
+    /// A shared store, for a list on a process that runs no shard; given
+    /// up at shutdown (a client kept alive holds no connection).
+    store: Mutex<Option<Arc<dyn Store>>>,
     pending: Mutex<HashMap<RequestId, Waiter>>,
     next: AtomicU64,
     rng: Mutex<u64>,
@@ -331,9 +334,11 @@ pub(crate) struct ClientCore {
 }
 
 impl ClientCore {
-    pub(crate) fn new(seed: u64, routes: Arc<Routes>) -> Self {
+    pub(crate) fn new(seed: u64, routes: Arc<Routes>, store: Arc<dyn Store>) -> Self {
+        let shared = store.shared().is_some();
         ClientCore {
             routes,
+            store: Mutex::new(shared.then_some(store)),
             pending: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
             rng: Mutex::new(seed),
@@ -396,6 +401,35 @@ impl ClientCore {
         }
     }
 
+    /// A list read from the store on a thread of its own (a store read
+    /// blocks), for a process with no shard to read it.
+    async fn list_here(
+        &self,
+        filter: RunFilter,
+        page_size: usize,
+        after: Option<PageToken>,
+    ) -> Answer {
+        let Some(store) = self.store.lock().clone() else {
+            return Answer::Retry("no shard runs in this engine process".into());
+        };
+        let (tx, rx) = oneshot::channel();
+        let query = ReadQuery::List {
+            filter,
+            page_size,
+            after,
+        };
+        let spawned = std::thread::Builder::new()
+            .name("keel-list".into())
+            .spawn(move || {
+                let _ = tx.send(list_answer(query.perform(&*store)));
+            });
+        if let Err(e) = spawned {
+            return Answer::Retry(format!("no thread to read the index: {e}"));
+        }
+        rx.await
+            .unwrap_or_else(|_| Answer::Retry("the index read stopped".into()))
+    }
+
     /// Calls relayed to another process and unanswered for
     /// [`REMOTE_ANSWER_WAIT_MS`] are told to send again.
     pub(crate) fn expire_relayed(&self, now: Instant) {
@@ -422,6 +456,7 @@ impl ClientCore {
     /// owner of its shard answers it).
     pub(crate) fn shut_down(&self) {
         self.shutting_down.store(true, Ordering::Release);
+        self.store.lock().take();
         let waiting: Vec<_> = self.pending.lock().drain().collect();
         for (_, waiter) in waiting {
             match waiter {
@@ -571,6 +606,16 @@ impl ClientCore {
                 }
             }
             (None, _) => {
+                if let Request::List {
+                    filter,
+                    page_size,
+                    after,
+                } = request
+                {
+                    // The index is shared: a process that runs no shard
+                    // (yet, or any more) reads it itself.
+                    return Ok(self.list_here(filter, page_size, after).await);
+                }
                 return Ok(Answer::Retry(format!(
                     "{shard} does not run in this engine process yet"
                 )));
@@ -1049,6 +1094,36 @@ impl Client {
             Answer::Resumed(r) => Ok(r),
             Answer::Refused(r) => Err(refused(r)),
             other => Err(unexpected(other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Goal: a process that runs no shard (it has just started, or gave
+    //! its shards away) still lists the runs of the store it shares,
+    //! instead of being told to ask again forever. Method: a client core
+    //! whose routes hold no local shard lists an empty shared store; it
+    //! must get a page (no runs), not a retry.
+
+    use super::*;
+    use keel_storage::{Durability, MemStore};
+
+    #[test]
+    fn a_process_without_shards_lists_the_shared_index() {
+        let store: Arc<dyn Store> = Arc::new(MemStore::shared_by_processes(Durability::Sync));
+        let routes = Arc::new(Routes::new(4, None));
+        let core = ClientCore::new(1, routes, store);
+        let request = Request::List {
+            filter: RunFilter::default(),
+            page_size: 10,
+            after: None,
+        };
+        match futures::executor::block_on(core.call_once(request)) {
+            Ok(Answer::Listed(page)) => {
+                assert!(page.runs.is_empty() && page.next.is_none());
+            }
+            other => panic!("a list without a local shard answered {other:?}"),
         }
     }
 }

@@ -9,7 +9,10 @@
 //! loses it. In between it carries notes: what this process's shards and
 //! clients send to shards of other processes goes to the store's relay in
 //! batches, and the notes for this process and its shards are taken and
-//! handed to their actors and clients.
+//! handed to their actors and clients: when the store's notice names one
+//! of its addresses (PostgreSQL's `LISTEN`/`NOTIFY`), and every
+//! [`RELAY_POLL_FALLBACK_MS`] in case a notice was lost (every
+//! [`RELAY_POLL_MS`] on a store without notices).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,14 +22,15 @@ use std::time::{Duration, Instant};
 use actix::{Actor, ArbiterHandle};
 use crossbeam_channel::Receiver;
 use keel_core::driver::{
-    leases_unheld, shards_to_release, shards_to_take, DriverConfig, Shard, ShardId, ShardInput,
+    leases_unheld, member_gone, shard_of, shards_to_release, shards_to_take, AttemptKey,
+    DriverConfig, Shard, ShardId, ShardInput,
 };
 use keel_core::WorkflowRegistry;
 use keel_storage::relay::RELAY_NOTE_AGE_MS_MAX;
-use keel_storage::{Fence, Note, RelayTo, ShardLease, SharedStore};
+use keel_storage::{Fence, LeaseEpoch, Note, RelayNotices, RelayTo, ShardLease, SharedStore};
 
-use crate::engine::{now, Host};
-use crate::routes::{Local, Wire};
+use crate::engine::{now, Host, ReportTo};
+use crate::routes::{Local, Report, Wire};
 use crate::shard::{Feed, Release, ShardActor};
 
 /// How often a process says it is alive and looks for shards to take or
@@ -34,9 +38,16 @@ use crate::shard::{Feed, Release, ShardActor};
 /// leases' end.
 pub const LOOK_MS: u64 = 500;
 
-/// How long the relay waits for notes to send before it looks for notes
-/// to take (the longest a note waits here when nothing else moves).
+/// How long the relay waits for notes to send (or, on a store that gives
+/// notices, for a notice) before it goes round again; on a store without
+/// notices, also how often it looks for notes to take.
 pub const RELAY_POLL_MS: u64 = 5;
+
+/// On a store that gives notices of notes left ([`SharedStore`]'s
+/// `relay_listen`), how often the relay is read without one: notices are
+/// lossy (a listening connection that broke), so a note whose notice was
+/// lost waits this long at most.
+pub(crate) const RELAY_POLL_FALLBACK_MS: u64 = 250;
 
 /// Most notes sent in one batch.
 pub const RELAY_SEND_NOTES_MAX: usize = 512;
@@ -81,6 +92,9 @@ pub(crate) struct Member {
     pub(crate) driver: DriverConfig,
     pub(crate) arbiters: Vec<ArbiterHandle>,
     pub(crate) outgoing: Receiver<(RelayTo, Wire)>,
+    /// The addresses of the attempts this process takes: one per activity
+    /// type it runs (none unless attempts go anywhere).
+    pub(crate) work: Vec<RelayTo>,
 }
 
 impl Member {
@@ -105,19 +119,35 @@ impl Member {
         let mut generation = 0u64;
         let mut last_look: Option<Instant> = None;
         let mut last_forget = Instant::now();
+        let mut notices = self.shared().relay_listen();
+        let mut last_take: Option<Instant> = None;
+        let mut take_now = true;
         loop {
             let stopping = stop.load(Ordering::Acquire);
-            self.send_queued(if stopping { 0 } else { RELAY_POLL_MS });
+            let wait_ms = if stopping { 0 } else { RELAY_POLL_MS };
+            take_now |= self.send_queued(wait_ms, &mut notices);
             if stopping {
                 return;
             }
-            self.take_notes();
+            let poll_ms = match notices {
+                Some(_) => RELAY_POLL_FALLBACK_MS,
+                None => RELAY_POLL_MS,
+            };
+            let poll_due =
+                last_take.is_none_or(|at| at.elapsed() >= Duration::from_millis(poll_ms));
+            if take_now || poll_due {
+                // A full batch may have left more behind.
+                take_now = self.take_notes();
+                last_take = Some(Instant::now());
+            }
             self.host.client.expire_relayed(Instant::now());
             let look_due =
                 last_look.is_none_or(|at| at.elapsed() >= Duration::from_millis(LOOK_MS));
             if look_due && !quiesce.load(Ordering::Acquire) {
                 self.look(&mut generation);
                 last_look = Some(Instant::now());
+                // Notes may wait for a shard just taken.
+                take_now = true;
             }
             if last_forget.elapsed() >= Duration::from_millis(RELAY_FORGET_EVERY_MS) {
                 last_forget = Instant::now();
@@ -138,20 +168,35 @@ impl Member {
             .expect("a member thread runs on a shared store only")
     }
 
-    /// Sends the notes queued (waiting up to `wait_ms` for a first one),
-    /// in batches.
-    fn send_queued(&self, wait_ms: u64) {
-        let mut batch: Vec<Note> = Vec::new();
-        let first = if wait_ms == 0 {
-            self.outgoing.try_recv().ok()
-        } else {
-            self.outgoing
+    /// Sends the notes queued (waiting up to `wait_ms` for a first one or
+    /// a notice), in batches; whether a notice named an address of this
+    /// process. Notices that stopped coming are given up (`None`): the
+    /// caller polls instead.
+    fn send_queued(&self, wait_ms: u64, notices: &mut Option<RelayNotices>) -> bool {
+        let mut heard = self.heard(notices);
+        let first = match notices.clone() {
+            _ if wait_ms == 0 || heard => self.outgoing.try_recv().ok(),
+            None => self
+                .outgoing
                 .recv_timeout(Duration::from_millis(wait_ms))
-                .ok()
+                .ok(),
+            Some(n) => crossbeam_channel::select! {
+                recv(self.outgoing) -> m => m.ok(),
+                recv(n) -> key => {
+                    match key {
+                        Ok(key) => heard |= self.is_mine(&key),
+                        Err(_) => *notices = None,
+                    }
+                    heard |= self.heard(notices);
+                    None
+                }
+                default(Duration::from_millis(wait_ms)) => None,
+            },
         };
         let Some(first) = first else {
-            return;
+            return heard;
         };
+        let mut batch: Vec<Note> = Vec::new();
         let mut next = Some(first);
         while let Some((to, wire)) = next.take() {
             match rmp_serde::to_vec(&wire) {
@@ -164,6 +209,49 @@ impl Member {
             next = self.outgoing.try_recv().ok();
         }
         self.send(&mut batch);
+        heard
+    }
+
+    /// Reads the notices that arrived: whether one named an address of
+    /// this process.
+    fn heard(&self, notices: &mut Option<RelayNotices>) -> bool {
+        let Some(n) = notices else {
+            return false;
+        };
+        let mut heard = false;
+        loop {
+            match n.try_recv() {
+                Ok(key) => heard |= self.is_mine(&key),
+                Err(crossbeam_channel::TryRecvError::Empty) => return heard,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    tracing::warn!("the store's notices of notes stopped; polling instead");
+                    *notices = None;
+                    return heard;
+                }
+            }
+        }
+    }
+
+    /// Whether the address `key` ([`RelayTo::key`]) is this process, a
+    /// shard it runs, or work while it has room for a copy.
+    fn is_mine(&self, key: &str) -> bool {
+        match RelayTo::parse(key) {
+            Some(RelayTo::Process(p)) => p == self.name,
+            Some(RelayTo::Shard(s)) => self.host.routes.local(ShardId(s)).is_some(),
+            Some(RelayTo::Work(t)) => {
+                self.host.activities.get(&t).is_some() && self.room_for_copies() > 0
+            }
+            None => false,
+        }
+    }
+
+    /// How many more copies of attempts this process may take.
+    fn room_for_copies(&self) -> usize {
+        if !self.host.attempts_anywhere {
+            return 0;
+        }
+        let running = self.host.copies.lock().len();
+        self.host.copies_max.saturating_sub(running)
     }
 
     fn send(&self, batch: &mut Vec<Note>) {
@@ -179,8 +267,8 @@ impl Member {
     }
 
     /// Takes the notes for this process and the shards it runs, and hands
-    /// them over.
-    fn take_notes(&self) {
+    /// them over; whether a full batch came (more may wait).
+    fn take_notes(&self) -> bool {
         let routes = &self.host.routes;
         let mut to: Vec<RelayTo> = vec![RelayTo::Process(self.name.clone())];
         to.extend(routes.all_local().iter().map(|(s, _)| RelayTo::Shard(s.0)));
@@ -189,12 +277,28 @@ impl Member {
             Err(e) => {
                 tracing::warn!(error = %e, "reading notes from other engine processes failed");
                 std::thread::sleep(Duration::from_millis(RELAY_POLL_MS * 20));
-                return;
+                return false;
             }
         };
+        let mut full = notes.len() >= RELAY_TAKE_NOTES_MAX;
         for note in notes {
             self.deliver(note);
         }
+        // Attempts of the activity types this process runs: as many as
+        // there is room for.
+        let room = self.room_for_copies().min(RELAY_TAKE_NOTES_MAX);
+        if room > 0 && !self.work.is_empty() {
+            match self.shared().relay_take(&self.work, room) {
+                Ok(work) => {
+                    full |= work.len() >= room;
+                    for note in work {
+                        self.deliver(note);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "taking attempts from the store failed"),
+            }
+        }
+        full
     }
 
     fn deliver(&self, note: Note) {
@@ -232,6 +336,26 @@ impl Member {
             (RelayTo::Process(_), Wire::Answer { id, answer }) => {
                 self.host.client.answer(id, answer)
             }
+            (RelayTo::Work(_), Wire::Attempt { shard, order }) => {
+                if routes.local(shard).is_none() {
+                    let taken = Report::Taken {
+                        key: order.key,
+                        epoch: order.epoch,
+                        by: self.name.clone(),
+                    };
+                    self.host.report_taken(shard, taken);
+                }
+                crate::attempts::run(&self.host, ReportTo::Shard(shard), order);
+            }
+            (RelayTo::Shard(s), Wire::Report(report)) => match routes.local(ShardId(s)) {
+                Some(addr) => self.host.reported(&addr, report),
+                // Its shard left this process: its next owner redelivers
+                // the attempt when the lease ends, so a result may wait.
+                None => {
+                    routes.relay(RelayTo::Shard(s), Wire::Report(report));
+                }
+            },
+            (RelayTo::Process(_), Wire::Stop { key, epoch }) => self.host.stop_copy(key, epoch),
             (to, wire) => {
                 tracing::warn!(%to, ?wire, "a note of the wrong kind for its address; dropped")
             }
@@ -255,6 +379,7 @@ impl Member {
                 return;
             }
         };
+        self.copies_of_the_gone(&members, now);
         // A shard whose actor stopped without saying so is not run here.
         for (shard, local) in routes.all_local() {
             if !local.addr.connected() {
@@ -291,6 +416,30 @@ impl Member {
                 }
                 Err(keel_storage::Error::ShardHeld { .. }) => {}
                 Err(e) => tracing::warn!(%shard, error = %e, "cannot take the shard"),
+            }
+        }
+    }
+
+    /// Copies of this process's attempts taken by processes that are gone:
+    /// their shards hear of it and deliver the attempts again now, not when
+    /// their leases end.
+    fn copies_of_the_gone(&self, members: &[keel_storage::Member], now: keel_storage::Timestamp) {
+        let lost: Vec<(AttemptKey, LeaseEpoch)> = {
+            let mut taken = self.host.taken.lock();
+            let lost: Vec<_> = taken
+                .iter()
+                .filter(|(_, by)| member_gone(members, by, now))
+                .map(|(copy, _)| *copy)
+                .collect();
+            for copy in &lost {
+                taken.remove(copy);
+            }
+            lost
+        };
+        for (key, epoch) in lost {
+            let shard = shard_of(key.run, self.driver.shards);
+            if let Some(addr) = self.host.routes.local(shard) {
+                addr.do_send(Feed(ShardInput::CopyLost { key, epoch }));
             }
         }
     }

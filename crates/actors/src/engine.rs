@@ -16,21 +16,21 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix::{Actor, Addr, Arbiter, ArbiterHandle};
 use keel_core::driver::{
-    AttemptKey, DriverConfig, Message, Shard, ShardId, ShardInput, LEASE_MS_DEFAULT,
+    AttemptKey, AttemptOrder, DriverConfig, Message, Shard, ShardId, ShardInput, LEASE_MS_DEFAULT,
     RUN_CACHE_MAX_DEFAULT, SHARD_LEASE_MS_DEFAULT, WORKER_CONCURRENCY_MAX,
 };
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
 use keel_storage::{
-    Durability, Failure, LeaseEpoch, MemStore, PgOptions, PgStore, RocksStore, Store, StoreHealth,
-    Timestamp,
+    Durability, Failure, LeaseEpoch, MemStore, PgOptions, PgStore, RelayTo, RocksStore, Store,
+    StoreHealth, Timestamp,
 };
 use parking_lot::Mutex;
 
 use crate::client::{Client, ClientCore, EngineError};
 use crate::cluster::{ClusterHandle, Member};
 use crate::readers::{ReadQueue, Readers};
-use crate::routes::{Local, RelayLink, Routes, Wire};
+use crate::routes::{Local, RelayLink, Report, Routes, Wire};
 use crate::shard::{Counts, Feed, ShardActor, Stop};
 
 /// How long a shutdown waits for activity code to reach an await point.
@@ -65,6 +65,13 @@ pub struct EngineConfig {
     /// lasts unless renewed (a dead process's shards are taken over within
     /// about this much of its last renewal).
     pub shard_lease_ms: u64,
+    /// On a store several engine processes share: an attempt goes to
+    /// whichever process takes it first from the store (each takes as
+    /// many as it has room for under `worker_concurrency_max`), instead
+    /// of running in the process that owns its shard. Its shard still
+    /// supervises it under its lease: a copy whose process died is
+    /// redelivered when the lease ends.
+    pub attempts_anywhere: bool,
 }
 
 impl Default for EngineConfig {
@@ -78,6 +85,7 @@ impl Default for EngineConfig {
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
             durability: Durability::Sync,
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
+            attempts_anywhere: true,
         }
     }
 }
@@ -234,7 +242,20 @@ pub(crate) struct Host {
     /// How long a shard lease lasts unless renewed (a shared store).
     pub(crate) shard_lease_ms: u64,
     pub(crate) copies: Mutex<HashMap<(AttemptKey, LeaseEpoch), CancelSignal>>,
+    /// Attempts go to whichever process takes them (a shared store with
+    /// [`EngineConfig::attempts_anywhere`]).
+    pub(crate) attempts_anywhere: bool,
+    /// Copies this process runs at most (its attempts, or taken).
+    pub(crate) copies_max: usize,
+    /// The processes that took copies of this process's shards' attempts
+    /// (a stop goes to them), at most [`TAKEN_COPIES_MAX`].
+    pub(crate) taken: Mutex<HashMap<(AttemptKey, LeaseEpoch), String>>,
 }
+
+/// Copies of attempts taken by other processes whose taker is remembered,
+/// at most: past it a stop reaches only copies run here (the others end
+/// with their lease, and their results are refused as stale).
+pub(crate) const TAKEN_COPIES_MAX: usize = 65_536;
 
 impl Host {
     /// Delivers a message to a shard (a hand-off between live actors: their
@@ -253,10 +274,108 @@ impl Host {
         }
     }
 
-    /// Asks the copy of an attempt with this lease epoch to stop.
+    /// Asks the copy of an attempt with this lease epoch to stop, here or
+    /// in the process that took it.
     pub(crate) fn stop_copy(&self, key: AttemptKey, epoch: LeaseEpoch) {
         if let Some(c) = self.copies.lock().get(&(key, epoch)) {
             c.raise();
+        }
+        if let Some(by) = self.taken.lock().remove(&(key, epoch)) {
+            self.routes
+                .relay(RelayTo::Process(by), Wire::Stop { key, epoch });
+        }
+    }
+
+    /// Runs an attempt of shard `shard` (whose actor is `actor`): here, or,
+    /// with attempts anywhere, through the relay for whichever process
+    /// takes it (here too, if the relay is full).
+    pub(crate) fn run_attempt(
+        host: &Arc<Host>,
+        shard: ShardId,
+        actor: Addr<ShardActor>,
+        order: AttemptOrder,
+    ) {
+        let order = if host.attempts_anywhere {
+            let to = RelayTo::Work(order.activity_type.clone());
+            match host.routes.try_relay(to, Wire::Attempt { shard, order }) {
+                Ok(()) => return,
+                // The relay is full: run it here if this process can, else
+                // its lease's end redelivers it.
+                Err(refused) => match *refused {
+                    Wire::Attempt { order, .. }
+                        if host.activities.get(&order.activity_type).is_some() =>
+                    {
+                        order
+                    }
+                    _ => return,
+                },
+            }
+        } else {
+            order
+        };
+        crate::attempts::run(host, ReportTo::Actor(actor), order);
+    }
+
+    /// Reports a copy's input to shard `shard`: to its actor when it runs
+    /// here, else through the relay to whichever process owns it.
+    pub(crate) fn report(&self, shard: ShardId, input: ShardInput) {
+        match self.routes.local(shard) {
+            Some(addr) => addr.do_send(Feed(input)),
+            None => {
+                if let Some(report) = Report::of(input) {
+                    self.routes
+                        .relay(RelayTo::Shard(shard.0), Wire::Report(report));
+                }
+            }
+        }
+    }
+
+    /// Tells shard `shard`, in another process, that this process took a
+    /// copy of its attempt.
+    pub(crate) fn report_taken(&self, shard: ShardId, taken: Report) {
+        self.routes
+            .relay(RelayTo::Shard(shard.0), Wire::Report(taken));
+    }
+
+    /// A report from a copy another process runs: remembered (a taker)
+    /// or forgotten (a result), and passed on to the shard's actor.
+    pub(crate) fn reported(&self, actor: &Addr<ShardActor>, report: Report) {
+        let copy = report.copy();
+        match report {
+            Report::Taken { by, .. } => {
+                let mut taken = self.taken.lock();
+                if taken.len() < TAKEN_COPIES_MAX {
+                    taken.insert(copy, by);
+                } else {
+                    tracing::warn!(limit = TAKEN_COPIES_MAX, "too many copies taken by other processes to remember; a stop reaches only this process's");
+                }
+            }
+            other => {
+                if !matches!(other, Report::Heartbeat { .. }) {
+                    self.taken.lock().remove(&copy);
+                }
+                if let Some(input) = other.into_input() {
+                    actor.do_send(Feed(input));
+                }
+            }
+        }
+    }
+}
+
+/// Where a copy of an attempt reports: the actor of its shard (it runs in
+/// the shard's process), or the shard wherever it runs (taken from the
+/// relay).
+#[derive(Clone)]
+pub(crate) enum ReportTo {
+    Actor(Addr<ShardActor>),
+    Shard(ShardId),
+}
+
+impl ReportTo {
+    pub(crate) fn send(&self, host: &Host, input: ShardInput) {
+        match self {
+            ReportTo::Actor(addr) => addr.do_send(Feed(input)),
+            ReportTo::Shard(shard) => host.report(*shard, input),
         }
     }
 }
@@ -316,6 +435,12 @@ impl Engine {
         config: EngineConfig,
         profiles: BTreeMap<String, Arc<CompiledPipeline<Failure>>>,
     ) -> Result<Self, EngineError> {
+        let shards = config.shards.clamp(1, usize::from(u16::MAX));
+        // Processes sharing a store must spread runs over the same shards,
+        // or two of them would own one run.
+        if let Some(shared) = store.shared() {
+            shared.agree_shard_count(shards as u16)?;
+        }
         let activity_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.activity_threads.max(1))
             .thread_name("keel-activity")
@@ -330,7 +455,6 @@ impl Engine {
         // Lease epochs only grow, across restarts too: start from the clock.
         let epoch_base = clock.as_micros() as u64;
         let seed = clock.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32);
-        let shards = config.shards.clamp(1, usize::from(u16::MAX));
         // On a store several engine processes share, this process runs the
         // shards it holds leases for, and reaches the others through the
         // store's relay.
@@ -347,7 +471,7 @@ impl Engine {
             (None, None)
         };
         let routes = Arc::new(Routes::new(shards as u16, relay));
-        let client = Arc::new(ClientCore::new(seed, routes.clone()));
+        let client = Arc::new(ClientCore::new(seed, routes.clone(), store.clone()));
         let host = Arc::new(Host {
             store,
             activities,
@@ -358,6 +482,9 @@ impl Engine {
             client: client.clone(),
             shard_lease_ms: config.shard_lease_ms,
             copies: Mutex::new(HashMap::new()),
+            attempts_anywhere: shared && config.attempts_anywhere,
+            copies_max: config.worker_concurrency_max.max(1),
+            taken: Mutex::new(HashMap::new()),
         });
         let driver = DriverConfig {
             shards: shards as u16,
@@ -416,6 +543,14 @@ impl Engine {
                     driver,
                     arbiters,
                     outgoing,
+                    work: if host.attempts_anywhere {
+                        host.activities
+                            .names()
+                            .map(|t| RelayTo::Work(t.to_string()))
+                            .collect()
+                    } else {
+                        Vec::new()
+                    },
                 }
                 .spawn()
                 .map_err(keel_storage::Error::from)?,

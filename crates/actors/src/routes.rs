@@ -5,8 +5,10 @@
 
 use actix::Addr;
 use crossbeam_channel::{Sender, TrySendError};
-use keel_core::driver::{Answer, Message, Request, RequestId, ShardId};
-use keel_storage::{Fence, RelayTo};
+use keel_core::driver::{
+    Answer, AttemptKey, AttemptOrder, Message, Request, RequestId, ShardId, ShardInput,
+};
+use keel_storage::{AttemptNo, Failure, Fence, LeaseEpoch, Payload, RelayTo};
 use parking_lot::RwLock;
 
 use crate::shard::ShardActor;
@@ -37,6 +39,127 @@ pub(crate) enum Wire {
         /// The answer.
         answer: Answer,
     },
+    /// An attempt for whichever process takes it ([`RelayTo::Work`]).
+    Attempt {
+        /// The shard that supervises it.
+        shard: ShardId,
+        /// The attempt.
+        order: AttemptOrder,
+    },
+    /// What a copy of an attempt running in another process reports to
+    /// the shard that supervises it.
+    Report(Report),
+    /// Stop the copy of an attempt this process took.
+    Stop {
+        /// The execution.
+        key: AttemptKey,
+        /// The copy's epoch.
+        epoch: LeaseEpoch,
+    },
+}
+
+/// A copy's report, as it travels between processes.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Report {
+    /// Process `by` took the copy (so that a stop finds it).
+    Taken {
+        key: AttemptKey,
+        epoch: LeaseEpoch,
+        by: String,
+    },
+    /// See [`ShardInput::AttemptFinished`].
+    Finished {
+        key: AttemptKey,
+        attempt: AttemptNo,
+        epoch: LeaseEpoch,
+        result: Result<Payload, Failure>,
+    },
+    /// See [`ShardInput::Heartbeat`].
+    Heartbeat {
+        key: AttemptKey,
+        epoch: LeaseEpoch,
+        details: Option<Payload>,
+    },
+    /// See [`ShardInput::AttemptRefused`].
+    Refused {
+        key: AttemptKey,
+        epoch: LeaseEpoch,
+        policy: String,
+    },
+}
+
+impl Report {
+    /// The report of a copy's input to its shard; `None` for inputs that
+    /// are not a copy's.
+    pub(crate) fn of(input: ShardInput) -> Option<Report> {
+        Some(match input {
+            ShardInput::AttemptFinished {
+                key,
+                attempt,
+                epoch,
+                result,
+            } => Report::Finished {
+                key,
+                attempt,
+                epoch,
+                result,
+            },
+            ShardInput::Heartbeat {
+                key,
+                epoch,
+                details,
+            } => Report::Heartbeat {
+                key,
+                epoch,
+                details,
+            },
+            ShardInput::AttemptRefused { key, epoch, policy } => {
+                Report::Refused { key, epoch, policy }
+            }
+            _ => return None,
+        })
+    }
+
+    /// The execution and copy it is about.
+    pub(crate) fn copy(&self) -> (AttemptKey, LeaseEpoch) {
+        match self {
+            Report::Taken { key, epoch, .. }
+            | Report::Finished { key, epoch, .. }
+            | Report::Heartbeat { key, epoch, .. }
+            | Report::Refused { key, epoch, .. } => (*key, *epoch),
+        }
+    }
+
+    /// The input for the shard; `None` for [`Report::Taken`], which only
+    /// the host keeps.
+    pub(crate) fn into_input(self) -> Option<ShardInput> {
+        Some(match self {
+            Report::Taken { .. } => return None,
+            Report::Finished {
+                key,
+                attempt,
+                epoch,
+                result,
+            } => ShardInput::AttemptFinished {
+                key,
+                attempt,
+                epoch,
+                result,
+            },
+            Report::Heartbeat {
+                key,
+                epoch,
+                details,
+            } => ShardInput::Heartbeat {
+                key,
+                epoch,
+                details,
+            },
+            Report::Refused { key, epoch, policy } => {
+                ShardInput::AttemptRefused { key, epoch, policy }
+            }
+        })
+    }
 }
 
 /// A shard running in this process: its actor, the lease it runs under
@@ -124,19 +247,24 @@ impl Routes {
     /// Queues a note for another process; `false` when there is no relay
     /// (one process alone on its store) or its queue is full.
     pub(crate) fn relay(&self, to: RelayTo, wire: Wire) -> bool {
+        self.try_relay(to, wire).is_ok()
+    }
+
+    /// [`Routes::relay`], handing back a note it could not queue.
+    pub(crate) fn try_relay(&self, to: RelayTo, wire: Wire) -> Result<(), Box<Wire>> {
         let Some(link) = &self.relay else {
-            return false;
+            return Err(Box::new(wire));
         };
         match link.tx.try_send((to, wire)) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_)) => {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full((_, wire))) => {
                 tracing::warn!(
                     limit = RELAY_QUEUE_MAX,
                     "the relay's queue is full; a note is dropped and will be sent again"
                 );
-                false
+                Err(Box::new(wire))
             }
-            Err(TrySendError::Disconnected(_)) => false,
+            Err(TrySendError::Disconnected((_, wire))) => Err(Box::new(wire)),
         }
     }
 }

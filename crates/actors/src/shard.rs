@@ -116,7 +116,7 @@ impl ShardActor {
                 }));
             }
             Action::RunAttempt { order, .. } => {
-                crate::attempts::run(&self.host, ctx.address(), order);
+                Host::run_attempt(&self.host, self.driver.id(), ctx.address(), order);
             }
             Action::StopAttempt { key, epoch } => self.host.stop_copy(key, epoch),
             Action::RunFallback {

@@ -69,6 +69,9 @@ pub enum RecordKind {
     ShardLease = 12,
     /// A member of a shared store (see [`crate::lease::Member`]).
     Member = 13,
+    /// The shard count the processes of a shared store agreed on (see
+    /// [`crate::lease::decide_shard_count`]).
+    ShardCount = 14,
 }
 
 impl RecordKind {
@@ -87,6 +90,7 @@ impl RecordKind {
             11 => RecordKind::Child,
             12 => RecordKind::ShardLease,
             13 => RecordKind::Member,
+            14 => RecordKind::ShardCount,
             _ => return None,
         })
     }

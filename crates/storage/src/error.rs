@@ -251,6 +251,15 @@ pub enum Error {
         /// The database and schema.
         target: String,
     },
+    /// This process counts a different number of shards than the store's
+    /// other processes agreed on (see [`crate::lease::decide_shard_count`]).
+    #[error("the store's engine processes spread runs over {recorded} shards; this one is configured with {configured}: give every process the same shard count")]
+    ShardCountDiffers {
+        /// The count recorded by the first process.
+        recorded: u16,
+        /// This process's count.
+        configured: u16,
+    },
     /// A shard's lease is held by a live owner; it can be taken once it
     /// expires.
     #[error("shard {shard} is held by {owner} until {expires_at}")]

@@ -137,6 +137,47 @@ pub trait ShardLeases: Send + Sync {
 
     /// Every shard lease recorded, in shard order.
     fn shard_leases(&self) -> Result<Vec<ShardLease>>;
+
+    /// Records `shards` as the number of shards runs are spread over when
+    /// no process has yet, and refuses any other count afterwards
+    /// ([`decide_shard_count`]).
+    fn agree_shard_count(&self, shards: u16) -> Result<()>;
+}
+
+/// Whether a process configured with `configured` shards may share a store
+/// whose recorded count is `recorded`: `Ok(true)` when it records its own
+/// (the first process), `Ok(false)` when they agree, and
+/// [`Error::ShardCountDiffers`] otherwise. A run belongs to shard
+/// `hash(run) mod count`, so two processes counting differently would
+/// both believe they own some runs, each under a lease the other never
+/// checks.
+pub fn decide_shard_count(recorded: Option<u16>, configured: u16) -> Result<bool> {
+    assert!(configured > 0, "a store has at least one shard");
+    match recorded {
+        None => Ok(true),
+        Some(r) if r == configured => Ok(false),
+        Some(r) => Err(Error::ShardCountDiffers {
+            recorded: r,
+            configured,
+        }),
+    }
+}
+
+/// The shard count recorded in `kv`, if any.
+pub fn read_shard_count(kv: &dyn KvRead) -> Result<Option<u16>> {
+    kv.get(Cf::Meta, keys::SHARD_COUNT_KEY)?
+        .map(|bytes| decode_shard_count(&bytes))
+        .transpose()
+}
+
+/// The encoded record of a shard count.
+pub fn encode_shard_count(shards: u16) -> Result<Vec<u8>> {
+    codec::encode(RecordKind::ShardCount, &shards).map_err(meta_corrupt)
+}
+
+/// A shard count from its record.
+pub fn decode_shard_count(bytes: &[u8]) -> Result<u16> {
+    codec::decode(RecordKind::ShardCount, bytes).map_err(meta_corrupt)
 }
 
 /// Reads shard `shard`'s lease.

@@ -253,6 +253,19 @@ impl ShardLeases for MemStore {
     fn shard_leases(&self) -> Result<Vec<ShardLease>> {
         lease::read_all(&self.inner.lock().live)
     }
+
+    fn agree_shard_count(&self, shards: u16) -> Result<()> {
+        let mut inner = self.inner.lock();
+        if let Some(e) = inner.health.error() {
+            return Err(e);
+        }
+        let recorded = lease::read_shard_count(&inner.live)?;
+        if lease::decide_shard_count(recorded, shards)? {
+            let bytes = lease::encode_shard_count(shards)?;
+            inner.put_meta_durable(keys::SHARD_COUNT_KEY.to_vec(), Some(bytes));
+        }
+        Ok(())
+    }
 }
 
 impl KvRead for MemStore {
@@ -282,6 +295,10 @@ impl Relay for MemStore {
 
     fn relay_forget(&self, before: Timestamp) -> Result<u64> {
         self.relay.relay_forget(before)
+    }
+
+    fn relay_listen(&self) -> Option<crate::relay::RelayNotices> {
+        self.relay.relay_listen()
     }
 }
 

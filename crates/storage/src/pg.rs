@@ -74,7 +74,7 @@ use crate::ids::Timestamp;
 use crate::keys::{prefix_end, Cf};
 use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
 use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
-use crate::relay::{self, Note, Relay, RelayTo};
+use crate::relay::{self, Note, Relay, RelayNotices, RelayTo};
 use crate::store::{CommitHandle, Durability, Store};
 use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
 
@@ -119,6 +119,17 @@ const SHARDED_OWNER: &str = "<sharded>";
 
 /// Longest PostgreSQL schema name keel accepts.
 pub const PG_SCHEMA_NAME_BYTES_MAX: usize = 48;
+
+/// How long a relay listener whose connection failed waits before it
+/// connects again (its process polls meanwhile).
+pub const PG_LISTEN_RETRY_MS: u64 = 1_000;
+
+/// The `NOTIFY` channel of a schema's relay (a schema name is at most
+/// [`PG_SCHEMA_NAME_BYTES_MAX`] lowercase letters, digits and `_`, so this
+/// is a valid identifier under PostgreSQL's 63 bytes).
+fn relay_channel(schema: &str) -> String {
+    format!("keel_relay_{schema}")
+}
 
 /// How a [`PgStore`] is opened.
 #[derive(Clone, Debug)]
@@ -238,6 +249,8 @@ struct Sql {
     lease_all: String,
     member_put: String,
     member_purge: String,
+    shard_count_put: String,
+    shard_count_get: String,
     member_all: String,
     relay_put: String,
     relay_take: String,
@@ -303,12 +316,20 @@ impl Sql {
                  on conflict (owner) do update set expires_at_ms = excluded.expires_at_ms"
             ),
             member_purge: format!("delete from \"{schema}\".member where expires_at_ms < $1"),
+            shard_count_put: format!(
+                "insert into {} (k, v) values ($1, $2) on conflict do nothing",
+                table(schema, Cf::Meta)
+            ),
+            shard_count_get: format!("select v from {} where k = $1", table(schema, Cf::Meta)),
             member_all: format!(
                 "select owner, expires_at_ms from \"{schema}\".member order by owner collate \"C\""
             ),
+            // The notes, and one notice per address once they commit.
             relay_put: format!(
-                "insert into \"{schema}\".relay (dest, at_ms, body) \
-                 select * from unnest($1::text[], $2::int8[], $3::bytea[])"
+                "with put as (insert into \"{schema}\".relay (dest, at_ms, body) \
+                 select * from unnest($1::text[], $2::int8[], $3::bytea[]) returning dest) \
+                 select pg_notify('{channel}', d.dest) from (select distinct dest from put) d",
+                channel = relay_channel(schema)
             ),
             relay_take: format!(
                 "delete from \"{schema}\".relay where id in (select id from \"{schema}\".relay \
@@ -1597,6 +1618,23 @@ impl ShardLeases for PgStore {
                 .collect())
         })
     }
+
+    /// The first process's count is inserted if no row is there; whatever
+    /// row is there afterwards is the count every process must have.
+    fn agree_shard_count(&self, shards: u16) -> Result<()> {
+        let shared = &self.shared;
+        let key = crate::keys::SHARD_COUNT_KEY;
+        let mine = lease::encode_shard_count(shards)?;
+        let recorded = self.with_conn(|conn| {
+            conn.query(shared, &shared.sql.shard_count_put, &[&key, &mine])?;
+            let rows = conn.query(shared, &shared.sql.shard_count_get, &[&key])?;
+            Ok(rows.first().map(|r| r.get::<_, Vec<u8>>(0)))
+        })?;
+        let recorded = recorded
+            .map(|bytes| lease::decode_shard_count(&bytes))
+            .transpose()?;
+        lease::decide_shard_count(recorded, shards).map(|_| ())
+    }
 }
 
 /// Notes as rows of `relay`: taken with `for update skip locked`, so two
@@ -1643,6 +1681,68 @@ impl Relay for PgStore {
             block(conn.client.execute(&st, &[&before])).map_err(|e| shared.error(&e))
         })
     }
+
+    /// A connection of its own `LISTEN`s on the relay's channel and passes
+    /// each notice on; when it fails it connects again after
+    /// [`PG_LISTEN_RETRY_MS`], and it ends once the notices' reader is gone.
+    fn relay_listen(&self) -> Option<RelayNotices> {
+        let runtime = self.shared.runtime.as_ref()?;
+        let (tx, rx) = crossbeam_channel::bounded(relay::RELAY_NOTICES_QUEUED_MAX);
+        let config = self.shared.config.clone();
+        let channel = relay_channel(&self.shared.schema);
+        runtime.spawn(async move {
+            loop {
+                match listen(&config, &channel, &tx).await {
+                    Ok(Listening::ReaderGone) => return,
+                    Ok(Listening::Closed) => debug!("the relay's listening connection closed"),
+                    Err(e) => {
+                        debug!(error = %describe(&e), "the relay's listening connection failed")
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(PG_LISTEN_RETRY_MS)).await;
+            }
+        });
+        Some(rx)
+    }
+}
+
+/// How one listening connection ended.
+enum Listening {
+    /// Nobody reads the notices any more.
+    ReaderGone,
+    /// The server closed the connection.
+    Closed,
+}
+
+/// Listens on `channel` over a new connection until it ends, passing the
+/// payload of every notification (a note's address) to `to`.
+async fn listen(
+    config: &tokio_postgres::Config,
+    channel: &str,
+    to: &crossbeam_channel::Sender<String>,
+) -> std::result::Result<Listening, tokio_postgres::Error> {
+    use futures::StreamExt;
+    let (client, mut connection) = config.connect(NoTls).await?;
+    let to = to.clone();
+    // The connection must be polled for the `listen` below to be answered,
+    // and for the notifications after it.
+    let messages = tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(message) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = message? {
+                if !relay::notify(&to, n.payload().to_string()) {
+                    return Ok(Listening::ReaderGone);
+                }
+            }
+        }
+        Ok::<_, tokio_postgres::Error>(Listening::Closed)
+    });
+    client
+        .batch_execute(&format!("listen \"{channel}\""))
+        .await?;
+    let ended = messages.await.unwrap_or(Ok(Listening::Closed));
+    drop(client);
+    ended
 }
 
 /// A `shard_lease` row (shard, owner, epoch, expires_at_ms) as a lease;

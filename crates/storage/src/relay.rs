@@ -10,10 +10,17 @@
 //! they deliver at least once, and the driver's deduplication by durable
 //! id makes that exactly one commit. Notes nobody takes (a process that
 //! died) are forgotten after [`RELAY_NOTE_AGE_MS_MAX`].
+//!
+//! A store that can tell a process at once that notes were left for an
+//! address (PostgreSQL's `NOTIFY`) offers a [`RelayNotices`] stream from
+//! [`Relay::relay_listen`]; the process takes notes when a notice names
+//! one of its addresses, and still looks now and then without one, since
+//! notices are lossy (a connection that broke, a full queue).
 
 use std::collections::VecDeque;
 use std::fmt;
 
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
@@ -32,6 +39,21 @@ pub const RELAY_NOTE_AGE_MS_MAX: u64 = 10 * 60 * 1_000;
 /// what its disk holds, forgotten after [`RELAY_NOTE_AGE_MS_MAX`]).
 pub const MEM_RELAY_NOTES_MAX: usize = 65_536;
 
+/// Most notices queued for a listener that has not read them: further
+/// ones are dropped (the listener's own polling finds their notes).
+pub const RELAY_NOTICES_QUEUED_MAX: usize = 4_096;
+
+/// Notices of notes left: each is the address ([`RelayTo::key`]) of a note
+/// some process left since the listener started. Lossy, never false: a
+/// notice always follows a note, but a note may come without one.
+pub type RelayNotices = Receiver<String>;
+
+/// The sending half of a listener's notices: a full queue drops the
+/// notice (returns `false` only when the listener is gone).
+pub fn notify(to: &Sender<String>, key: String) -> bool {
+    !matches!(to.try_send(key), Err(TrySendError::Disconnected(_)))
+}
+
 /// Who a note is for.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RelayTo {
@@ -39,6 +61,9 @@ pub enum RelayTo {
     Shard(u16),
     /// One engine process, by its member name.
     Process(String),
+    /// Whichever process that runs this activity type takes it first (an
+    /// attempt any such process may run).
+    Work(String),
 }
 
 impl RelayTo {
@@ -47,6 +72,7 @@ impl RelayTo {
         match self {
             RelayTo::Shard(s) => format!("s/{s}"),
             RelayTo::Process(p) => format!("p/{p}"),
+            RelayTo::Work(activity_type) => format!("w/{activity_type}"),
         }
     }
 
@@ -55,6 +81,7 @@ impl RelayTo {
         match key.split_once('/')? {
             ("s", s) => s.parse().ok().map(RelayTo::Shard),
             ("p", p) if !p.is_empty() => Some(RelayTo::Process(p.to_string())),
+            ("w", t) if !t.is_empty() => Some(RelayTo::Work(t.to_string())),
             _ => None,
         }
     }
@@ -65,6 +92,7 @@ impl fmt::Display for RelayTo {
         match self {
             RelayTo::Shard(s) => write!(f, "shard {s}"),
             RelayTo::Process(p) => write!(f, "process {p}"),
+            RelayTo::Work(t) => write!(f, "any process running {t}"),
         }
     }
 }
@@ -89,6 +117,12 @@ pub trait Relay: Send + Sync {
 
     /// Forgets notes left before `before`; returns how many.
     fn relay_forget(&self, before: Timestamp) -> Result<u64>;
+
+    /// Notices of the notes left from now on, if this store gives them;
+    /// `None` when the caller must poll.
+    fn relay_listen(&self) -> Option<RelayNotices> {
+        None
+    }
 }
 
 /// What a store shared by several engine processes offers them: shard
@@ -113,6 +147,7 @@ pub fn check_note(note: &Note) -> Result<()> {
 #[derive(Debug, Default)]
 pub struct MemRelay {
     notes: Mutex<VecDeque<(Timestamp, Note)>>,
+    listeners: Mutex<Vec<Sender<String>>>,
 }
 
 impl Relay for MemRelay {
@@ -125,6 +160,10 @@ impl Relay for MemRelay {
             });
         }
         q.extend(notes.iter().map(|n| (now, n.clone())));
+        drop(q);
+        self.listeners
+            .lock()
+            .retain(|l| notes.iter().all(|n| notify(l, n.to.key())));
         Ok(())
     }
 
@@ -149,6 +188,12 @@ impl Relay for MemRelay {
         q.retain(|(at, _)| *at >= before);
         Ok((n - q.len()) as u64)
     }
+
+    fn relay_listen(&self) -> Option<RelayNotices> {
+        let (tx, rx) = crossbeam_channel::bounded(RELAY_NOTICES_QUEUED_MAX);
+        self.listeners.lock().push(tx);
+        Some(rx)
+    }
 }
 
 #[cfg(test)]
@@ -159,8 +204,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_listener_hears_of_the_notes_left_after_it_started() {
+        // Goal: notices name the address of every note left while a
+        // listener listens, and a listener that went away is forgotten.
+        let relay = MemRelay::default();
+        let note = |to: RelayTo| Note { to, body: vec![0] };
+        relay
+            .relay_send(&[note(RelayTo::Shard(1))], Timestamp(1))
+            .unwrap();
+        let notices = relay.relay_listen().unwrap();
+        relay
+            .relay_send(
+                &[note(RelayTo::Shard(2)), note(RelayTo::Process("a".into()))],
+                Timestamp(2),
+            )
+            .unwrap();
+        assert_eq!(notices.try_iter().collect::<Vec<_>>(), ["s/2", "p/a"]);
+        drop(notices);
+        relay
+            .relay_send(&[note(RelayTo::Shard(3))], Timestamp(3))
+            .unwrap();
+        assert!(relay.listeners.lock().is_empty());
+    }
+
+    #[test]
     fn addresses_round_trip_and_notes_go_once_to_their_addressee() {
-        for to in [RelayTo::Shard(7), RelayTo::Process("h:1:ab".into())] {
+        for to in [
+            RelayTo::Shard(7),
+            RelayTo::Process("h:1:ab".into()),
+            RelayTo::Work("billing/charge".into()),
+        ] {
             assert_eq!(RelayTo::parse(&to.key()), Some(to));
         }
         assert_eq!(RelayTo::parse("x/1"), None);

@@ -16,7 +16,9 @@
 // changes the version row and kills the store's connections with
 // `pg_terminate_backend`, from a thread that keeps killing while commits
 // run. Opened sharded (several processes at once), the store fences every
-// commit by its shard's lease, per shard.
+// commit by its shard's lease, per shard, relays notes between processes
+// with a notice to the addressee, and binds every process to the first
+// one's shard count.
 
 mod common;
 
@@ -25,8 +27,8 @@ use std::sync::Arc;
 
 use common::*;
 use keel_storage::{
-    CommitBatch, DatabaseFault, Error, Fence, PgOptions, PgStore, Seq, ShardLease, ShardLeases,
-    Store, Timestamp, SCHEMA_VERSION,
+    CommitBatch, DatabaseFault, Error, Fence, Note, PgOptions, PgStore, Relay, RelayTo, Seq,
+    ShardLease, ShardLeases, Store, Timestamp, SCHEMA_VERSION,
 };
 
 /// Runs one SQL statement on the test server (its own runtime: the store's
@@ -555,4 +557,76 @@ fn a_takeover_fences_every_later_commit_of_the_old_owner() {
         );
     }
     assert!(stores[0].verify().unwrap().ok);
+}
+
+#[test]
+fn processes_relay_notes_with_notices_and_agree_on_the_shard_count() {
+    // Goal: on a shared database, a note left by one process is taken once,
+    // by the process it is for, which hears of it through a notice
+    // (LISTEN/NOTIFY) without polling; and the first process's shard count
+    // binds the others. Method: two stores on one fresh schema as two
+    // processes; p2 listens, p1 leaves notes for p2 and for a shard; p2
+    // waits on its notices (bounded), then takes what they name. Then p1
+    // records 8 shards, p2 agrees with 8 and is refused with 6.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let p1 = PgStore::open(scratch.0.clone().sharded()).expect("p1");
+    let p2 = PgStore::open(scratch.0.clone().sharded()).expect("p2");
+    let notices = p2.relay_listen().expect("PostgreSQL gives notices");
+    // The listening connection is set up on the store's runtime: notes
+    // left before it listens are not announced, so wait for one to be.
+    let me = RelayTo::Process("p2".into());
+    let note = |to: &RelayTo, b: u8| Note {
+        to: to.clone(),
+        body: vec![b],
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let heard = loop {
+        p1.relay_send(&[note(&me, 0)], Timestamp(1)).expect("send");
+        match notices.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(key) => break key,
+            Err(_) => assert!(std::time::Instant::now() < deadline, "no notice came"),
+        }
+    };
+    assert_eq!(heard, me.key());
+    while notices.try_recv().is_ok() {}
+    p2.relay_take(std::slice::from_ref(&me), 100)
+        .expect("drain");
+
+    p1.relay_send(&[note(&me, 1), note(&RelayTo::Shard(3), 2)], Timestamp(2))
+        .expect("send");
+    // (A late notice of the first loop may come first: wait for both.)
+    let mut keys = std::collections::BTreeSet::new();
+    while keys.len() < 2 {
+        let key = notices
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("a notice per address");
+        assert!(key == me.key() || key == RelayTo::Shard(3).key(), "{key}");
+        keys.insert(key);
+    }
+    let mine = p2.relay_take(std::slice::from_ref(&me), 100).expect("take");
+    assert_eq!(mine, [note(&me, 1)]);
+    assert!(p1
+        .relay_take(std::slice::from_ref(&me), 100)
+        .expect("again")
+        .is_empty());
+    assert_eq!(
+        p1.relay_take(&[RelayTo::Shard(3)], 100).expect("shard"),
+        [note(&RelayTo::Shard(3), 2)]
+    );
+
+    p1.agree_shard_count(8)
+        .expect("the first count is recorded");
+    p2.agree_shard_count(8).expect("the same count agrees");
+    let err = p2.agree_shard_count(6).expect_err("another count");
+    assert!(
+        matches!(
+            err,
+            Error::ShardCountDiffers {
+                recorded: 8,
+                configured: 6
+            }
+        ),
+        "{err}"
+    );
 }

@@ -515,6 +515,26 @@ impl Shard {
         self.fill();
     }
 
+    /// The process running copy `epoch` is gone: what its lease's end
+    /// would do, now (deliver again, or fail past the limits).
+    pub(super) fn copy_lost(&mut self, key: AttemptKey, epoch: LeaseEpoch) {
+        let now = self.now;
+        let Some(a) = self.attempts.map.get_mut(&key) else {
+            return;
+        };
+        if let State::Running {
+            epoch: current,
+            ref mut expires_at,
+            ..
+        } = a.state
+        {
+            if current == epoch && *expires_at > now {
+                *expires_at = now;
+            }
+        }
+        self.lease_check(key, epoch);
+    }
+
     pub(super) fn attempt_refused(&mut self, key: AttemptKey, epoch: LeaseEpoch, policy: String) {
         let now = self.now;
         let Some(a) = self.attempts.map.get(&key) else {

@@ -56,7 +56,7 @@ use crate::workflow::WorkflowRegistry;
 pub use attempts::{FAILURE_MESSAGE_BYTES_MAX, PROFILE_DEADLINE_MS_DEFAULT};
 pub use describe::{AttemptView, ChildView, MachineView, RunDescription};
 pub use ownership::{
-    leases_unheld, shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT,
+    leases_unheld, member_gone, shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT,
     SHARD_LEASE_RENEW_PERCENT, SHARD_LEASE_RETRY_MS,
 };
 pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX};
@@ -133,6 +133,18 @@ impl std::fmt::Display for ShardId {
     }
 }
 
+/// The answer to a list from the store's read of the index: the same
+/// whether a shard read it or a process that runs no shard (the index is
+/// shared, so any process may read it).
+pub fn list_answer(result: Result<ReadResult, StoreError>) -> Answer {
+    match result {
+        Ok(ReadResult::Listed(page)) => Answer::Listed(page),
+        Ok(ReadResult::ListRefused(why)) => Answer::Refused(Refusal::BadFilter(why)),
+        Ok(other) => unreachable!("a list read answers a list: {other:?}"),
+        Err(e) => Answer::Retry(format!("index unreadable: {e}")),
+    }
+}
+
 /// The shard a run belongs to, out of `shards`.
 pub fn shard_of(run: RunId, shards: u16) -> ShardId {
     ShardId((shard_hash(run) % u64::from(shards.max(1))) as u16)
@@ -202,7 +214,9 @@ pub struct RequestId(pub u64);
 pub struct Token(pub u64);
 
 /// One activity execution as its shard supervises it: (run, step).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, serde::Serialize, serde::Deserialize,
+)]
 pub struct AttemptKey {
     /// The run.
     pub run: RunId,
@@ -673,6 +687,14 @@ pub enum ShardInput {
         /// The policy that refused it.
         policy: String,
     },
+    /// The engine process that took the copy is gone (its member record
+    /// ended; see [`member_gone`]): its lease counts as ended now.
+    CopyLost {
+        /// The execution.
+        key: AttemptKey,
+        /// The copy's lease epoch.
+        epoch: LeaseEpoch,
+    },
     /// The store's health changed (the host reports what it observes; see
     /// `keel_storage::health`). The driver learns it only from here, never
     /// from a failed commit: an answer that arrives late must not flip a
@@ -696,8 +718,9 @@ pub enum ShardInput {
     },
 }
 
-/// One attempt for a host to run, under a lease.
-#[derive(Clone, Debug, PartialEq)]
+/// One attempt for a host to run, under a lease (it may travel to another
+/// engine process that takes it: see `keel_actors`' shared attempts).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AttemptOrder {
     /// The execution.
     pub key: AttemptKey,
@@ -1153,6 +1176,7 @@ impl Shard {
             ShardInput::AttemptRefused { key, epoch, policy } => {
                 self.attempt_refused(key, epoch, policy)
             }
+            ShardInput::CopyLost { key, epoch } => self.copy_lost(key, epoch),
             ShardInput::FallbackDone {
                 key,
                 attempt,
@@ -1403,15 +1427,7 @@ impl Shard {
             ReadFor::ClosedInput { run, input, origin } => {
                 self.closed_input_read(run, input, origin, result)
             }
-            ReadFor::List(reply) => {
-                let answer = match result {
-                    Ok(ReadResult::Listed(page)) => Answer::Listed(page),
-                    Ok(ReadResult::ListRefused(why)) => Answer::Refused(Refusal::BadFilter(why)),
-                    Ok(other) => unreachable!("a list read answers a list: {other:?}"),
-                    Err(e) => Answer::Retry(format!("index unreadable: {e}")),
-                };
-                self.reply(reply, answer, None);
-            }
+            ReadFor::List(reply) => self.reply(reply, list_answer(result), None),
             ReadFor::QueryClosed {
                 run,
                 name,

@@ -27,6 +27,15 @@ pub const SHARD_LEASE_RENEW_PERCENT: u64 = 60;
 /// another reason than a fence (the store out of reach).
 pub const SHARD_LEASE_RETRY_MS: u64 = 200;
 
+/// Whether the process `owner` is gone at `now`: no live member record
+/// says it is alive (a killed process stops renewing its record, which
+/// ends within a shard lease).
+pub fn member_gone(members: &[Member], owner: &str, now: Timestamp) -> bool {
+    !members
+        .iter()
+        .any(|m| m.owner == owner && m.expires_at > now)
+}
+
 /// The processes shards are shared out over: the live members and the
 /// holders of live leases, `me` included, in name order.
 fn owners<'a>(
