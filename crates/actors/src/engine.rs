@@ -286,16 +286,20 @@ impl Host {
         }
     }
 
-    /// Runs an attempt of shard `shard` (whose actor is `actor`): here, or,
-    /// with attempts anywhere, through the relay for whichever process
-    /// takes it (here too, if the relay is full).
+    /// Runs an attempt of shard `shard` (whose actor is `actor`): here when
+    /// this process runs its activity type and has room for a copy (the
+    /// cheap path: no round trip through the store), else, with attempts
+    /// anywhere, through the relay for whichever process takes it (here
+    /// after all if the relay is full).
     pub(crate) fn run_attempt(
         host: &Arc<Host>,
         shard: ShardId,
         actor: Addr<ShardActor>,
         order: AttemptOrder,
     ) {
-        let order = if host.attempts_anywhere {
+        let runs_here = host.activities.get(&order.activity_type).is_some()
+            && host.copies.lock().len() < host.copies_max;
+        let order = if host.attempts_anywhere && !runs_here {
             let to = RelayTo::Work(order.activity_type.clone());
             match host.routes.try_relay(to, Wire::Attempt { shard, order }) {
                 Ok(()) => return,
