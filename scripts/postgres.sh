@@ -1,9 +1,16 @@
 # Sourced by .ci/run (and by hand: `source scripts/postgres.sh && keel_pg_start`):
 # a private PostgreSQL cluster for keel's tests, in a temporary directory,
-# listening on a loopback port only, with password authentication. Installs
-# Debian's PostgreSQL server when the machine lacks it. The database's
-# address is exported as KEEL_TEST_POSTGRES_URL; keel_pg_stop stops the
-# cluster and removes its directory (an EXIT trap calls it).
+# listening on a loopback port only, with password authentication and TLS.
+# Installs Debian's PostgreSQL server when the machine lacks it. The
+# database's address is exported as KEEL_TEST_POSTGRES_URL; keel_pg_stop
+# stops the cluster and removes its directory (an EXIT trap calls it).
+#
+# TLS: a throwaway certificate authority signs the server's certificate
+# (for localhost and 127.0.0.1) and a client certificate for the role
+# keel_cert. The role keel_tls (same password as keel) may only connect
+# encrypted, keel_cert only with its certificate. KEEL_TEST_POSTGRES_TLS_URL
+# is keel_tls's address (host localhost, hostaddr 127.0.0.1) and
+# KEEL_TEST_POSTGRES_TLS_DIR holds ca.crt, client.crt and client.key.
 
 # The newest installed server's bin directory, or nothing. A machine with
 # only the client (psql, which Debian puts in the same directory) counts as
@@ -41,6 +48,33 @@ keel_pg_install() {
   keel_pg_bindir >/dev/null || { echo "keel: PostgreSQL installed but no server binaries under /usr/lib/postgresql" >&2; return 1; }
 }
 
+# Writes the test certificates into $1 with openssl (which Debian's
+# PostgreSQL package depends on): ca.crt, server.crt/key, client.crt/key.
+keel_pg_make_certs() {
+  local dir="$1"
+  mkdir -p "$dir" || return 1
+  (
+    cd "$dir" || exit 1
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3 -subj "/CN=keel test CA" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      -keyout ca.key -out ca.crt || exit 1
+    local who
+    for who in server client; do
+      local cn="localhost" ext="subjectAltName=DNS:localhost,IP:127.0.0.1
+extendedKeyUsage=serverAuth"
+      if [ "$who" = client ]; then
+        cn="keel_cert"
+        ext="extendedKeyUsage=clientAuth"
+      fi
+      openssl req -newkey rsa:2048 -nodes -subj "/CN=$cn" -keyout "$who.key" -out "$who.csr" || exit 1
+      printf '%s\nbasicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n' "$ext" > "$who.ext"
+      openssl x509 -req -in "$who.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 3 \
+        -extfile "$who.ext" -out "$who.crt" || exit 1
+    done
+    chmod 600 ./*.key
+  ) >"$dir/openssl.log" 2>&1 || { cat "$dir/openssl.log" >&2; return 1; }
+}
+
 # Runs a server command as the cluster's owner (PostgreSQL refuses root).
 keel_pg_as_owner() {
   if [ "$(id -u)" = 0 ]; then
@@ -67,10 +101,25 @@ keel_pg_start() {
   keel_pg_as_owner "$bin/initdb" -D "$KEEL_PG_DIR/data" -U keel --pwfile="$KEEL_PG_DIR/pw" \
     -A scram-sha-256 --no-instructions >"$KEEL_PG_DIR/initdb.log" 2>&1 \
     || { cat "$KEEL_PG_DIR/initdb.log" >&2; return 1; }
+  local tls_options=""
+  if command -v openssl >/dev/null && keel_pg_make_certs "$KEEL_PG_DIR/tls"; then
+    # The server's copies of its key and the CA, owned by the server's user.
+    cp "$KEEL_PG_DIR/tls/server.key" "$KEEL_PG_DIR/tls/server.crt" "$KEEL_PG_DIR/tls/ca.crt" "$KEEL_PG_DIR/data/"
+    [ "$(id -u)" = 0 ] && chown postgres "$KEEL_PG_DIR/data/server.key" "$KEEL_PG_DIR/data/server.crt" "$KEEL_PG_DIR/data/ca.crt"
+    chmod 600 "$KEEL_PG_DIR/data/server.key"
+    # First match wins: these go before initdb's lines.
+    local hba="$KEEL_PG_DIR/data/pg_hba.conf"
+    { printf 'hostnossl all keel_tls all reject\nhostssl all keel_cert 127.0.0.1/32 cert\nhostnossl all keel_cert all reject\n'; cat "$hba"; } > "$hba.new"
+    mv "$hba.new" "$hba"
+    [ "$(id -u)" = 0 ] && chown postgres "$hba"
+    tls_options=" -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key -c ssl_ca_file=ca.crt"
+  else
+    echo "keel: no openssl: the test PostgreSQL runs without TLS" >&2
+  fi
   local port tries=0
   while :; do
     port=$((20000 + RANDOM % 20000))
-    printf '%s\n' "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300" \
+    printf '%s\n' "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300$tls_options" \
       > "$KEEL_PG_DIR/options"
     if keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
         -o "$(cat "$KEEL_PG_DIR/options")" start >/dev/null 2>&1; then
@@ -88,6 +137,13 @@ keel_pg_start() {
   PGPASSWORD="$password" keel_pg_as_owner "$bin/psql" -q -h 127.0.0.1 -p "$port" -U keel -d postgres \
     -c "create database keel_test" >/dev/null
   export KEEL_TEST_POSTGRES_URL="postgres://keel:$password@127.0.0.1:$port/keel_test"
+  if [ -n "$tls_options" ]; then
+    PGPASSWORD="$password" keel_pg_as_owner "$bin/psql" -q -h 127.0.0.1 -p "$port" -U keel -d keel_test \
+      -c "create role keel_tls login password '$password'" -c "create role keel_cert login" \
+      -c "grant create on database keel_test to keel_tls, keel_cert" >/dev/null || return 1
+    export KEEL_TEST_POSTGRES_TLS_DIR="$KEEL_PG_DIR/tls"
+    export KEEL_TEST_POSTGRES_TLS_URL="postgres://keel_tls:$password@localhost:$port/keel_test?hostaddr=127.0.0.1"
+  fi
   trap keel_pg_stop EXIT
   echo "keel: test PostgreSQL on 127.0.0.1:$port ($KEEL_PG_DIR)" >&2
 }

@@ -32,8 +32,9 @@ impl ServerCounters {
             .enable_all()
             .build()?;
         let (wal_syncs, wal_writes, commits) = rt.block_on(async {
-            let (client, connection) =
-                tokio_postgres::connect(&options.url, tokio_postgres::NoTls).await?;
+            let (config, tls) = keel_storage::pg_tls::driver_config(&options.url)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let (client, connection) = config.connect(tls).await?;
             tokio::spawn(connection);
             let wal = client
                 .query_one("select wal_sync, wal_write from pg_stat_wal", &[])
@@ -44,7 +45,7 @@ impl ServerCounters {
                     &[],
                 )
                 .await?;
-            Ok::<_, tokio_postgres::Error>((wal.get(0), wal.get(1), db.get(0)))
+            Ok::<_, anyhow::Error>((wal.get(0), wal.get(1), db.get(0)))
         })?;
         Ok(ServerCounters {
             wal_syncs,

@@ -354,6 +354,10 @@ pub enum DatabaseFault {
     Missing,
     /// The connection string or the schema name does not parse.
     Config,
+    /// The TLS handshake was refused: the server's certificate is not
+    /// trusted or names another host (`sslmode=verify-*`), or the two sides
+    /// share no protocol.
+    Tls,
 }
 
 impl std::fmt::Display for DatabaseFault {
@@ -365,6 +369,7 @@ impl std::fmt::Display for DatabaseFault {
             DatabaseFault::Statement => "a statement failed",
             DatabaseFault::Missing => "no keel tables",
             DatabaseFault::Config => "invalid connection settings",
+            DatabaseFault::Tls => "TLS to the server failed",
         })
     }
 }

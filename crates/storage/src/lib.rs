@@ -24,6 +24,7 @@ pub mod kv;
 pub mod lease;
 pub mod mem;
 pub mod pg;
+pub mod pg_tls;
 pub mod relay;
 pub mod rocks;
 pub mod search;

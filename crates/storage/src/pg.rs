@@ -48,12 +48,14 @@
 //! whether it committed, and answers accordingly: the engine never acts on
 //! a commit whose outcome it does not know.
 //!
+//! Connections use TLS as the connection string's `sslmode` says, with
+//! libpq's meaning ([`crate::pg_tls`]).
+//!
 //! The driver is `tokio-postgres` on a small runtime of the store's own;
 //! callers block on its futures, so the store works from any thread, inside
 //! an async runtime or not.
 
 use std::collections::{BTreeMap, HashMap};
-use std::str::FromStr;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,7 +65,7 @@ use futures::channel::oneshot;
 use parking_lot::{Condvar, Mutex};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, NoTls, Statement};
+use tokio_postgres::{Client, Statement};
 use tracing::{debug, info_span, warn};
 
 use crate::cache::{CachedView, Learned, ReadAhead, WriterCache};
@@ -74,6 +76,7 @@ use crate::ids::Timestamp;
 use crate::keys::{prefix_end, Cf};
 use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
 use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
+use crate::pg_tls::{self, Tls};
 use crate::relay::{self, Note, Relay, RelayNotices, RelayTo};
 use crate::store::{CommitHandle, Durability, Store};
 use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
@@ -444,6 +447,8 @@ impl Conn {
 /// What the store's threads share.
 struct Shared {
     config: tokio_postgres::Config,
+    /// TLS to the server, as the connection string's `sslmode` says.
+    tls: Tls,
     /// Runs the connections' tasks; `None` only while dropping.
     runtime: Option<tokio::runtime::Runtime>,
     target: String,
@@ -523,11 +528,12 @@ impl Shared {
     /// A new connection, its task running on the store's runtime.
     fn connect(&self) -> Result<Conn> {
         let config = self.config.clone();
+        let tls = self.tls.clone();
         let Some(runtime) = self.runtime.as_ref() else {
             return Err(Error::Closed);
         };
         let task = runtime.spawn(async move {
-            let (client, connection) = config.connect(NoTls).await?;
+            let (client, connection) = config.connect(tls).await?;
             tokio::spawn(async move {
                 if let Err(e) = connection.await {
                     debug!(error = %e, "postgres connection ended");
@@ -540,6 +546,9 @@ impl Shared {
             Ok(Err(e)) => {
                 return Err(match e.code() {
                     Some(_) => self.error(&e),
+                    None if pg_tls::is_tls_refusal(&e) => {
+                        self.fault(DatabaseFault::Tls, describe(&e))
+                    }
                     None => self.fault(DatabaseFault::Unreachable, describe(&e)),
                 })
             }
@@ -765,8 +774,7 @@ impl PgStore {
                 "schema name {schema:?} must be 1 to {PG_SCHEMA_NAME_BYTES_MAX} lowercase letters, digits or underscores, starting with a letter"
             )));
         }
-        let mut config =
-            tokio_postgres::Config::from_str(&options.url).map_err(|e| bad(format!("{e}")))?;
+        let (mut config, tls) = pg_tls::driver_config(&options.url).map_err(bad)?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_millis(PG_CONNECT_TIMEOUT_MS));
         }
@@ -785,6 +793,7 @@ impl PgStore {
             schema: schema.clone(),
             durability: options.durability,
             config,
+            tls,
             runtime: Some(runtime),
             owner: format!(
                 "{} pid {} {}",
@@ -1689,10 +1698,11 @@ impl Relay for PgStore {
         let runtime = self.shared.runtime.as_ref()?;
         let (tx, rx) = crossbeam_channel::bounded(relay::RELAY_NOTICES_QUEUED_MAX);
         let config = self.shared.config.clone();
+        let tls = self.shared.tls.clone();
         let channel = relay_channel(&self.shared.schema);
         runtime.spawn(async move {
             loop {
-                match listen(&config, &channel, &tx).await {
+                match listen(&config, tls.clone(), &channel, &tx).await {
                     Ok(Listening::ReaderGone) => return,
                     Ok(Listening::Closed) => debug!("the relay's listening connection closed"),
                     Err(e) => {
@@ -1718,11 +1728,12 @@ enum Listening {
 /// payload of every notification (a note's address) to `to`.
 async fn listen(
     config: &tokio_postgres::Config,
+    tls: Tls,
     channel: &str,
     to: &crossbeam_channel::Sender<String>,
 ) -> std::result::Result<Listening, tokio_postgres::Error> {
     use futures::StreamExt;
-    let (client, mut connection) = config.connect(NoTls).await?;
+    let (client, mut connection) = config.connect(tls).await?;
     let to = to.clone();
     // The connection must be polled for the `listen` below to be answered,
     // and for the notifications after it.

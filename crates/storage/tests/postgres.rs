@@ -18,7 +18,10 @@
 // run. Opened sharded (several processes at once), the store fences every
 // commit by its shard's lease, per shard, relays notes between processes
 // with a notice to the addressee, and binds every process to the first
-// one's shard count.
+// one's shard count. TLS follows libpq's `sslmode`: roles the test server
+// lets in only encrypted (keel_tls) or only with a client certificate
+// (keel_cert) prove the connection really is encrypted, and certificates
+// of the wrong authority or for another host name are refused.
 
 mod common;
 
@@ -61,6 +64,115 @@ fn kill_store_connections(url: &str) -> u64 {
              where application_name = '{KILLED_APP}' and pid <> pg_backend_pid()"
         ),
     )
+}
+
+/// The TLS test server's address and certificate directory, when the test
+/// script set TLS up (it does wherever openssl is, which Debian's
+/// PostgreSQL package depends on).
+fn postgres_tls() -> Option<(String, std::path::PathBuf)> {
+    postgres_url()?;
+    match (
+        std::env::var("KEEL_TEST_POSTGRES_TLS_URL"),
+        std::env::var("KEEL_TEST_POSTGRES_TLS_DIR"),
+    ) {
+        (Ok(url), Ok(dir)) if !url.is_empty() => Some((url, dir.into())),
+        _ => {
+            assert!(
+                std::env::var("KEEL_REQUIRE_POSTGRES").as_deref() != Ok("1"),
+                "KEEL_REQUIRE_POSTGRES=1 but the test server has no TLS (KEEL_TEST_POSTGRES_TLS_URL unset)"
+            );
+            None
+        }
+    }
+}
+
+/// Opens a store at `url` in a fresh schema, commits one event and reads
+/// it back.
+fn round_trip(url: &str) -> Result<(), Error> {
+    let scratch = PgScratch::new(url);
+    let store = PgStore::open(scratch.0.clone())?;
+    let mut b = RunBuilder::new(run_id(3), 1_000);
+    b.commit(&store, vec![started(b.run, "tls", "wf")])?;
+    assert_eq!(store.history(b.run)?.len(), 1);
+    Ok(())
+}
+
+fn fault_of(result: Result<(), Error>) -> DatabaseFault {
+    match result {
+        Err(Error::Database { fault, .. }) => fault,
+        other => panic!("expected a database error, got {other:?}"),
+    }
+}
+
+#[test]
+fn tls_follows_sslmode_and_refuses_untrusted_servers() {
+    let Some((url, dir)) = postgres_tls() else {
+        return;
+    };
+    let file = |name: &str| dir.join(name).display().to_string();
+    let with = |params: &str| format!("{url}&{params}");
+    // keel_tls may only connect encrypted: that these work proves TLS.
+    round_trip(&url).expect("sslmode defaults to prefer, which encrypts when it can");
+    round_trip(&with("sslmode=require")).expect("require");
+    round_trip(&with(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        file("ca.crt")
+    )))
+    .expect("verify-full against the right authority");
+    assert_eq!(
+        fault_of(round_trip(&with("sslmode=disable"))),
+        DatabaseFault::Refused,
+        "the server refuses keel_tls unencrypted"
+    );
+
+    // The certificate of another authority (the client's own certificate
+    // as the only trusted root) is refused, and not as a passing outage.
+    let err = round_trip(&with(&format!(
+        "sslmode=verify-full&sslrootcert={}",
+        file("client.crt")
+    )))
+    .expect_err("untrusted");
+    assert!(!err.is_transient(), "{err}");
+    assert_eq!(fault_of(Err(err)), DatabaseFault::Tls);
+    // `require` with a root file checks the chain too, as libpq does.
+    assert_eq!(
+        fault_of(round_trip(&with(&format!(
+            "sslmode=require&sslrootcert={}",
+            file("client.crt")
+        )))),
+        DatabaseFault::Tls
+    );
+
+    // The server's certificate names localhost, not db.invalid: verify-full
+    // refuses it, verify-ca (the chain only) accepts it.
+    let other_name = url.replace("@localhost:", "@db.invalid:");
+    assert_ne!(other_name, url);
+    let root = format!("sslrootcert={}", file("ca.crt"));
+    assert_eq!(
+        fault_of(round_trip(&format!(
+            "{other_name}&sslmode=verify-full&{root}"
+        ))),
+        DatabaseFault::Tls
+    );
+    round_trip(&format!("{other_name}&sslmode=verify-ca&{root}"))
+        .expect("verify-ca does not check the name");
+
+    // keel_cert authenticates by its client certificate only.
+    let at = url.find('@').expect("credentials");
+    let cert_url = format!("postgres://keel_cert{}", &url[at..]);
+    round_trip(&format!(
+        "{cert_url}&sslmode=verify-full&{root}&sslcert={}&sslkey={}",
+        file("client.crt"),
+        file("client.key")
+    ))
+    .expect("a client certificate");
+    assert_eq!(
+        fault_of(round_trip(&format!(
+            "{cert_url}&sslmode=verify-full&{root}"
+        ))),
+        DatabaseFault::Refused,
+        "no client certificate"
+    );
 }
 
 #[test]
