@@ -87,6 +87,7 @@ fn engine() -> Engine {
         .in_memory()
         .register_workflow::<Forever>()
         .register_workflow::<Quick>()
+        .register_workflow::<Gated>()
         .register_workflow::<Leaver>()
         .register_workflow::<ScopeThenLeave>()
         .register_workflow::<SelectLosers>()
@@ -279,6 +280,19 @@ impl std::future::Future for YieldNow {
     }
 }
 
+/// A child that finishes only when signalled `go`, so that its parent
+/// can be closed first whatever the machine's speed.
+struct Gated;
+impl Workflow for Gated {
+    const NAME: &'static str = "gated";
+    type Input = u32;
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, x: u32) -> Result<u32, WorkflowError> {
+        let _: () = ctx.wait_signal("go").await?;
+        Ok(x + 1)
+    }
+}
+
 /// Starts a child that outlives it (abandoned), and is terminated.
 struct Abandoner;
 impl Workflow for Abandoner {
@@ -286,7 +300,7 @@ impl Workflow for Abandoner {
     type Input = ();
     type Output = ();
     async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
-        ctx.child::<Quick>(1)
+        ctx.child::<Gated>(1)
             .close_policy(ParentClosePolicy::Abandon)
             .await?;
         Ok(())
@@ -300,10 +314,19 @@ async fn no_outbox_row_outlives_what_consumes_it() -> anyhow::Result<()> {
     let store = engine.store();
     // A child's result for a parent that closed first: never written.
     let parent = c.start::<Abandoner>("a", &()).await?.run_id();
+    // The child exists (and waits for `go`) before the parent closes.
+    let child = loop {
+        if let Some(ch) = c.describe("a").await?.children.first() {
+            if ch.status.is_some() {
+                break ch.clone();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
     c.terminate("a", "closed before its child").await?;
     closed(&*store, parent).await?;
-    let child = c.describe("a").await?.children[0].run_id;
-    assert_eq!(closed(&*store, child).await?, RunStatus::Completed);
+    c.signal(&child.instance_id, "go", &(), None).await?;
+    assert_eq!(closed(&*store, child.run_id).await?, RunStatus::Completed);
     // A child start of a parent that closed first: started, then
     // terminated per the parent's policy; its row consumed by the start.
     c.start::<Leaver>(

@@ -50,8 +50,13 @@ impl Workflow for ThreeLookups {
 async fn a_rate_limited_profile_delays_attempts_durably_and_visibly() -> anyhow::Result<()> {
     let pipeline = Builder::profile("catalog", "v1")
         .partition("shop", "test", "catalog-api")
+        // The attempt timeout is also each copy's lease. It is long so that
+        // a CI machine stalled for a few seconds cannot end a lease and
+        // redeliver a copy (a legitimate second call, which the exact count
+        // below would take for a rejection reaching the activity: it did
+        // once with a 2 s timeout).
         .attempt_timeout(
-            Duration::from_secs(2),
+            Duration::from_secs(60),
             AttemptTimeoutRequirement::Cooperative,
         )
         .rate_limit(Builder::token_bucket(1, 1, Duration::from_millis(300)))
