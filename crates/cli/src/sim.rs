@@ -32,8 +32,9 @@ pub(crate) struct SimArgs {
     /// redelivery, duplicate-result, late-result, reorder, worker-crash,
     /// outbox-redelivery, timer-skew, commit-failure, engine-crash,
     /// activity-failure, stray-command, silent-worker, slow-attempt,
-    /// store-stop, process-pause, process-kill, lease-answer-lost (the
-    /// last three with `--processes` 2 or more).
+    /// store-stop, process-pause, process-kill, lease-answer-lost,
+    /// remote-copy, copy-lost-alive, taker-kill (the last six with
+    /// `--processes` 2 or more).
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
     /// Workflows per seed (the default mix).
@@ -132,6 +133,7 @@ struct SimOut {
     takeovers: u64,
     shards_lost: u64,
     shards_released: u64,
+    copies_lost: u64,
     shrunk: Option<ShrunkOut>,
 }
 
@@ -169,6 +171,7 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         FaultKind::ALL.iter().map(|k| (k.name(), 0)).collect();
     let (mut virtual_ms, mut commits, mut crashes, mut outbox) = (0u64, 0u64, 0u64, 0u64);
     let (mut takeovers, mut shards_lost, mut shards_released) = (0u64, 0u64, 0u64);
+    let mut copies_lost = 0u64;
     let mut single: Option<Report> = None;
     for &seed in &seeds {
         let report = template.clone().seed(seed).run()?;
@@ -180,6 +183,7 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         takeovers += u64::from(report.takeovers);
         shards_lost += u64::from(report.shards_lost);
         shards_released += u64::from(report.shards_released);
+        copies_lost += u64::from(report.copies_lost);
         for (k, n) in &report.faults_fired {
             *fired.entry(k.name()).or_default() += n;
         }
@@ -254,6 +258,7 @@ pub(crate) fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         takeovers,
         shards_lost,
         shards_released,
+        copies_lost,
         shrunk: shrunk.map(|(seed, s)| ShrunkOut {
             seed,
             faults: s.faults.to_string(),
@@ -303,8 +308,8 @@ fn print_human(out: &SimOut, failed: &[Report]) {
     );
     if out.processes > 1 {
         println!(
-            "{} processes per seed: {} shard takeovers, {} shards stopped on a lost lease, {} given up to rebalance",
-            out.processes, out.takeovers, out.shards_lost, out.shards_released
+            "{} processes per seed: {} shard takeovers, {} shards stopped on a lost lease, {} given up to rebalance, {} copies lost with a process that took them",
+            out.processes, out.takeovers, out.shards_lost, out.shards_released, out.copies_lost
         );
     }
     let fired: Vec<String> = out

@@ -77,11 +77,26 @@ pub enum FaultKind {
     /// lease it does not know of; it releases it at its next look (per
     /// take).
     LeaseAnswerLost,
+    /// With several processes: an attempt is taken from the store by
+    /// another process (attempts anywhere); its reports reach the shard
+    /// wherever it runs, a stop follows it, and when that process is killed
+    /// the shard hears the copy is lost and delivers it again without
+    /// waiting for its lease (per dispatch).
+    RemoteCopy,
+    /// With several processes: the shard hears that the process running a
+    /// copy is gone while it still runs (its membership lapsed in a pause);
+    /// the copy reports later, under a lease that was handed on (per copy
+    /// another process runs).
+    CopyLostAlive,
+    /// With several processes: the process running a copy it took from
+    /// another process's shard is killed while the copy runs (per copy
+    /// another process runs).
+    TakerKill,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 18] = [
+    pub const ALL: [FaultKind; 21] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -100,6 +115,9 @@ impl FaultKind {
         FaultKind::ProcessPause,
         FaultKind::ProcessKill,
         FaultKind::LeaseAnswerLost,
+        FaultKind::RemoteCopy,
+        FaultKind::CopyLostAlive,
+        FaultKind::TakerKill,
     ];
 
     /// The name used on the command line and in reports.
@@ -123,6 +141,9 @@ impl FaultKind {
             FaultKind::ProcessPause => "process-pause",
             FaultKind::ProcessKill => "process-kill",
             FaultKind::LeaseAnswerLost => "lease-answer-lost",
+            FaultKind::RemoteCopy => "remote-copy",
+            FaultKind::CopyLostAlive => "copy-lost-alive",
+            FaultKind::TakerKill => "taker-kill",
         }
     }
 
@@ -131,7 +152,12 @@ impl FaultKind {
     pub fn needs_processes(self) -> bool {
         matches!(
             self,
-            FaultKind::ProcessPause | FaultKind::ProcessKill | FaultKind::LeaseAnswerLost
+            FaultKind::ProcessPause
+                | FaultKind::ProcessKill
+                | FaultKind::LeaseAnswerLost
+                | FaultKind::RemoteCopy
+                | FaultKind::CopyLostAlive
+                | FaultKind::TakerKill
         )
     }
 
@@ -156,6 +182,9 @@ impl FaultKind {
             FaultKind::ProcessPause => 0.01,
             FaultKind::ProcessKill => 0.005,
             FaultKind::LeaseAnswerLost => 0.2,
+            FaultKind::RemoteCopy => 0.5,
+            FaultKind::CopyLostAlive => 0.3,
+            FaultKind::TakerKill => 0.3,
         }
     }
 

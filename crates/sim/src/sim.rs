@@ -454,6 +454,7 @@ impl Simulation {
             takeovers: r.takeovers,
             shards_lost: r.fenced,
             shards_released: r.released,
+            copies_lost: r.copies_lost,
             workflows,
             finished: r.outcomes.len(),
             outcomes: r.outcomes,
@@ -719,6 +720,9 @@ pub struct Report {
     pub shards_lost: u32,
     /// Shards a process gave up for another to take (rebalancing).
     pub shards_released: u32,
+    /// Copies of attempts lost with a killed process that had taken them
+    /// from another process's shard (each reported to its shard).
+    pub copies_lost: u32,
     /// The fault firings that happened, as `kind#index` (what `--firings`
     /// takes to replay a subset).
     #[serde(serialize_with = "as_text")]

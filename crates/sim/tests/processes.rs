@@ -7,8 +7,11 @@
 // run (the simulator compares them); summed over the sweep, processes were
 // paused and killed, shards were taken over, shards stopped on a lost
 // lease, shards were given up to spread the load (the first process
-// takes every shard; the others join), and takes whose answer was lost
-// left leases their process released. Same seed, same trace.
+// takes every shard; the others join), takes whose answer was lost
+// left leases their process released, attempts ran in processes other
+// than their shard's (attempts anywhere) and some of those copies were
+// lost with their process and reported to the shard. Same seed, same
+// trace.
 
 use keel_sim::{FaultKind, Faults, Simulation};
 
@@ -19,6 +22,7 @@ const SEEDS: u64 = 200;
 fn three_processes_keep_every_invariant_under_pauses_and_kills() {
     let (mut pauses, mut kills, mut takeovers, mut lost) = (0u64, 0u64, 0u64, 0u64);
     let (mut released, mut answers_lost) = (0u64, 0u64);
+    let (mut remote, mut copies_lost, mut lost_alive) = (0u64, 0u64, 0u64);
     for seed in 0..SEEDS {
         let r = Simulation::new(seed)
             .default_mix(20)
@@ -43,6 +47,10 @@ fn three_processes_keep_every_invariant_under_pauses_and_kills() {
             .get(&FaultKind::LeaseAnswerLost)
             .copied()
             .unwrap_or(0);
+        let fired = |k| r.faults_fired.get(&k).copied().unwrap_or(0);
+        remote += fired(FaultKind::RemoteCopy);
+        lost_alive += fired(FaultKind::CopyLostAlive);
+        copies_lost += u64::from(r.copies_lost);
         takeovers += u64::from(r.takeovers);
         lost += u64::from(r.shards_lost);
         released += u64::from(r.shards_released);
@@ -55,6 +63,15 @@ fn three_processes_keep_every_invariant_under_pauses_and_kills() {
     assert!(
         answers_lost > 5,
         "{answers_lost} takes whose answer was lost"
+    );
+    assert!(remote > 100, "{remote} copies run by another process");
+    assert!(
+        copies_lost > 10,
+        "{copies_lost} copies lost with their taker"
+    );
+    assert!(
+        lost_alive > 10,
+        "{lost_alive} copies reported lost while alive"
     );
 }
 

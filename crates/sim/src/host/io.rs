@@ -147,13 +147,24 @@ impl World<'_> {
                 ));
             }
         }
-        let inc = Some(inc);
+        // A message for a shard this process does not run goes through
+        // the store's relay, as in the engine: a note that outlives the
+        // sender and waits for the shard's next owner. One for a shard
+        // here goes to its actor, and dies with the process.
+        let here = self.live(inc).is_some_and(|p| self.owner(to) == Some(p));
+        let deliver = |w: &mut Self, at: u64, message: Message| {
+            if here {
+                w.input_at(at, Some(inc), to, ShardInput::Message(message));
+            } else {
+                w.relay_at(at, to, ShardInput::Message(message));
+            }
+        };
         if self.fault(FaultKind::OutboxRedelivery) {
             let at = self.now + self.ms(1, 500);
-            self.input_at(at, inc, to, ShardInput::Message(message.clone()));
+            deliver(self, at, message.clone());
         }
         let at = self.now + self.latency();
-        self.input_at(at, inc, to, ShardInput::Message(message));
+        deliver(self, at, message);
     }
 
     /// Commit path step 4 on the simulated store: written at once, answered

@@ -145,9 +145,12 @@ enum Ev {
     /// A `pinned` input (the answer to an action of that process, a report
     /// from its own worker) goes to that incarnation's shard; any other
     /// goes to whichever process owns the shard when it arrives.
+    /// A `relayed` input (a report from a copy another process runs)
+    /// waits in the store, until then, for a process to own the shard.
     Input {
         inc: Option<u32>,
         pinned: bool,
+        relayed: Option<u64>,
         shard: ShardId,
         input: Box<ShardInput>,
     },
@@ -203,7 +206,11 @@ enum Ev {
 /// One copy of an attempt on a simulated worker.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 struct CopyId {
+    /// The incarnation of the shard's process that dispatched it.
     inc: u32,
+    /// The incarnation of the process running it: `inc`, or another
+    /// process that took it from the store.
+    runner: u32,
     shard: ShardId,
     key: AttemptKey,
     attempt: AttemptNo,
@@ -308,6 +315,7 @@ pub(crate) struct WorldResult {
     pub(crate) takeovers: u32,
     pub(crate) fenced: u32,
     pub(crate) released: u32,
+    pub(crate) copies_lost: u32,
     pub(crate) firings: Vec<(FaultKind, u32)>,
 }
 
@@ -376,6 +384,9 @@ pub(crate) struct World<'a> {
     fenced: u32,
     /// Shards given up for another process to take (a rebalance).
     released: u32,
+    /// Copies lost with a killed process that had taken them from
+    /// another process's shard.
+    copies_lost: u32,
     /// Shards given up whose `ShardLost` is still to come.
     released_pending: std::collections::BTreeSet<(usize, ShardId)>,
     pauses: u32,
@@ -466,6 +477,7 @@ impl<'a> World<'a> {
             takeovers: 0,
             fenced: 0,
             released: 0,
+            copies_lost: 0,
             released_pending: Default::default(),
             pauses: 0,
         };
@@ -490,6 +502,7 @@ impl<'a> World<'a> {
             Ev::Input {
                 inc,
                 pinned: false,
+                relayed: None,
                 shard,
                 input: Box::new(input),
             },
@@ -504,6 +517,35 @@ impl<'a> World<'a> {
             Ev::Input {
                 inc: Some(inc),
                 pinned: true,
+                relayed: None,
+                shard,
+                input: Box::new(input),
+            },
+        );
+    }
+
+    /// Queues a report of `copy` for its shard: pinned to the process that
+    /// dispatched it when it runs there, else relayed through the store to
+    /// whichever process owns the shard (kept there for a few shard
+    /// leases, as the relay keeps a note until it is taken).
+    fn report_at(&mut self, at: u64, copy: CopyId, input: ShardInput) {
+        if copy.runner == copy.inc {
+            return self.pinned_at(at, copy.inc, copy.shard, input);
+        }
+        self.relay_at(at, copy.shard, input);
+    }
+
+    /// Queues an input for `shard` through the store's relay: a note that
+    /// outlives its sender and waits (a few shard leases here) for a
+    /// process to own the shard.
+    fn relay_at(&mut self, at: u64, shard: ShardId, input: ShardInput) {
+        let keep_until = at + 4 * self.config.shard_lease_ms;
+        self.at(
+            at,
+            Ev::Input {
+                inc: None,
+                pinned: false,
+                relayed: Some(keep_until),
                 shard,
                 input: Box::new(input),
             },
@@ -712,6 +754,7 @@ impl<'a> World<'a> {
             Ev::Input {
                 inc,
                 pinned,
+                relayed,
                 shard,
                 input,
             } => {
@@ -723,6 +766,20 @@ impl<'a> World<'a> {
                     (true, Some(i)) => self.live(i),
                     _ => self.owner(shard),
                 };
+                let owned = to.is_some_and(|p| self.processes[p].shards.contains_key(&shard));
+                if !owned && relayed.is_some_and(|until| self.now < until) {
+                    // In the store until a process owns the shard again.
+                    let at = self.now + self.ms(10, 100);
+                    let ev = Ev::Input {
+                        inc,
+                        pinned,
+                        relayed,
+                        shard,
+                        input,
+                    };
+                    self.at(at, ev);
+                    return;
+                }
                 let Some(p) = to else {
                     self.log(format_args!("no process owns {shard}; lost: {input:?}"));
                     return;
@@ -731,6 +788,7 @@ impl<'a> World<'a> {
                     let ev = Ev::Input {
                         inc,
                         pinned,
+                        relayed,
                         shard,
                         input,
                     };

@@ -14,12 +14,14 @@
 
 use std::collections::BTreeMap;
 
-use keel_core::driver::{leases_unheld, shards_to_release, shards_to_take, Shard, ShardId};
+use keel_core::driver::{
+    leases_unheld, shards_to_release, shards_to_take, Shard, ShardId, ShardInput,
+};
 use keel_storage::history::pending_steps;
 use keel_storage::{CrashMode, Event, EventKind, InstanceId, Outcome, RunFilter, RunId, Timestamp};
 use rand::RngExt;
 
-use super::{Ev, Process, World, WorldResult, LOOK_MS, PAUSES_MAX};
+use super::{CopyId, Ev, Process, World, WorldResult, LOOK_MS, PAUSES_MAX};
 use crate::check::{self, Violation, ViolationKind};
 use crate::fault::FaultKind;
 
@@ -196,6 +198,28 @@ impl World<'_> {
         let inc = self.processes[p].inc;
         let pname = self.processes[p].name.clone();
         self.log(format_args!("process {p} ({}) is killed", pname));
+        // Copies it took from other processes' shards die with it; each
+        // shard's process sees its membership end and delivers them again.
+        let taken: Vec<CopyId> = self.processes[p]
+            .copies
+            .keys()
+            .filter(|c| c.runner == inc && c.inc != inc)
+            .copied()
+            .collect();
+        let lease = self.config.shard_lease_ms;
+        for c in taken {
+            self.copies_lost += 1;
+            let at = self.now + self.ms(lease / 2, lease);
+            self.pinned_at(
+                at,
+                c.inc,
+                c.shard,
+                ShardInput::CopyLost {
+                    key: c.key,
+                    epoch: c.epoch,
+                },
+            );
+        }
         self.processes[p] = Process::down(inc, self.setup.workflows);
         let lease = self.config.shard_lease_ms;
         let at = self.now + self.ms(lease / 2, lease * 2);
@@ -276,6 +300,7 @@ impl World<'_> {
             takeovers: self.takeovers,
             fenced: self.fenced,
             released: self.released,
+            copies_lost: self.copies_lost,
             firings: std::mem::take(&mut self.firings),
         }
     }

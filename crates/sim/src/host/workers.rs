@@ -5,7 +5,11 @@
 //! runs past its lease, stops heartbeating or runs past its start-to-close
 //! limit, a worker that crashes, the transport handing a copy to a second
 //! worker, a result reported twice, and a stale holder's result reaching
-//! the run itself, late.
+//! the run itself, late. With several processes, another process may take
+//! a copy from the store and run it (attempts anywhere): its reports are
+//! relayed to the shard wherever it runs, a stop follows it, and its loss
+//! with that process is reported to the shard (or reported while the copy
+//! still runs).
 
 use keel_core::driver::{AttemptKey, AttemptOrder, Message, ReplyTo, RunOp, ShardId, ShardInput};
 use keel_core::Input;
@@ -167,21 +171,43 @@ impl World<'_> {
                 self.spend_fault(key, order.attempt);
             }
         }
+        let runner = self.taker(p, key, order.attempt, may_time_out);
         let worker = self.rng.random_range(0..WORKERS);
         let copy = CopyId {
             inc,
+            runner: self.processes[runner].inc,
             shard,
             key,
             attempt: order.attempt,
             epoch: order.epoch,
         };
         self.log(format_args!(
-            "dispatch {} step {} attempt {} epoch {} to worker {worker}",
+            "dispatch {} step {} attempt {} epoch {} to worker {worker} of process {runner}",
             self.name(key.run),
             key.step,
             order.attempt,
             order.epoch.0
         ));
+        if runner != p && self.crashes < super::CRASHES_MAX && self.fault(FaultKind::TakerKill) {
+            // The process that took the copy dies while it runs.
+            let at = self.now + self.ms(0, duration);
+            self.at(at, Ev::ProcessKill { p: runner });
+        }
+        if runner != p && self.may_fault(key, order.attempt) && self.fault(FaultKind::CopyLostAlive)
+        {
+            // The shard hears the taker is gone while the copy runs on.
+            self.spend_fault(key, order.attempt);
+            let at = self.now + self.ms(0, duration);
+            self.pinned_at(
+                at,
+                inc,
+                shard,
+                ShardInput::CopyLost {
+                    key,
+                    epoch: order.epoch,
+                },
+            );
+        }
         let life = self.workers[worker];
         let twin = self.fault(FaultKind::Redelivery);
         if twin {
@@ -202,7 +228,7 @@ impl World<'_> {
             let at = self.now + self.ms(0, duration);
             self.at(at, Ev::WorkerCrash { worker });
         }
-        self.processes[p].copies.insert(
+        self.processes[runner].copies.insert(
             copy,
             Copy {
                 result,
@@ -221,7 +247,35 @@ impl World<'_> {
         }
     }
 
-    /// The shard asked a copy to stop.
+    /// Which process runs a copy shard process `p` dispatched: `p`, or
+    /// (with several processes) another one up that takes it from the
+    /// store. A copy run elsewhere may be lost with that process, a
+    /// delivery the attempt's fault budget pays for; a final attempt is
+    /// never placed so, since losing it would fail it with no retry left.
+    fn taker(
+        &mut self,
+        p: usize,
+        key: AttemptKey,
+        attempt: AttemptNo,
+        may_time_out: bool,
+    ) -> usize {
+        if !self.shared() || !may_time_out || !self.may_fault(key, attempt) {
+            return p;
+        }
+        let others: Vec<usize> = (0..self.processes.len())
+            .filter(|&q| q != p && self.running(q))
+            .collect();
+        // Rolled only where it can happen, so its firings count the copies
+        // placed elsewhere.
+        if others.is_empty() || !self.fault(FaultKind::RemoteCopy) {
+            return p;
+        }
+        self.spend_fault(key, attempt);
+        others[self.rng.random_range(0..others.len())]
+    }
+
+    /// The shard asked a copy to stop; the stop follows the copy to the
+    /// process running it.
     pub(super) fn stop_attempt(
         &mut self,
         p: usize,
@@ -230,12 +284,13 @@ impl World<'_> {
         epoch: LeaseEpoch,
     ) {
         let inc = self.processes[p].inc;
-        let found = self.processes[p]
-            .copies
-            .iter()
-            .find(|(c, _)| c.inc == inc && c.shard == shard && c.key == key && c.epoch == epoch)
-            .map(|(c, _)| *c);
-        let Some(copy) = found else {
+        let found = self.processes.iter().enumerate().find_map(|(q, proc)| {
+            proc.copies
+                .keys()
+                .find(|c| c.inc == inc && c.shard == shard && c.key == key && c.epoch == epoch)
+                .map(|c| (q, *c))
+        });
+        let Some((p, copy)) = found else {
             return;
         };
         let cooperative = self.rng.random_bool(0.5);
@@ -255,7 +310,7 @@ impl World<'_> {
         if self.workers[worker] != life {
             return; // died with its worker
         }
-        let Some(p) = self.live(copy.inc) else {
+        let Some(p) = self.live(copy.runner) else {
             return; // died with its process
         };
         let Some(c) = self.processes[p].copies.get_mut(&copy) else {
@@ -275,10 +330,9 @@ impl World<'_> {
         }
         let details = Payload::encode(&self.now).ok();
         let at = self.now + self.ms(0, 1);
-        self.pinned_at(
+        self.report_at(
             at,
-            copy.inc,
-            copy.shard,
+            copy,
             ShardInput::Heartbeat {
                 key: copy.key,
                 epoch: copy.epoch,
@@ -326,8 +380,8 @@ impl World<'_> {
         if self.workers[worker] != life {
             return; // the worker died with the copy
         }
-        let Some(p) = self.live(copy.inc) else {
-            return; // the engine that leased it is gone, and its copies
+        let Some(p) = self.live(copy.runner) else {
+            return; // the engine running it is gone, and its copies
         };
         let result = match self.processes[p].copies.get(&copy) {
             Some(c) if c.worker == worker => {
@@ -354,13 +408,12 @@ impl World<'_> {
             result: result.clone(),
         };
         let at = self.now + self.ms(0, 1);
-        self.pinned_at(at, copy.inc, copy.shard, input);
+        self.report_at(at, copy, input);
         if self.fault(FaultKind::DuplicateResult) {
             let at = self.now + self.ms(0, 50);
-            self.pinned_at(
+            self.report_at(
                 at,
-                copy.inc,
-                copy.shard,
+                copy,
                 ShardInput::AttemptFinished {
                     key: copy.key,
                     attempt: copy.attempt,
