@@ -533,7 +533,7 @@ impl Shared {
             return Err(Error::Closed);
         };
         let task = runtime.spawn(async move {
-            let (client, connection) = config.connect(tls).await?;
+            let (client, connection) = pg_tls::connect(&config, tls).await?;
             tokio::spawn(async move {
                 if let Err(e) = connection.await {
                     debug!(error = %e, "postgres connection ended");
@@ -1733,7 +1733,7 @@ async fn listen(
     to: &crossbeam_channel::Sender<String>,
 ) -> std::result::Result<Listening, tokio_postgres::Error> {
     use futures::StreamExt;
-    let (client, mut connection) = config.connect(tls).await?;
+    let (client, mut connection) = pg_tls::connect(config, tls).await?;
     let to = to.clone();
     // The connection must be polled for the `listen` below to be answered,
     // and for the notifications after it.

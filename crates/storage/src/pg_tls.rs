@@ -8,14 +8,19 @@
 //! | `disable` | never | no |
 //! | `allow`, `prefer` | when the server offers it | no |
 //! | `require` | always | no (but as `verify-ca` when `sslrootcert` is given) |
-//! | `verify-ca` | always | signed by a trusted root |
+//! | `verify-ca` | always | signed by the root in `sslrootcert` (required) |
 //! | `verify-full` | always | signed by a trusted root, and names the host |
 //!
 //! `sslrootcert` names a PEM file of trusted roots, or `system` for the
-//! operating system's store, which is also the default for the verifying
-//! modes (libpq reads `~/.postgresql/root.crt` instead). `sslcert` and
-//! `sslkey` name the client's certificate chain and key (PEM), for servers
-//! that authenticate clients by certificate.
+//! operating system's store, which is also the default for `verify-full`
+//! (libpq reads `~/.postgresql/root.crt` instead). As in libpq, `system`
+//! implies `verify-full` and refuses weaker modes: any public certificate
+//! chains to those roots, so only the host name check makes them mean
+//! anything; for the same reason `verify-ca` needs a root file. `sslcert`
+//! and `sslkey` name the client's certificate chain and key (PEM), for
+//! servers that authenticate clients by certificate. Under `prefer`, a
+//! refused handshake is followed by a connection without TLS; over Unix
+//! sockets (no TLS there) `sslmode` is ignored, as libpq does.
 //!
 //! `tokio-postgres` knows only `disable`, `prefer` and `require` and none
 //! of the file parameters, so [`split`] takes keel's TLS parameters out of
@@ -73,6 +78,10 @@ pub enum TlsConfigError {
         path: String,
         detail: String,
     },
+    #[error("sslrootcert=system needs sslmode=verify-full: any public certificate chains to the system's roots, so only the host name check makes them mean anything")]
+    WeakSystemRoots,
+    #[error("sslmode=verify-ca needs sslrootcert=<file> (the authority that signed the server's certificate); with the system's roots use verify-full")]
+    VerifyCaWithoutRoot,
     #[error("sslcert and sslkey go together: {0} is missing")]
     HalfClientCert(&'static str),
     #[error(
@@ -106,10 +115,20 @@ pub fn split(url: &str) -> Result<(String, TlsParams), TlsConfigError> {
         }
         Ok(true)
     };
-    let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        match url.split_once('?') {
+    let rest = if let Some(scheme_end) = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))
+        .map(|rest| url.len() - rest.len())
+    {
+        // The query starts after the credentials, whose password may
+        // itself hold a `?`.
+        let after = url[scheme_end..]
+            .rfind('@')
+            .map_or(scheme_end, |at| scheme_end + at + 1);
+        match url[after..].find('?').map(|q| after + q) {
             None => url.to_string(),
-            Some((base, query)) => {
+            Some(q) => {
+                let (base, query) = (&url[..q], &url[q + 1..]);
                 let mut kept = Vec::new();
                 for pair in query.split('&').filter(|p| !p.is_empty()) {
                     let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -125,19 +144,76 @@ pub fn split(url: &str) -> Result<(String, TlsParams), TlsConfigError> {
             }
         }
     } else {
-        let mut kept = Vec::new();
-        for token in url.split_whitespace() {
-            let taken = match token.split_once('=') {
-                Some((k, v)) => take(k, v.trim_matches('\'').to_string())?,
-                None => false,
-            };
-            if !taken {
-                kept.push(token);
+        let mut rest = String::with_capacity(url.len());
+        for (raw, key, value) in key_values(url) {
+            if !take(key, value)? {
+                if !rest.is_empty() {
+                    rest.push(' ');
+                }
+                rest.push_str(raw);
             }
         }
-        kept.join(" ")
+        rest
     };
     Ok((rest, params))
+}
+
+/// The `key = value` pairs of a libpq key/value string, each with its
+/// text as written (kept as is when it is not keel's), read as libpq
+/// reads them: spaces around `=`, values in single quotes, backslash
+/// escapes. A malformed tail is kept as text for the driver to refuse.
+fn key_values(s: &str) -> Vec<(&str, &str, String)> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    let skip_spaces = |i: &mut usize| {
+        while *i < bytes.len() && bytes[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    loop {
+        skip_spaces(&mut i);
+        if i >= bytes.len() {
+            return out;
+        }
+        let start = i;
+        while i < bytes.len() && bytes[i] != b'=' && !bytes[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        let key = &s[start..i];
+        skip_spaces(&mut i);
+        if i >= bytes.len() || bytes[i] != b'=' {
+            out.push((&s[start..], "", String::new()));
+            return out;
+        }
+        i += 1;
+        skip_spaces(&mut i);
+        let mut value = Vec::new();
+        let quoted = i < bytes.len() && bytes[i] == b'\'';
+        if quoted {
+            i += 1;
+        }
+        while i < bytes.len() {
+            let b = bytes[i];
+            if quoted && b == b'\'' {
+                i += 1;
+                break;
+            }
+            if !quoted && b.is_ascii_whitespace() {
+                break;
+            }
+            if b == b'\\' && i + 1 < bytes.len() {
+                i += 1;
+            }
+            value.push(bytes[i]);
+            i += 1;
+        }
+        out.push((
+            &s[start..i],
+            key,
+            String::from_utf8_lossy(&value).into_owned(),
+        ));
+    }
 }
 
 fn percent_decode(s: &str) -> String {
@@ -169,7 +245,24 @@ pub fn driver_config(url: &str) -> Result<(tokio_postgres::Config, Tls), String>
     let mut config = rest
         .parse::<tokio_postgres::Config>()
         .map_err(|e| e.to_string())?;
-    let (tls, mode) = connector(&params).map_err(|e| e.to_string())?;
+    if params.mode.is_none() && config.get_ssl_mode() != SslMode::Prefer {
+        // The driver read an `sslmode` keel did not see: keel's mode would
+        // silently replace it.
+        return Err(
+            "sslmode is written in a way keel cannot read; write it as sslmode=<mode>".into(),
+        );
+    }
+    let (tls, mut mode) = connector(&params).map_err(|e| e.to_string())?;
+    let all_unix = {
+        use tokio_postgres::config::Host;
+        let hosts = config.get_hosts();
+        !hosts.is_empty() && hosts.iter().all(|h| !matches!(h, Host::Tcp(_)))
+    };
+    if all_unix {
+        // PostgreSQL has no TLS over Unix sockets; libpq ignores sslmode
+        // there, and so does keel.
+        mode = SslMode::Disable;
+    }
     config.ssl_mode(mode);
     Ok((config, tls))
 }
@@ -178,10 +271,20 @@ pub fn driver_config(url: &str) -> Result<(tokio_postgres::Config, Tls), String>
 /// the `sslmode` to give the driver. Reads the certificate files now, so a
 /// missing or malformed one is reported at open, naming the file.
 pub fn connector(params: &TlsParams) -> Result<(Tls, SslMode), TlsConfigError> {
+    let system = params.root_cert.as_deref() == Some("system");
     let mode = match (params.mode, &params.root_cert) {
+        // libpq: the system's roots are only safe with the host name
+        // checked, so they imply `verify-full` and refuse anything weaker.
+        (None, Some(_)) if system => TlsMode::VerifyFull,
+        (Some(m), _) if system && m != TlsMode::VerifyFull => {
+            return Err(TlsConfigError::WeakSystemRoots)
+        }
         (None, _) => TlsMode::Prefer,
         // libpq: `require` with a root certificate file behaves as `verify-ca`.
-        (Some(TlsMode::Require), Some(root)) if root != "system" => TlsMode::VerifyCa,
+        (Some(TlsMode::Require), Some(_)) => TlsMode::VerifyCa,
+        // Any public certificate chains to the system's roots: without the
+        // host name check, only a root of one's own means anything.
+        (Some(TlsMode::VerifyCa), None) => return Err(TlsConfigError::VerifyCaWithoutRoot),
         (Some(m), _) => m,
     };
     let driver_mode = match mode {
@@ -426,10 +529,37 @@ pub struct TlsFailure {
     source: io::Error,
 }
 
+/// Connects with `config`; under `sslmode=prefer`, a refused TLS handshake
+/// is followed by a connection without TLS, as libpq does.
+pub async fn connect(
+    config: &tokio_postgres::Config,
+    tls: Tls,
+) -> Result<
+    (
+        tokio_postgres::Client,
+        tokio_postgres::Connection<tokio_postgres::Socket, TlsStream<tokio_postgres::Socket>>,
+    ),
+    tokio_postgres::Error,
+> {
+    match config.connect(tls.clone()).await {
+        Err(e) if config.get_ssl_mode() == SslMode::Prefer && is_tls_refusal(&e) => {
+            tracing::debug!(error = %e, "TLS refused under sslmode=prefer; connecting without it");
+            let mut plain = config.clone();
+            plain.ssl_mode(SslMode::Disable);
+            plain.connect(tls).await
+        }
+        other => other,
+    }
+}
+
 /// Whether a driver error is a TLS handshake the client or the server
-/// refused (an untrusted certificate, no common protocol), which trying
-/// again will not fix; a connection that broke during the handshake is not.
+/// refused (an untrusted certificate, no common protocol, a server without
+/// TLS when it is required), which trying again will not fix; a connection
+/// that broke during the handshake is not.
 pub fn is_tls_refusal(e: &tokio_postgres::Error) -> bool {
+    // The driver's own refusals ("server does not support TLS") carry no
+    // typed cause, only its TLS kind, whose text is fixed.
+    let driver_tls = e.to_string().contains("TLS handshake");
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
         if let Some(failure) = s.downcast_ref::<TlsFailure>() {
@@ -444,7 +574,7 @@ pub fn is_tls_refusal(e: &tokio_postgres::Error) -> bool {
         }
         source = s.source();
     }
-    false
+    driver_tls
 }
 
 impl<S> MakeTlsConnect<S> for Tls
@@ -582,6 +712,53 @@ mod tests {
         let (rest, p) = split("postgres://u@h/db").unwrap();
         assert_eq!(rest, "postgres://u@h/db");
         assert_eq!(p, TlsParams::default());
+
+        // A `?` in the password is not the query.
+        let (rest, p) = split("postgres://u:pa?ss@h/db?sslmode=require").unwrap();
+        assert_eq!(rest, "postgres://u:pa?ss@h/db");
+        assert_eq!(p.mode, Some(TlsMode::Require));
+
+        // libpq's key/value syntax: spaces around `=`, quotes, escapes;
+        // what is not keel's is kept exactly as written.
+        let (rest, p) = split(
+            "host=h password='a  b' sslmode = verify-full sslrootcert='/x y/ca.pem' user=o\\'k",
+        )
+        .unwrap();
+        assert_eq!(rest, "host=h password='a  b' user=o\\'k");
+        assert_eq!(p.mode, Some(TlsMode::VerifyFull));
+        assert_eq!(p.root_cert.as_deref(), Some("/x y/ca.pem"));
+        let config = driver_config("host=h password='a  b' dbname=d").unwrap().0;
+        assert_eq!(config.get_password(), Some("a  b".as_bytes()));
+    }
+
+    #[test]
+    fn system_roots_need_the_host_name_checked() {
+        let with = |mode: Option<TlsMode>, root: Option<&str>| TlsParams {
+            mode,
+            root_cert: root.map(str::to_string),
+            ..TlsParams::default()
+        };
+        for weak in [TlsMode::Require, TlsMode::VerifyCa, TlsMode::Prefer] {
+            assert!(matches!(
+                connector(&with(Some(weak), Some("system"))),
+                Err(TlsConfigError::WeakSystemRoots)
+            ));
+        }
+        assert!(matches!(
+            connector(&with(Some(TlsMode::VerifyCa), None)),
+            Err(TlsConfigError::VerifyCaWithoutRoot)
+        ));
+        // sslrootcert=system alone means verify-full (when the machine has
+        // roots at all).
+        if let Ok((_, mode)) = connector(&with(None, Some("system"))) {
+            assert_eq!(mode, SslMode::Require);
+        }
+        // An sslmode keel could not read is refused, not replaced.
+        assert!(driver_config("host=h sslmode=require").is_ok());
+        assert!(driver_config("postgres://u@h/db").is_ok());
+        // Unix sockets ignore sslmode, as libpq does.
+        let (config, _) = driver_config("host=/tmp sslmode=require").unwrap();
+        assert_eq!(config.get_ssl_mode(), SslMode::Disable);
     }
 
     #[test]
