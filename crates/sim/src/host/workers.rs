@@ -181,8 +181,13 @@ impl World<'_> {
             attempt: order.attempt,
             epoch: order.epoch,
         };
+        let elsewhere = if runner == p {
+            String::new()
+        } else {
+            format!(" of process {runner}")
+        };
         self.log(format_args!(
-            "dispatch {} step {} attempt {} epoch {} to worker {worker} of process {runner}",
+            "dispatch {} step {} attempt {} epoch {} to worker {worker}{elsewhere}",
             self.name(key.run),
             key.step,
             order.attempt,
@@ -259,19 +264,32 @@ impl World<'_> {
         attempt: AttemptNo,
         may_time_out: bool,
     ) -> usize {
-        if !self.shared() || !may_time_out || !self.may_fault(key, attempt) {
+        // Rolled before the conditions, like the other faults, so that a
+        // replay of some firings (`--firings`) keeps the random stream.
+        if !self.shared() || !self.fault(FaultKind::RemoteCopy) {
+            return p;
+        }
+        if !may_time_out || !self.may_fault(key, attempt) {
             return p;
         }
         let others: Vec<usize> = (0..self.processes.len())
             .filter(|&q| q != p && self.running(q))
             .collect();
-        // Rolled only where it can happen, so its firings count the copies
-        // placed elsewhere.
-        if others.is_empty() || !self.fault(FaultKind::RemoteCopy) {
+        if others.is_empty() {
             return p;
         }
         self.spend_fault(key, attempt);
         others[self.rng.random_range(0..others.len())]
+    }
+
+    /// When `copy` runs in process `p` for another process's shard and `p`
+    /// is frozen: when it wakes (its copies report nothing meanwhile; a
+    /// copy of the shard's own process is held at delivery instead).
+    fn frozen_taker(&self, p: usize, copy: CopyId) -> Option<u64> {
+        if copy.runner == copy.inc {
+            return None;
+        }
+        self.processes[p].paused_until
     }
 
     /// The shard asked a copy to stop; the stop follows the copy to the
@@ -313,6 +331,9 @@ impl World<'_> {
         let Some(p) = self.live(copy.runner) else {
             return; // died with its process
         };
+        if let Some(until) = self.frozen_taker(p, copy) {
+            return self.at(until, Ev::WorkerBeat { worker, life, copy });
+        }
         let Some(c) = self.processes[p].copies.get_mut(&copy) else {
             return; // finished
         };
@@ -383,6 +404,9 @@ impl World<'_> {
         let Some(p) = self.live(copy.runner) else {
             return; // the engine running it is gone, and its copies
         };
+        if let Some(until) = self.frozen_taker(p, copy) {
+            return self.at(until, Ev::WorkerDone { worker, life, copy });
+        }
         let result = match self.processes[p].copies.get(&copy) {
             Some(c) if c.worker == worker => {
                 let r = c.result.clone();
