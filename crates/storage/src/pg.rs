@@ -109,6 +109,11 @@ pub const PG_LEASE_MS_MIN: u64 = 500;
 /// How often a process waiting for the write lease asks for it.
 pub const PG_LEASE_POLL_MS: u64 = 250;
 
+/// How full PostgreSQL packs the pages of the tables whose rows keel
+/// rewrites (runs, instances, tasks): the rest is room for the next
+/// version of a row beside the old one.
+const PG_UPDATED_FILLFACTOR_PERCENT: u32 = 70;
+
 /// The SQLSTATE `fence` raises when the lease is no longer this process's.
 const FENCED_SQLSTATE: &str = "KL001";
 
@@ -280,11 +285,21 @@ impl Sql {
                 format!("select k, v from {t} where k >= $1 and k < $2 order by k limit $3")
             }),
             scan_open: each(&|t| format!("select k, v from {t} where k >= $1 order by k limit $2")),
-            put: each(&|t| {
-                format!(
-                    "insert into {t} (k, v) select * from unnest($1::bytea[], $2::bytea[]) \
-                     on conflict (k) do update set v = excluded.v"
-                )
+            put: std::array::from_fn(|i| {
+                let t = table(schema, Cf::ALL[i]);
+                if Cf::ALL[i] == Cf::Dedupe {
+                    // A durable id's row is written once: validation (under
+                    // `Checks::ALL`) found it absent, so a plain insert
+                    // suffices, and a row that is there after all (another
+                    // writer's) fails the group instead of being
+                    // overwritten.
+                    format!("insert into {t} (k, v) select * from unnest($1::bytea[], $2::bytea[])")
+                } else {
+                    format!(
+                        "insert into {t} (k, v) select * from unnest($1::bytea[], $2::bytea[]) \
+                         on conflict (k) do update set v = excluded.v"
+                    )
+                }
             }),
             delete: each(&|t| format!("delete from {t} where k = any($1::bytea[])")),
             event_get: format!("select v from {events} where run = $1 and seq = $2"),
@@ -364,8 +379,17 @@ impl Sql {
         ];
         for cf in Cf::ALL {
             if cf != Cf::Events {
+                // Rows rewritten in place (a run's record on every commit)
+                // leave room on their page, so the new version is a
+                // heap-only tuple and the key's index is not touched.
+                let room = match cf {
+                    Cf::Runs | Cf::Instances | Cf::Tasks => {
+                        format!(" with (fillfactor = {PG_UPDATED_FILLFACTOR_PERCENT})")
+                    }
+                    _ => String::new(),
+                };
                 out.push(format!(
-                    "create table if not exists {} (k bytea primary key, v bytea not null)",
+                    "create table if not exists {} (k bytea primary key, v bytea not null){room}",
                     table(schema, cf)
                 ));
             }
