@@ -9,6 +9,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use keel::storage::keys::Cf;
+use keel::storage::kv::KvRead;
+use keel::storage::{CommitBatch, CommitHandle, MemStore, Store};
 use keel::{
     Activity, ActivityContext, ActivityError, Engine, EngineError, RetryPolicy, Workflow,
     WorkflowContext, WorkflowError,
@@ -311,5 +314,93 @@ async fn activities_run_at_least_once_and_commit_once() -> anyhow::Result<()> {
     let report = engine.store().verify()?;
     assert!(report.ok, "{:?}", report.violations);
     assert_eq!(report.runs, 50);
+    Ok(())
+}
+
+/// Waits for signals `a` and `b` and returns their sum.
+struct TwoSignals;
+impl Workflow for TwoSignals {
+    const NAME: &'static str = "two-signals";
+    type Input = ();
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<u32, WorkflowError> {
+        let a: u32 = ctx.wait_signal("a").await?;
+        let b: u32 = ctx.wait_signal("b").await?;
+        Ok(a + b)
+    }
+}
+
+/// A store that counts the reads of instance records.
+struct CountingStore {
+    inner: Arc<MemStore>,
+    instance_reads: AtomicU32,
+}
+
+impl KvRead for CountingStore {
+    fn get(&self, cf: Cf, key: &[u8]) -> keel::storage::Result<Option<Vec<u8>>> {
+        if cf == Cf::Instances {
+            self.instance_reads.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.view().get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> keel::storage::Result<()> {
+        self.inner.view().scan(cf, prefix, from, visit)
+    }
+}
+
+impl Store for CountingStore {
+    fn view(&self) -> &dyn KvRead {
+        self
+    }
+    fn commit(&self, batch: CommitBatch) -> CommitHandle {
+        self.inner.commit(batch)
+    }
+    fn sync(&self) -> keel::storage::Result<()> {
+        self.inner.sync()
+    }
+    fn durability(&self) -> keel::Durability {
+        self.inner.durability()
+    }
+}
+
+// Goal: a request naming an instance whose run is open in the engine's
+// memory reaches that run without reading the store, and once the run has
+// closed the store decides again (and answers correctly).
+// Method: an engine on a store that counts instance-record reads; signal
+// and describe a waiting run by its instance name, then ask for the
+// closed run's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Result<()> {
+    let store = Arc::new(CountingStore {
+        inner: Arc::new(MemStore::new(keel::Durability::Sync)),
+        instance_reads: AtomicU32::new(0),
+    });
+    let engine = Engine::builder()
+        .store(store.clone())
+        .register_workflow::<TwoSignals>()
+        .build()?;
+    let client = engine.client();
+    client.start::<TwoSignals>("sum", &()).await?;
+    let before = store.instance_reads.load(Ordering::SeqCst);
+    client.signal("sum", "a", &2u32, None).await?;
+    let described = client.describe("sum").await?;
+    assert_eq!(described.status, keel::RunStatus::Running);
+    assert_eq!(
+        store.instance_reads.load(Ordering::SeqCst),
+        before,
+        "the open run was found in memory"
+    );
+    // Closed: the store resolves the name, and the outcome is the same.
+    client.signal("sum", "b", &3u32, None).await?;
+    assert_eq!(client.result::<TwoSignals>("sum").await?, 5);
+    assert!(store.instance_reads.load(Ordering::SeqCst) > before);
+    engine.shutdown().await;
     Ok(())
 }

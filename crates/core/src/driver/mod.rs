@@ -1032,6 +1032,10 @@ pub struct Shard {
     actions: VecDeque<Action>,
     due: DueQueue,
     runs: BTreeMap<RunId, RunSlot>,
+    /// Instances whose current run was started here and is in memory, by
+    /// instance id: a request naming one is resolved without a read. One
+    /// entry per such run, dropped when it closes or is forgotten.
+    open_instances: BTreeMap<String, RunId>,
     lru: BTreeMap<u64, RunId>,
     tick: u64,
     reads: BTreeMap<Token, ReadFor>,
@@ -1100,6 +1104,7 @@ impl Shard {
             actions: VecDeque::new(),
             due: DueQueue::default(),
             runs: BTreeMap::new(),
+            open_instances: BTreeMap::new(),
             lru: BTreeMap::new(),
             tick: 0,
             reads: BTreeMap::new(),

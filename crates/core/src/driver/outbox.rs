@@ -15,8 +15,7 @@ use keel_storage::{
 };
 
 use super::{
-    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, ReadFor, ReadQuery, Refusal, ReplyTo,
-    RunOp, Shard, Token,
+    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, Refusal, ReplyTo, RunOp, Shard, Token,
 };
 use crate::machine::{Input, StartSpec};
 
@@ -248,7 +247,7 @@ impl Shard {
                 // Resolved like a client's request naming the instance:
                 // a continue-as-new in progress answers "try again".
                 let op = RunOp::Input(input);
-                self.read(ReadQuery::Resolve(target), ReadFor::Resolve { op, reply });
+                self.resolve(target, op, reply);
             }
         }
     }

@@ -203,10 +203,18 @@ impl Shard {
                 }),
             ),
         };
-        self.read(
-            ReadQuery::Resolve(target.clone()),
-            ReadFor::Resolve { op, reply },
-        );
+        self.resolve(target, op, reply);
+    }
+
+    /// Hands `op` to the run `target` names: at once when this shard knows
+    /// it ([`Shard::resolve_here`]), else once the store has told.
+    pub(super) fn resolve(&mut self, target: String, op: RunOp, reply: ReplyTo) {
+        match self.resolve_here(&target) {
+            Some(run) => self.resolved(op, reply, Ok(ReadResult::Resolved(Some(run)))),
+            None => {
+                self.read(ReadQuery::Resolve(target), ReadFor::Resolve { op, reply });
+            }
+        }
     }
 
     /// The request's target resolved: hand the operation to its run.
@@ -387,14 +395,7 @@ impl Shard {
         match (job.reuse, job.then) {
             (Some(_), Some(signal @ Input::Signal { .. })) => {
                 let target = job.spec.instance_id.to_string();
-                let op = RunOp::Input(signal);
-                self.read(
-                    ReadQuery::Resolve(target),
-                    ReadFor::Resolve {
-                        op,
-                        reply: job.reply,
-                    },
-                );
+                self.resolve(target, RunOp::Input(signal), job.reply);
             }
             _ => self.reply(job.reply, Answer::Existing(run), None),
         }
@@ -536,7 +537,7 @@ impl Shard {
 
     fn forget_failed_start(&mut self, run: RunId) {
         if self.runs.get(&run).is_some_and(|s| s.idle()) {
-            self.runs.remove(&run);
+            self.forget(run);
         }
     }
 

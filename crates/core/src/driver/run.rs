@@ -44,6 +44,8 @@ pub(super) struct Inflight {
     token: Token,
     origin: Option<Origin>,
     start: bool,
+    /// For a start: the instance it makes this run the current one of.
+    instance: Option<String>,
     last_seq: Seq,
     closing: Option<Outcome>,
     /// Answers that rest on this commit (and those before it) being
@@ -80,6 +82,9 @@ pub(super) struct RunSlot {
     /// Park markers being committed, with the answers that wait for them
     /// (a "parked" answer is given once the reason is durable).
     markers: Vec<(Token, Vec<(Origin, Answer)>)>,
+    /// Its instance, once its start committed here (see
+    /// `Shard::resolve_here`).
+    instance: Option<String>,
 }
 
 impl RunSlot {
@@ -96,6 +101,7 @@ impl RunSlot {
             resuming: Vec::new(),
             parked_next: None,
             markers: Vec::new(),
+            instance: None,
         }
     }
 
@@ -614,6 +620,12 @@ impl Shard {
         let events = &batch.appends[0].events;
         let last_seq = events.last().expect("a commit has events").seq;
         let closing = events.iter().find_map(|e| outcome_of(&e.kind));
+        let instance = events.iter().find_map(|e| match &e.kind {
+            EventKind::WorkflowStarted { instance_id, .. } if start => {
+                Some(instance_id.as_str().to_string())
+            }
+            _ => None,
+        });
         let mut accepted = Vec::new();
         let mut completed = Vec::new();
         let mut sent = None;
@@ -684,6 +696,7 @@ impl Shard {
             token,
             origin,
             start,
+            instance,
             last_seq,
             closing,
             deferred: Vec::new(),
@@ -719,6 +732,10 @@ impl Shard {
         match result {
             Ok(ack) => {
                 let cause: Cause = Some((run, entry.last_seq));
+                if let Some(instance) = entry.instance.take() {
+                    self.open_instances.insert(instance.clone(), run);
+                    self.runs.get_mut(&run).expect("checked above").instance = Some(instance);
+                }
                 self.removed(ack.removed);
                 self.intents(ack.intents, cause);
                 if let Some(origin) = entry.origin {
@@ -741,6 +758,9 @@ impl Shard {
                 }
             }
             Err(e) => {
+                if entry.start {
+                    self.start_waiters_read(run);
+                }
                 // Thrown away: the next input replays from the log.
                 let slot = self.runs.get_mut(&run).expect("checked above");
                 if matches!(slot.phase, Phase::Ready(_)) {
@@ -812,10 +832,38 @@ impl Shard {
         }
     }
 
-    fn forget(&mut self, run: RunId) {
+    pub(super) fn forget(&mut self, run: RunId) {
         if let Some(slot) = self.runs.remove(&run) {
             self.lru.remove(&slot.tick);
+            self.instance_gone(run, slot.instance.as_deref());
         }
+    }
+
+    /// `run` is no longer its instance's open run in memory here.
+    pub(super) fn instance_gone(&mut self, run: RunId, instance: Option<&str>) {
+        if let Some(instance) = instance {
+            if self.open_instances.get(instance) == Some(&run) {
+                self.open_instances.remove(instance);
+            }
+        }
+    }
+
+    /// The run `target` (an instance id or a run id) names, when this
+    /// shard knows it without reading the store: a run in memory whose
+    /// start is durable and that has not closed is its instance's current
+    /// run. `None`: the store decides.
+    pub(super) fn resolve_here(&self, target: &str) -> Option<RunId> {
+        let by_id = RunId::parse(target);
+        let run = match by_id {
+            Some(run) => run,
+            None => *self.open_instances.get(target)?,
+        };
+        let slot = self.runs.get(&run)?;
+        let open = matches!(slot.phase, Phase::Ready(_))
+            && !slot.closed
+            && !slot.inflight.iter().any(|i| i.start)
+            && (by_id.is_some() || slot.instance.as_deref() == Some(target));
+        open.then_some(run)
     }
 
     /// A closing commit of `run` was answered: whoever waits for its
@@ -823,6 +871,8 @@ impl Shard {
     fn run_closed(&mut self, run: RunId, outcome: Outcome, cause: Cause) {
         if let Some(slot) = self.runs.get_mut(&run) {
             slot.closed = true;
+            let instance = slot.instance.take();
+            self.instance_gone(run, instance.as_deref());
         }
         self.updates_end(run, Answer::Refused(Refusal::RunClosed(run)));
         self.workflows.unbind_async(run);
@@ -1019,17 +1069,31 @@ impl Shard {
                 limit = RESULT_WAITERS_PER_RUN_MAX, "many clients wait for this run's result");
         }
         waiters.insert(token, reply);
-        // A run in memory whose start is durable and that has not closed:
-        // its close answers the waiter, no read needed.
-        // (While the store is stopped the read decides: an open run's
-        // waiter is answered at once.)
+        // A run in memory that has not closed: its close answers the
+        // waiter, no read needed. If its start is still in flight, the
+        // start's commit decides: a failed start sends its waiters to the
+        // store (`start_waiters_read`). (While the store is stopped the
+        // read decides: an open run's waiter is answered at once.)
         let open_here = self.store_health.is_healthy()
-            && self.runs.get(&run).is_some_and(|slot| {
-                matches!(slot.phase, Phase::Ready(_))
-                    && !slot.closed
-                    && !slot.inflight.iter().any(|i| i.start)
-            });
+            && self
+                .runs
+                .get(&run)
+                .is_some_and(|slot| matches!(slot.phase, Phase::Ready(_)) && !slot.closed);
         if !open_here {
+            self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
+        }
+    }
+
+    /// A start commit failed: the clients that waited on it for the run's
+    /// result learn from the store whether the run exists after all (an
+    /// earlier start of it, or a commit whose outcome is unknown).
+    fn start_waiters_read(&mut self, run: RunId) {
+        let tokens: Vec<Token> = self
+            .results
+            .get(&run)
+            .map(|w| w.keys().copied().collect())
+            .unwrap_or_default();
+        for token in tokens {
             self.read(ReadQuery::RunMeta(run), ReadFor::Result(run, token));
         }
     }
