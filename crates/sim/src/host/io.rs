@@ -37,7 +37,8 @@ impl World<'_> {
                     && self.fault(FaultKind::ProcessKill)
                 {
                     let at = self.now + self.ms(0, 3);
-                    self.at(at, Ev::ProcessKill { p });
+                    let inc = self.processes[p].inc;
+                    self.at(at, Ev::ProcessKill { p, inc });
                 }
                 self.commit(p, shard, token, batch)
             }

@@ -181,9 +181,11 @@ enum Ev {
     EngineCrash,
     EngineRestart,
     /// One process of several dies (its memory, copies and group are
-    /// lost; the store is a database that lives on).
+    /// lost; the store is a database that lives on). Only incarnation
+    /// `inc`: a kill decided for it does not reach a later one.
     ProcessKill {
         p: usize,
+        inc: u32,
     },
     /// A process started again, as a new incarnation.
     ProcessRestart {
@@ -767,9 +769,14 @@ impl<'a> World<'a> {
                     _ => self.owner(shard),
                 };
                 let owned = to.is_some_and(|p| self.processes[p].shards.contains_key(&shard));
-                if !owned && relayed.is_some_and(|until| self.now < until) {
-                    // In the store until a process owns the shard again.
-                    let at = self.now + self.ms(10, 100);
+                // In the store until a process owns the shard again, or
+                // waiting for the owner to wake: delivered again later.
+                let later = if !owned && relayed.is_some_and(|until| self.now < until) {
+                    Some(self.now + self.ms(10, 100))
+                } else {
+                    to.and_then(|p| self.processes[p].paused_until)
+                };
+                if let Some(at) = later {
                     let ev = Ev::Input {
                         inc,
                         pinned,
@@ -784,17 +791,6 @@ impl<'a> World<'a> {
                     self.log(format_args!("no process owns {shard}; lost: {input:?}"));
                     return;
                 };
-                if let Some(until) = self.processes[p].paused_until {
-                    let ev = Ev::Input {
-                        inc,
-                        pinned,
-                        relayed,
-                        shard,
-                        input,
-                    };
-                    self.at(until, ev);
-                    return;
-                }
                 if !self.processes[p].shards.contains_key(&shard) {
                     self.log(format_args!("{shard} left its process; lost: {input:?}"));
                     return;
@@ -825,7 +821,11 @@ impl<'a> World<'a> {
                 }
                 self.flush(p);
             }
-            Ev::ProcessKill { p } => self.process_kill(p),
+            Ev::ProcessKill { p, inc } => {
+                if self.processes[p].inc == inc {
+                    self.process_kill(p);
+                }
+            }
             Ev::ProcessRestart { p } => self.process_restart(p),
             Ev::ProcessWake { p, inc } => self.process_wake(p, inc),
             Ev::Look { p, inc } => {

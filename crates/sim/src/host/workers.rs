@@ -196,7 +196,8 @@ impl World<'_> {
         if runner != p && self.crashes < super::CRASHES_MAX && self.fault(FaultKind::TakerKill) {
             // The process that took the copy dies while it runs.
             let at = self.now + self.ms(0, duration);
-            self.at(at, Ev::ProcessKill { p: runner });
+            let inc = self.processes[runner].inc;
+            self.at(at, Ev::ProcessKill { p: runner, inc });
         }
         if runner != p && self.may_fault(key, order.attempt) && self.fault(FaultKind::CopyLostAlive)
         {
