@@ -375,7 +375,7 @@ impl Store for CountingStore {
 // closed the store decides again (and answers correctly).
 // Method: an engine on a store that counts instance-record reads; signal
 // and describe a waiting run by its instance name, then ask for the
-// closed run's result.
+// closed run's result; then the same for a run replayed after a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Result<()> {
     let store = Arc::new(CountingStore {
@@ -401,6 +401,22 @@ async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Res
     client.signal("sum", "b", &3u32, None).await?;
     assert_eq!(client.result::<TwoSignals>("sum").await?, 5);
     assert!(store.instance_reads.load(Ordering::SeqCst) > before);
+
+    // After a restart the first request reads, the run is replayed open,
+    // and the next requests find it in memory again.
+    client.start::<TwoSignals>("later", &()).await?;
+    engine.shutdown().await;
+    let engine = Engine::builder()
+        .store(store.clone())
+        .register_workflow::<TwoSignals>()
+        .build()?;
+    let client = engine.client();
+    client.signal("later", "a", &4u32, None).await?;
+    let after_replay = store.instance_reads.load(Ordering::SeqCst);
+    client.describe("later").await?;
+    client.signal("later", "b", &5u32, None).await?;
+    assert_eq!(store.instance_reads.load(Ordering::SeqCst), after_replay);
+    assert_eq!(client.result::<TwoSignals>("later").await?, 9);
     engine.shutdown().await;
     Ok(())
 }

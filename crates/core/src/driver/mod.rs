@@ -1032,9 +1032,10 @@ pub struct Shard {
     actions: VecDeque<Action>,
     due: DueQueue,
     runs: BTreeMap<RunId, RunSlot>,
-    /// Instances whose current run was started here and is in memory, by
-    /// instance id: a request naming one is resolved without a read. One
-    /// entry per such run, dropped when it closes or is forgotten.
+    /// Instances whose current run is open in memory here (started here,
+    /// or replayed open), by instance id: a client's request naming one
+    /// is resolved without a read. One entry per such run, dropped when
+    /// it closes or is forgotten.
     open_instances: BTreeMap<String, RunId>,
     lru: BTreeMap<u64, RunId>,
     tick: u64,

@@ -15,7 +15,8 @@ use keel_storage::{
 };
 
 use super::{
-    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, Refusal, ReplyTo, RunOp, Shard, Token,
+    shard_of, Answer, BreakMode, Cause, Due, Message, Origin, ReadFor, ReadQuery, Refusal, ReplyTo,
+    RunOp, Shard, Token,
 };
 use crate::machine::{Input, StartSpec};
 
@@ -247,7 +248,9 @@ impl Shard {
                 // Resolved like a client's request naming the instance:
                 // a continue-as-new in progress answers "try again".
                 let op = RunOp::Input(input);
-                self.resolve(target, op, reply);
+                // Through the store, never at once: this runs inside the
+                // answer to the sender's commit.
+                self.read(ReadQuery::Resolve(target), ReadFor::Resolve { op, reply });
             }
         }
     }

@@ -82,8 +82,8 @@ pub(super) struct RunSlot {
     /// Park markers being committed, with the answers that wait for them
     /// (a "parked" answer is given once the reason is durable).
     markers: Vec<(Token, Vec<(Origin, Answer)>)>,
-    /// Its instance, once its start committed here (see
-    /// `Shard::resolve_here`).
+    /// Its instance, once its start committed here or its open history
+    /// was replayed (see `Shard::resolve_here`).
     instance: Option<String>,
 }
 
@@ -425,6 +425,9 @@ impl Shard {
             let slot = self.runs.get_mut(&run).expect("checked above");
             slot.phase = Phase::Closed;
             slot.closed = true;
+            let instance = slot.instance.take();
+            self.instance_gone(run, instance.as_deref());
+            let slot = self.runs.get_mut(&run).expect("checked above");
             for origin in std::mem::take(&mut slot.resuming) {
                 self.answer(origin, Answer::Resumed(Resumed::fitting(run, false)), None);
             }
@@ -460,8 +463,20 @@ impl Shard {
             }
         }
         let next = Seq(history.len() as u64 + 1);
+        // Open (checked above), so its instance's current run: the store
+        // starts no other run of an instance while one is open.
+        let instance = match &first.kind {
+            EventKind::WorkflowStarted { instance_id, .. } if marker.is_none() => {
+                Some(instance_id.as_str().to_string())
+            }
+            _ => None,
+        };
         match RunMachine::replay(&self.workflows, history) {
             Ok(m) => {
+                if let Some(instance) = instance {
+                    self.open_instances.insert(instance.clone(), run);
+                    self.runs.get_mut(&run).expect("checked above").instance = Some(instance);
+                }
                 let slot = self.runs.get_mut(&run).expect("checked above");
                 slot.restarts = 0;
                 slot.async_tries = 0;
