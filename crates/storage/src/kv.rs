@@ -5,6 +5,7 @@
 //! against [`KvRead`]/[`KvWrite`]; the RocksDB store and the in-memory store
 //! only move bytes.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use crate::error::Result;
@@ -60,7 +61,7 @@ pub fn mutations_of(writes: Writes) -> Vec<Mutation> {
 /// Pending writes layered over a base view; reads see the writes first.
 pub struct Overlay<'a> {
     base: &'a dyn KvRead,
-    writes: Writes,
+    writes: Cow<'a, Writes>,
 }
 
 impl std::fmt::Debug for Overlay<'_> {
@@ -72,25 +73,41 @@ impl std::fmt::Debug for Overlay<'_> {
 impl<'a> Overlay<'a> {
     /// An empty overlay over `base`.
     pub fn new(base: &'a dyn KvRead) -> Self {
+        Overlay::with(base, Writes::new())
+    }
+
+    /// An overlay over `base` that starts from `writes` (taken, not
+    /// copied: a writer validating a group in steps keeps them between
+    /// steps).
+    pub fn with(base: &'a dyn KvRead, writes: Writes) -> Self {
         Overlay {
             base,
-            writes: BTreeMap::new(),
+            writes: Cow::Owned(writes),
+        }
+    }
+
+    /// A view of `writes` over `base`, borrowing them: the writes of a
+    /// group still in flight, under the next group's.
+    pub fn over(base: &'a dyn KvRead, writes: &'a Writes) -> Self {
+        Overlay {
+            base,
+            writes: Cow::Borrowed(writes),
         }
     }
 
     /// Takes another overlay's writes on top of this one's.
     pub fn absorb(&mut self, writes: Writes) {
-        self.writes.extend(writes);
+        self.writes.to_mut().extend(writes);
     }
 
     /// The writes, for absorbing into a parent overlay.
     pub fn into_writes(self) -> Writes {
-        self.writes
+        self.writes.into_owned()
     }
 
     /// The writes as mutations in key order.
     pub fn mutations(self) -> Vec<Mutation> {
-        mutations_of(self.writes)
+        mutations_of(self.into_writes())
     }
 
     /// Number of pending writes.
@@ -146,11 +163,11 @@ impl KvRead for Overlay<'_> {
 
 impl KvWrite for Overlay<'_> {
     fn put(&mut self, cf: Cf, key: Vec<u8>, value: Vec<u8>) {
-        self.writes.insert((cf, key), Some(value));
+        self.writes.to_mut().insert((cf, key), Some(value));
     }
 
     fn delete(&mut self, cf: Cf, key: Vec<u8>) {
-        self.writes.insert((cf, key), None);
+        self.writes.to_mut().insert((cf, key), None);
     }
 }
 

@@ -56,8 +56,11 @@
 //! an async runtime or not.
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -74,7 +77,7 @@ use crate::error::{DatabaseFault, Error, Result};
 use crate::health::{HealthCell, StoreHealth, WriteFault};
 use crate::ids::Timestamp;
 use crate::keys::{prefix_end, Cf};
-use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
+use crate::kv::{KvRead, Overlay, Writes};
 use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
 use crate::pg_tls::{self, Tls};
 use crate::relay::{self, Note, Relay, RelayNotices, RelayTo};
@@ -1815,30 +1818,39 @@ struct Rows {
 }
 
 impl Rows {
-    fn of(mutations: &[Mutation]) -> Self {
+    fn of(writes: &Writes) -> Self {
         let mut rows = Rows {
             puts: vec![(Vec::new(), Vec::new()); Cf::ALL.len()],
             deletes: vec![Vec::new(); Cf::ALL.len()],
             ..Rows::default()
         };
-        for m in mutations {
-            match m {
-                Mutation::Put(Cf::Events, k, v) => {
+        for ((cf, k), v) in writes {
+            match (cf, v) {
+                (Cf::Events, Some(v)) => {
                     if let Some((run, seq)) = event_key_parts(k) {
                         rows.event_runs.push(run.to_vec());
                         rows.event_seqs.push(seq);
                         rows.event_values.push(v.clone());
                     }
                 }
-                Mutation::Put(cf, k, v) => {
+                (cf, Some(v)) => {
                     rows.puts[cf.index()].0.push(k.clone());
                     rows.puts[cf.index()].1.push(v.clone());
                 }
-                Mutation::Delete(cf, k) => rows.deletes[cf.index()].push(k.clone()),
+                (cf, None) => rows.deletes[cf.index()].push(k.clone()),
             }
         }
         rows
     }
+}
+
+/// What a statement of a group's transaction binds.
+enum Bind {
+    Fence,
+    ShardFence,
+    Events,
+    Put(usize),
+    Delete(usize),
 }
 
 /// What became of a group's transaction.
@@ -1850,56 +1862,46 @@ enum Written {
     Unknown(Error),
 }
 
-/// Writes `mutations` in one transaction, its statements pipelined, under
-/// the database's write lease or, on a sharded store, under `fence`.
-fn write_group(
+/// A group's transaction once sent: its statements are on their way (or
+/// done), the answer is read by polling.
+type WriteFuture = Pin<Box<dyn Future<Output = Option<tokio_postgres::Error>>>>;
+
+/// Prepares the transaction writing `writes` under the database's write
+/// lease or, on a sharded store, under `fence`, and sends it: every
+/// statement, `begin` to `commit`, goes out at once (pipelined), and the
+/// returned future yields the first error, if any. Polled once here with
+/// `waker`, which is woken when there is more to read.
+fn start_write(
     shared: &Shared,
-    conn: &Conn,
-    mutations: &[Mutation],
+    conn: &Arc<Conn>,
+    writes: &Writes,
     fence: Option<Fence>,
-) -> Written {
-    let rows = Rows::of(mutations);
+    waker: &Waker,
+) -> Result<(WriteFuture, Option<Option<tokio_postgres::Error>>)> {
+    let rows = Rows::of(writes);
     let sql = &shared.sql;
-    let mut statements: Vec<(Statement, Vec<&(dyn ToSql + Sync)>)> = Vec::new();
-    let prepare = |text: &str| conn.statement(shared, text);
-    let epoch = shared.epoch.load(Ordering::Acquire);
-    let (fence_shard, fence_epoch) = fence.map_or((0, 0), |f| (i32::from(f.shard), f.epoch as i64));
-    let mut plan = || -> Result<()> {
-        // First: the lease is still ours, and stays so until the commit.
-        if shared.sharded {
-            statements.push((prepare(&sql.shard_fence)?, vec![&fence_shard, &fence_epoch]));
-        } else {
-            statements.push((prepare(&sql.fence)?, vec![&epoch, &shared.owner]));
-        }
-        if !rows.event_runs.is_empty() {
-            statements.push((
-                prepare(&sql.event_put)?,
-                vec![&rows.event_runs, &rows.event_seqs, &rows.event_values],
-            ));
-        }
-        for cf in Cf::ALL {
-            let (keys, values) = &rows.puts[cf.index()];
-            if !keys.is_empty() {
-                statements.push((prepare(&sql.put[cf.index()])?, vec![keys, values]));
-            }
-            let deletes = &rows.deletes[cf.index()];
-            if !deletes.is_empty() {
-                statements.push((prepare(&sql.delete[cf.index()])?, vec![deletes]));
-            }
-        }
-        Ok(())
-    };
-    if let Err(e) = plan() {
-        // Preparing failed: nothing was sent for this group.
-        return match e {
-            Error::Database {
-                fault: DatabaseFault::Lost,
-                ..
-            } => Written::Unknown(e),
-            e => Written::Refused(e),
-        };
+    let mut plan: Vec<(Statement, Bind)> = Vec::new();
+    // First: the lease is still ours, and stays so until the commit.
+    if shared.sharded {
+        plan.push((conn.statement(shared, &sql.shard_fence)?, Bind::ShardFence));
+    } else {
+        plan.push((conn.statement(shared, &sql.fence)?, Bind::Fence));
     }
-    let client = &conn.client;
+    if !rows.event_runs.is_empty() {
+        plan.push((conn.statement(shared, &sql.event_put)?, Bind::Events));
+    }
+    for cf in Cf::ALL {
+        let i = cf.index();
+        if !rows.puts[i].0.is_empty() {
+            plan.push((conn.statement(shared, &sql.put[i])?, Bind::Put(i)));
+        }
+        if !rows.deletes[i].is_empty() {
+            plan.push((conn.statement(shared, &sql.delete[i])?, Bind::Delete(i)));
+        }
+    }
+    let epoch = shared.epoch.load(Ordering::Acquire);
+    let owner = shared.owner.clone();
+    let (fence_shard, fence_epoch) = fence.map_or((0, 0), |f| (i32::from(f.shard), f.epoch as i64));
     // keel never leaves a transaction open between its statements, but a
     // process paused mid-commit would: its `fence()` share lock would hold
     // off the takeover for as long as it stays paused. The server ends
@@ -1910,31 +1912,62 @@ fn write_group(
         "begin; set local idle_in_transaction_session_timeout = {}",
         shared.lease_ms
     );
-    let outcome = block(async {
+    let conn = conn.clone();
+    let mut future: WriteFuture = Box::pin(async move {
+        let params: Vec<Vec<&(dyn ToSql + Sync)>> = plan
+            .iter()
+            .map(|(_, bind)| -> Vec<&(dyn ToSql + Sync)> {
+                match bind {
+                    Bind::Fence => vec![&epoch, &owner],
+                    Bind::ShardFence => vec![&fence_shard, &fence_epoch],
+                    Bind::Events => vec![&rows.event_runs, &rows.event_seqs, &rows.event_values],
+                    Bind::Put(i) => vec![&rows.puts[*i].0, &rows.puts[*i].1],
+                    Bind::Delete(i) => vec![&rows.deletes[*i]],
+                }
+            })
+            .collect();
+        let client = &conn.client;
+        // The first poll sends all three in this order: the driver queues
+        // a request before it first waits for its answer.
         let begin = client.batch_execute(&begin_sql);
         let writes = futures::future::join_all(
-            statements
-                .iter()
-                .map(|(st, params)| client.execute(st, params)),
+            plan.iter()
+                .zip(&params)
+                .map(|((st, _), p)| client.execute(st, p.as_slice())),
         );
         let commit = client.batch_execute("commit");
-        futures::join!(begin, writes, commit)
+        let (begin, writes, commit) = futures::join!(begin, writes, commit);
+        begin
+            .err()
+            .into_iter()
+            .chain(writes.into_iter().filter_map(|r| r.err()))
+            .chain(commit.err())
+            .next()
     });
-    let (begin, writes, commit) = outcome;
-    let first_error = begin
-        .err()
-        .into_iter()
-        .chain(writes.into_iter().filter_map(|r| r.err()))
-        .chain(commit.err())
-        .next();
+    let first = match future.as_mut().poll(&mut Context::from_waker(waker)) {
+        Poll::Ready(done) => Some(done),
+        Poll::Pending => None,
+    };
+    Ok((future, first))
+}
+
+/// What the first error of a group's transaction (`None`: it committed)
+/// means for the group.
+fn outcome_of(
+    shared: &Shared,
+    conn: &Conn,
+    first_error: Option<tokio_postgres::Error>,
+    fence: Option<Fence>,
+) -> Written {
     match first_error {
         None => Written::Committed,
         Some(e) if e.code().is_some_and(|c| c.code() == SHARD_FENCED_SQLSTATE) => {
             // The transaction was rolled back: the connection is usable.
-            let current = shard_epoch(shared, conn, fence_shard as u16).ok().flatten();
+            let (shard, epoch) = fence.map_or((0, 0), |f| (f.shard, f.epoch));
+            let current = shard_epoch(shared, conn, shard).ok().flatten();
             Written::Refused(Error::Fenced {
-                shard: fence_shard as u16,
-                epoch: fence_epoch as u64,
+                shard,
+                epoch,
                 current,
             })
         }
@@ -1959,7 +1992,7 @@ fn write_group(
 /// writer lock again) and reads back the group's first row to learn
 /// whether the transaction committed. `None` when that could not be
 /// learned within [`PG_RECONNECT_MS_MAX`].
-fn resolve(shared: &Shared, mutations: &[Mutation]) -> (Option<Conn>, Option<bool>) {
+fn resolve(shared: &Shared, writes: &Writes) -> (Option<Conn>, Option<bool>) {
     let deadline = std::time::Instant::now() + Duration::from_millis(PG_RECONNECT_MS_MAX);
     loop {
         match reconnect(shared) {
@@ -1968,16 +2001,14 @@ fn resolve(shared: &Shared, mutations: &[Mutation]) -> (Option<Conn>, Option<boo
                     shared,
                     conn: &conn,
                 };
-                let probe = mutations
+                let probe = writes
                     .iter()
-                    .find(|m| matches!(m, Mutation::Put(Cf::Events, ..)))
-                    .or_else(|| mutations.first());
+                    .find(|((cf, _), v)| *cf == Cf::Events && v.is_some())
+                    .or_else(|| writes.iter().next());
                 let known = match probe {
                     None => Ok(true),
-                    Some(Mutation::Put(cf, k, v)) => {
-                        view.get(*cf, k).map(|got| got.as_ref() == Some(v))
-                    }
-                    Some(Mutation::Delete(cf, k)) => view.get(*cf, k).map(|got| got.is_none()),
+                    Some(((cf, k), Some(v))) => view.get(*cf, k).map(|got| got.as_ref() == Some(v)),
+                    Some(((cf, k), None)) => view.get(*cf, k).map(|got| got.is_none()),
                 };
                 match known {
                     Ok(k) => return (Some(conn), Some(k)),
@@ -2019,256 +2050,55 @@ fn reconnect(shared: &Shared) -> Result<Conn> {
     Ok(conn)
 }
 
-/// Renews the lease through the writer's connection (reconnecting first if
-/// it broke, which empties the writer's cache: the server may have
-/// restarted and lost buffered commits); marks the store fenced when the
-/// lease is gone.
-fn renew(shared: &Shared, conn: &mut Option<Conn>, cache: &mut WriterCache) {
-    if conn.as_ref().is_none_or(|c| c.client.is_closed()) {
-        match reconnect(shared) {
-            Ok(c) => {
-                *conn = Some(c);
-                cache.forget();
-            }
-            Err(e) => {
-                debug!(error = %e, "cannot reach the database to renew the write lease");
-                return;
-            }
+/// Whether `e` is a connection lost (nothing known to be written by it).
+fn is_lost(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Database {
+            fault: DatabaseFault::Lost,
+            ..
         }
-    }
-    let Some(c) = conn.as_ref() else { return };
-    if shared.sharded {
-        return; // no database-wide lease: each shard's is its engine's
-    }
-    match renew_lease(shared, c) {
-        Ok(true) => {}
-        Ok(false) => shared.fenced(format!(
-            "the write lease of epoch {} was taken over by another process",
-            shared.epoch.load(Ordering::Acquire)
-        )),
-        Err(e) => warn!(error = %e, "renewing the write lease failed"),
-    }
+    )
 }
 
-/// Validates and writes one group. A connection found broken before
-/// anything was written (while validating, or a transaction the read-back
-/// shows absent) costs one more try on a fresh connection, so a restarted
-/// server or a killed connection does not fail the commits waiting.
-fn commit_group(
-    shared: &Shared,
-    conn: &mut Option<Conn>,
-    cache: &mut WriterCache,
-    group: &[Request],
-) -> (Vec<Result<CommitAck>>, Result<()>) {
-    let lost = |e: &Error| {
-        matches!(
-            e,
-            Error::Database {
-                fault: DatabaseFault::Lost,
-                ..
-            }
-        )
-    };
-    if shared.sharded {
-        // Other processes write too: what this writer learned from its own
-        // writes may be out of date (a shard it held was taken over).
-        cache.forget();
-    }
-    let mut tries_left = 2;
-    loop {
-        tries_left -= 1;
-        if conn.as_ref().is_none_or(|c| c.client.is_closed()) {
-            match reconnect(shared) {
-                Ok(c) => {
-                    *conn = Some(c);
-                    // The server may have restarted and, with buffered
-                    // durability, lost commits this cache remembers.
-                    cache.forget();
-                }
-                Err(e) if tries_left > 0 && lost(&e) => continue,
-                Err(e) => {
-                    let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
-                    return (results, Ok(()));
-                }
-            }
-        }
-        let Some(c) = conn.as_ref() else { continue };
-        if let Some(fence) = group[0].fence {
-            // A process that lost the shard learns it as such, not as a
-            // validation error against the new owner's writes. The check
-            // in the transaction stays the one that counts.
-            match shard_epoch(shared, c, fence.shard) {
-                Ok(current) => {
-                    if current != Some(fence.epoch) {
-                        let fenced = || Error::Fenced {
-                            shard: fence.shard,
-                            epoch: fence.epoch,
-                            current,
-                        };
-                        return (group.iter().map(|_| Err(fenced())).collect(), Ok(()));
-                    }
-                }
-                Err(e) if tries_left > 0 && lost(&e) => {
-                    *conn = None;
-                    continue;
-                }
-                Err(e) => {
-                    let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
-                    return (results, Ok(()));
-                }
-            }
-        }
-        let view = ConnView { shared, conn: c };
-        // What validation reads for certain, in one round trip; most of
-        // the rest is known from this writer's own writes.
-        let wanted = cache.wanted(group.iter().map(|r| &r.prepared));
-        let ahead = if wanted.is_empty() {
-            ReadAhead::new()
-        } else {
-            match view.read_ahead(&wanted) {
-                Ok(ahead) => ahead,
-                Err(e) if tries_left > 0 && lost(&e) => {
-                    *conn = None;
-                    continue;
-                }
-                Err(e) => {
-                    let results = group.iter().map(|_| Err(e.clone_shallow())).collect();
-                    return (results, Ok(()));
-                }
-            }
-        };
-        let cached = CachedView {
-            base: &view,
-            cache,
-            ahead: &ahead,
-        };
-        let mut overlay = Overlay::new(&cached);
-        let mut results = Vec::with_capacity(group.len());
-        for req in group {
-            match apply_batch_checked(&overlay, &req.prepared, Checks::ALL) {
-                Ok((writes, ack)) => {
-                    overlay.absorb(writes);
-                    results.push(Ok(ack));
-                }
-                Err(e) => results.push(Err(e)),
-            }
-        }
-        if tries_left > 0 && results.iter().any(|r| r.as_ref().is_err_and(lost)) {
-            *conn = None;
-            continue;
-        }
-        let writes = overlay.into_writes();
-        let accepted = group
-            .iter()
-            .zip(&results)
-            .filter(|(_, r)| r.is_ok())
-            .map(|(req, _)| &req.prepared);
-        let learned = Learned::of(&writes, accepted);
-        let mutations = mutations_of(writes);
-        if mutations.is_empty() {
-            return (results, Ok(()));
-        }
-        let written = match write_group(shared, c, &mutations, group[0].fence) {
-            Written::Committed => Ok(()),
-            Written::Refused(e) => Err(e),
-            Written::Unknown(e) => {
-                warn!(error = %e, "connection lost with a commit in flight; finding out whether it committed");
-                let (fresh, known) = resolve(shared, &mutations);
-                *conn = fresh;
-                // A new connection: see above. Only this group's read-back
-                // is learned from here.
-                cache.forget();
-                match known {
-                    Some(true) => Ok(()),
-                    Some(false) if tries_left > 0 => continue,
-                    Some(false) => Err(e),
-                    None => Err(Error::Database {
-                        target: shared.target.clone(),
-                        fault: DatabaseFault::Lost,
-                        detail: format!(
-                            "{e}; whether the commit was written is unknown (the database stayed out of reach for {PG_RECONNECT_MS_MAX} ms); the engine reloads the run from the database before going on"
-                        ),
-                    }),
-                }
-            }
-        };
-        match &written {
-            Ok(()) => cache.learn(learned),
-            Err(_) => cache.forget(),
-        }
-        return (results, written);
-    }
+/// A group as the writer builds it: its commits, each one's answer so far,
+/// and the rows they write. Each commit is validated as it is taken, over
+/// the store, the writer's cache, the rows read ahead for the group and,
+/// while another group is in flight, that group's writes.
+struct Group {
+    requests: Vec<Request>,
+    results: Vec<Result<CommitAck>>,
+    writes: Writes,
+    ahead: ReadAhead,
+    bytes: usize,
+    fence: Option<Fence>,
+    /// A read failed while validating (the connection broke), or the
+    /// writes validated under did not commit: validate again before
+    /// writing.
+    stale: bool,
 }
 
-fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
-    let renew_every = Duration::from_millis(shared.lease_ms / 5);
-    let mut renewed = std::time::Instant::now();
-    let mut last_reconnect = renewed;
-    let mut conn = Some(conn);
-    let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
-    let mut cache = WriterCache::default();
-    // A commit under another fence than its group's: it starts the next.
-    let mut held: Option<Request> = None;
-    loop {
-        let waited = match held.take() {
-            Some(r) => Ok(r),
-            None => rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())),
-        };
-        let first = match waited {
-            Ok(r) => Some(r),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
-        };
-        // Renewing is also how a store stopped by an unreachable database
-        // finds it back.
-        if renewed.elapsed() >= renew_every && !shared.health.get().is_failed() {
-            renewed = std::time::Instant::now();
-            renew(shared, &mut conn, &mut cache);
+impl Group {
+    fn new(fence: Option<Fence>) -> Self {
+        Group {
+            requests: Vec::new(),
+            results: Vec::new(),
+            writes: Writes::new(),
+            ahead: ReadAhead::new(),
+            bytes: 0,
+            fence,
+            stale: false,
         }
-        let Some(first) = first else { continue };
-        let health = shared.health.get();
-        if health.error().is_some()
-            && !health.is_failed()
-            && last_reconnect.elapsed() >= Duration::from_millis(PG_RECONNECT_PAUSE_MS)
-        {
-            // The database was out of reach: a commit is a reason to try
-            // it now rather than at the next renewal.
-            last_reconnect = std::time::Instant::now();
-            renewed = last_reconnect;
-            renew(shared, &mut conn, &mut cache);
-        }
-        if let Some(e) = shared.health.get().error() {
-            // Fenced (nothing is written any more), or the database still
-            // out of reach (answered at once).
-            let _ = first.reply.send(Err(e));
-            continue;
-        }
-        let mut bytes = first.prepared.bytes();
-        group.push(first);
-        while group.len() < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
-            match rx.try_recv() {
-                // One fence per transaction (a sharded store): a refused
-                // fence fails its own shard's commits only.
-                Ok(r) if r.fence != group[0].fence => {
-                    held = Some(r);
-                    break;
-                }
-                Ok(r) => {
-                    bytes += r.prepared.bytes();
-                    group.push(r);
-                }
-                Err(_) => break,
-            }
-        }
-        let span = info_span!("commit", commits = group.len(), bytes);
-        let _enter = span.enter();
-        let (results, written) = commit_group(shared, &mut conn, &mut cache, &group);
-        debug!(
-            commits = group.len(),
-            ok = written.is_ok(),
-            "group committed"
-        );
-        for (req, result) in group.drain(..).zip(results) {
+    }
+
+    fn is_full(&self) -> bool {
+        self.requests.len() >= GROUP_COMMITS_MAX || self.bytes >= GROUP_COMMIT_BYTES_MAX
+    }
+
+    /// Answers every commit: with its own result, or with the group's
+    /// write error if it had none.
+    fn reply(self, written: Result<()>) {
+        for (req, result) in self.requests.into_iter().zip(self.results) {
             let result = match (&written, result) {
                 (Err(e @ (Error::Database { .. } | Error::Fenced { .. })), Ok(_)) => {
                     Err(e.clone_shallow())
@@ -2279,9 +2109,503 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             let _ = req.reply.send(result);
         }
     }
+
+    /// Answers every commit with `e`, nothing written.
+    fn refuse(mut self, e: &Error) {
+        self.results = self
+            .requests
+            .iter()
+            .map(|_| Err(e.clone_shallow()))
+            .collect();
+        self.reply(Ok(()));
+    }
+}
+
+/// Takes the commits queued behind `first` that fit in `group` (one fence
+/// per group: a commit under another is held for the next).
+fn take_queued(
+    rx: &Receiver<Request>,
+    held: &mut Option<Request>,
+    group: &Group,
+    first: Request,
+) -> Vec<Request> {
+    let mut count = group.requests.len() + 1;
+    let mut bytes = group.bytes + first.prepared.bytes();
+    let mut out = vec![first];
+    while count < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
+        match rx.try_recv() {
+            Ok(r) if r.fence != group.fence => {
+                *held = Some(r);
+                break;
+            }
+            Ok(r) => {
+                count += 1;
+                bytes += r.prepared.bytes();
+                out.push(r);
+            }
+            Err(_) => break,
+        }
+    }
+    out
+}
+
+/// A group whose transaction was sent.
+struct Flight {
+    group: Group,
+    future: WriteFuture,
+    /// The first error, once the transaction is done.
+    done: Option<Option<tokio_postgres::Error>>,
+}
+
+impl Flight {
+    /// Whether the transaction is done; reads what arrived, `waker` is
+    /// woken when more does.
+    fn poll(&mut self, waker: &Waker) -> bool {
+        if self.done.is_none() {
+            if let Poll::Ready(first) = self.future.as_mut().poll(&mut Context::from_waker(waker)) {
+                self.done = Some(first);
+            }
+        }
+        self.done.is_some()
+    }
+}
+
+/// What landing a flight came to.
+enum Landed {
+    /// Committed or not, known: answer the group so.
+    Done(Group, Result<()>),
+    /// The connection broke and the read-back found the transaction not
+    /// written: the group may be validated and written again.
+    Retry(Group, Error),
+}
+
+/// Wakes the writer thread when a transaction in flight has more to read.
+struct ChannelWaker(Sender<()>);
+
+impl futures::task::ArcWake for ChannelWaker {
+    fn wake_by_ref(this: &Arc<Self>) {
+        let _ = this.0.try_send(());
+    }
+}
+
+/// The writer thread: takes commits from the queue, validates them in
+/// groups (with the shared validation of `derive`) and writes each group
+/// in one transaction.
+///
+/// Groups are pipelined two deep. While one group's transaction is in
+/// flight (its statements executing, its commit waiting for the WAL
+/// flush), the next group is taken and validated over the first's writes,
+/// its reads going through a second connection; once the first is known
+/// committed, the next is sent at once and only then are the first's
+/// committers answered. If the first did not commit, the next is validated
+/// again from the store before it is written: a group is only ever written
+/// over a store that holds what it was validated against.
+struct Writer<'a> {
+    shared: &'a Shared,
+    conn: Option<Arc<Conn>>,
+    /// Reads for validating the next group while the writer's connection
+    /// has a transaction in flight.
+    reader: Option<Arc<Conn>>,
+    cache: WriterCache,
+    waker: Waker,
+    woken: Receiver<()>,
+}
+
+impl Writer<'_> {
+    /// The writer's connection, reconnecting if it broke (which empties
+    /// the cache: the server may have restarted and, with buffered
+    /// durability, lost commits the cache remembers).
+    fn conn(&mut self) -> Result<Arc<Conn>> {
+        if let Some(c) = self.conn.as_ref().filter(|c| !c.client.is_closed()) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(reconnect(self.shared)?);
+        self.cache.forget();
+        self.conn = Some(c.clone());
+        Ok(c)
+    }
+
+    /// The connection for reads beside a transaction in flight.
+    fn reader(&mut self) -> Result<Arc<Conn>> {
+        if let Some(c) = self.reader.as_ref().filter(|c| !c.client.is_closed()) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(self.shared.connect()?);
+        self.reader = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Validates `batch` into `group`, reading through `conn`, over
+    /// `prior` (the writes of the group in flight, if any).
+    fn check(&mut self, use_reader: bool, group: &mut Group, batch: Vec<Request>, prior: &Writes) {
+        if group.requests.is_empty() && self.shared.sharded {
+            // Other processes write too: what this writer learned from its
+            // own writes may be out of date (a shard it held was taken
+            // over).
+            self.cache.forget();
+        }
+        let conn = if use_reader {
+            self.reader()
+        } else {
+            self.conn()
+        };
+        let fail = |group: &mut Group, batch: Vec<Request>, e: &Error| {
+            group.stale |= is_lost(e);
+            for req in batch {
+                group.bytes += req.prepared.bytes();
+                group.results.push(Err(e.clone_shallow()));
+                group.requests.push(req);
+            }
+        };
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => return fail(group, batch, &e),
+        };
+        let conn = &*conn;
+        let view = ConnView {
+            shared: self.shared,
+            conn,
+        };
+        if let (Some(fence), true) = (group.fence, group.requests.is_empty()) {
+            // A process that lost the shard learns it as such, not as a
+            // validation error against the new owner's writes. The check
+            // in the transaction stays the one that counts.
+            match shard_epoch(self.shared, conn, fence.shard) {
+                Ok(current) if current == Some(fence.epoch) => {}
+                Ok(current) => {
+                    let fenced = Error::Fenced {
+                        shard: fence.shard,
+                        epoch: fence.epoch,
+                        current,
+                    };
+                    return fail(group, batch, &fenced);
+                }
+                Err(e) => return fail(group, batch, &e),
+            }
+        }
+        if let Some(Err(fenced @ Error::Fenced { .. })) = group.results.first() {
+            // The group's shard was found lost: so are its later commits.
+            let fenced = fenced.clone_shallow();
+            return fail(group, batch, &fenced);
+        }
+        // What validation reads for certain, in one round trip; most of
+        // the rest is known from this writer's own writes.
+        let mut wanted = self.cache.wanted(batch.iter().map(|r| &r.prepared));
+        for (cf, keys) in wanted.iter_mut() {
+            keys.retain(|k| {
+                let key = (*cf, k.clone());
+                !group.ahead.contains_key(&key) && !prior.contains_key(&key)
+            });
+        }
+        wanted.retain(|_, keys| !keys.is_empty());
+        if !wanted.is_empty() {
+            match view.read_ahead(&wanted) {
+                Ok(ahead) => group.ahead.extend(ahead),
+                Err(e) => return fail(group, batch, &e),
+            }
+        }
+        let cached = CachedView {
+            base: &view,
+            cache: &self.cache,
+            ahead: &group.ahead,
+        };
+        let under = Overlay::over(&cached, prior);
+        let mut overlay = Overlay::with(&under, std::mem::take(&mut group.writes));
+        for req in batch {
+            match apply_batch_checked(&overlay, &req.prepared, Checks::ALL) {
+                Ok((writes, ack)) => {
+                    overlay.absorb(writes);
+                    group.results.push(Ok(ack));
+                }
+                Err(e) => {
+                    group.stale |= is_lost(&e);
+                    group.results.push(Err(e));
+                }
+            }
+            group.bytes += req.prepared.bytes();
+            group.requests.push(req);
+        }
+        group.writes = overlay.into_writes();
+    }
+
+    /// Validates `group` again from the store alone, on the writer's
+    /// connection (a second try on a fresh one if it broke).
+    fn recheck(&mut self, group: Group) -> Group {
+        let Group {
+            mut requests,
+            fence,
+            ..
+        } = group;
+        let mut tries_left = 2;
+        loop {
+            tries_left -= 1;
+            let mut fresh = Group::new(fence);
+            self.check(
+                false,
+                &mut fresh,
+                std::mem::take(&mut requests),
+                &Writes::new(),
+            );
+            if !fresh.stale || tries_left == 0 {
+                // Still stale after the second try: what validated is
+                // written, the commits whose reads failed are refused.
+                fresh.stale = false;
+                return fresh;
+            }
+            self.conn = None;
+            requests = fresh.requests;
+        }
+    }
+
+    /// Sends `group`'s transaction; answers the group at once instead when
+    /// there is nothing to write or it cannot be sent.
+    fn send(&mut self, mut group: Group) -> Option<Flight> {
+        if let Some(e) = self.shared.health.get().error() {
+            // Fenced (nothing is written any more), or the database out of
+            // reach (answered at once).
+            group.refuse(&e);
+            return None;
+        }
+        if group.stale {
+            group = self.recheck(group);
+        }
+        let mut tries_left = 2;
+        loop {
+            tries_left -= 1;
+            if group.writes.is_empty() {
+                group.reply(Ok(()));
+                return None;
+            }
+            let conn = match self.conn() {
+                Ok(c) => c,
+                Err(e) => {
+                    group.refuse(&e);
+                    return None;
+                }
+            };
+            match start_write(self.shared, &conn, &group.writes, group.fence, &self.waker) {
+                Ok((future, done)) => {
+                    return Some(Flight {
+                        group,
+                        future,
+                        done,
+                    })
+                }
+                // Preparing failed on a broken connection: nothing was
+                // sent for this group.
+                Err(e) if is_lost(&e) && tries_left > 0 => {
+                    self.conn = None;
+                    group = self.recheck(group);
+                }
+                Err(e) => {
+                    self.cache.forget();
+                    let written = Err(e);
+                    group.reply(written);
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Waits for `flight`'s transaction and learns its outcome (reading it
+    /// back after a broken connection).
+    fn land(&mut self, mut flight: Flight) -> Landed {
+        while !flight.poll(&self.waker) {
+            let _ = self.woken.recv();
+        }
+        let first_error = flight.done.take().expect("polled to the end");
+        let group = flight.group;
+        let conn = self.conn.clone().expect("a flight has a connection");
+        let written = match outcome_of(self.shared, &conn, first_error, group.fence) {
+            Written::Committed => Ok(()),
+            Written::Refused(e) => Err(e),
+            Written::Unknown(e) => {
+                warn!(error = %e, "connection lost with a commit in flight; finding out whether it committed");
+                let (fresh, known) = resolve(self.shared, &group.writes);
+                self.conn = fresh.map(Arc::new);
+                // A new connection: see `conn`. Only this group's
+                // read-back is learned from here.
+                self.cache.forget();
+                match known {
+                    Some(true) => Ok(()),
+                    Some(false) => return Landed::Retry(group, e),
+                    None => Err(Error::Database {
+                        target: self.shared.target.clone(),
+                        fault: DatabaseFault::Lost,
+                        detail: format!(
+                            "{e}; whether the commit was written is unknown (the database stayed out of reach for {PG_RECONNECT_MS_MAX} ms); the engine reloads the run from the database before going on"
+                        ),
+                    }),
+                }
+            }
+        };
+        match &written {
+            Ok(()) => {
+                let accepted = group
+                    .requests
+                    .iter()
+                    .zip(&group.results)
+                    .filter(|(_, r)| r.is_ok())
+                    .map(|(req, _)| &req.prepared);
+                self.cache.learn(Learned::of(&group.writes, accepted));
+            }
+            Err(_) => self.cache.forget(),
+        }
+        Landed::Done(group, written)
+    }
+
+    /// Validates and writes once more a group whose transaction was found
+    /// not written after a broken connection, and answers it.
+    fn retry(&mut self, group: Group, first: Error) {
+        let group = self.recheck(group);
+        if let Some(flight) = self.send(group) {
+            match self.land(flight) {
+                Landed::Done(group, written) => group.reply(written),
+                Landed::Retry(group, _) => group.reply(Err(first)),
+            }
+        }
+    }
+
+    /// Renews the lease through the writer's connection (reconnecting
+    /// first if it broke); marks the store fenced when the lease is gone.
+    fn renew(&mut self) {
+        let c = match self.conn() {
+            Ok(c) => c,
+            Err(e) => {
+                debug!(error = %e, "cannot reach the database to renew the write lease");
+                return;
+            }
+        };
+        if self.shared.sharded {
+            return; // no database-wide lease: each shard's is its engine's
+        }
+        match renew_lease(self.shared, &c) {
+            Ok(true) => {}
+            Ok(false) => self.shared.fenced(format!(
+                "the write lease of epoch {} was taken over by another process",
+                self.shared.epoch.load(Ordering::Acquire)
+            )),
+            Err(e) => warn!(error = %e, "renewing the write lease failed"),
+        }
+    }
+}
+
+fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
+    let renew_every = Duration::from_millis(shared.lease_ms / 5);
+    let mut renewed = std::time::Instant::now();
+    let mut last_reconnect = renewed;
+    let (wake, woken) = crossbeam_channel::bounded(1);
+    let mut w = Writer {
+        shared,
+        conn: Some(Arc::new(conn)),
+        reader: None,
+        cache: WriterCache::default(),
+        waker: futures::task::waker(Arc::new(ChannelWaker(wake))),
+        woken,
+    };
+    let never = crossbeam_channel::never::<Request>();
+    // A commit under another fence than its group's: it starts the next.
+    let mut held: Option<Request> = None;
+    let mut flight: Option<Flight> = None;
+    let mut closed = false;
+    loop {
+        // Renewing is also how a store stopped by an unreachable database
+        // finds it back.
+        let health = shared.health.get();
+        let due = renewed.elapsed() >= renew_every && !health.is_failed();
+        let retry = health.error().is_some()
+            && !health.is_failed()
+            && last_reconnect.elapsed() >= Duration::from_millis(PG_RECONNECT_PAUSE_MS);
+        let Some(mut in_flight) = flight.take() else {
+            if closed && held.is_none() {
+                break;
+            }
+            if due {
+                renewed = std::time::Instant::now();
+                w.renew();
+            }
+            // Idle: wait for a commit, renewing the lease meanwhile.
+            let first = match held.take() {
+                Some(r) => r,
+                None => match rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())) {
+                    Ok(r) => r,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                },
+            };
+            if retry {
+                // The database was out of reach: a commit is a reason to
+                // try it now rather than at the next renewal.
+                last_reconnect = std::time::Instant::now();
+                renewed = last_reconnect;
+                w.renew();
+            }
+            let mut group = Group::new(first.fence);
+            let batch = take_queued(&rx, &mut held, &group, first);
+            if shared.health.get().error().is_none() {
+                w.check(false, &mut group, batch, &Writes::new());
+            } else {
+                group.requests = batch;
+            }
+            flight = w.send(group);
+            continue;
+        };
+        // A group in flight: take and validate the next as its commits
+        // arrive, until the transaction is done.
+        let mut next: Option<Group> = None;
+        let span = info_span!("commit", commits = in_flight.group.requests.len());
+        let _enter = span.enter();
+        loop {
+            if in_flight.poll(&w.waker) {
+                break;
+            }
+            let taking = !closed && held.is_none() && !next.as_ref().is_some_and(Group::is_full);
+            crossbeam_channel::select! {
+                recv(if taking { &rx } else { &never }) -> r => match r {
+                    Ok(r) => {
+                        let group = next.get_or_insert_with(|| Group::new(r.fence));
+                        if r.fence != group.fence {
+                            held = Some(r);
+                            continue;
+                        }
+                        let batch = take_queued(&rx, &mut held, group, r);
+                        w.check(true, group, batch, &in_flight.group.writes);
+                    }
+                    Err(_) => closed = true,
+                },
+                recv(w.woken) -> _ => {}
+            }
+        }
+        drop(_enter);
+        let (answer, committed) = match w.land(in_flight) {
+            Landed::Done(group, written) => {
+                let committed = written.is_ok();
+                (Some((group, written)), committed)
+            }
+            Landed::Retry(group, first) => {
+                w.retry(group, first);
+                (None, false)
+            }
+        };
+        if due {
+            renewed = std::time::Instant::now();
+            w.renew();
+        }
+        if let Some(mut group) = next {
+            // Validated over the writes of the group that just landed:
+            // that holds only if they committed.
+            group.stale |= !committed;
+            flight = w.send(group);
+        }
+        // The next group went out first; now its predecessor's committers
+        // are answered.
+        if let Some((group, written)) = answer {
+            group.reply(written);
+        }
+    }
     // Closed: hand the lease on at once rather than let it run out.
     if shared.health.get().is_healthy() && !shared.sharded {
-        if let Some(c) = conn.as_ref().filter(|c| !c.client.is_closed()) {
+        if let Some(c) = w.conn.as_ref().filter(|c| !c.client.is_closed()) {
             if let Err(e) = release_lease(shared, c) {
                 debug!(error = %e, "releasing the write lease");
             }
@@ -2314,6 +2638,10 @@ impl Error {
                 shard: *shard,
                 epoch: *epoch,
                 current: *current,
+            },
+            Error::Unwritable { fault, detail } => Error::Unwritable {
+                fault: *fault,
+                detail: detail.clone(),
             },
             other => Error::CommitFailed(other.to_string()),
         }

@@ -742,3 +742,64 @@ fn processes_relay_notes_with_notices_and_agree_on_the_shard_count() {
         "{err}"
     );
 }
+
+#[test]
+fn a_commit_validated_over_a_refused_one_is_validated_again() {
+    // Goal: the writer validates the next group while the one before is in
+    // flight, over that one's writes; when the server refuses the one in
+    // flight, the next must not be written as validated (here that would
+    // leave a gap in the run's history) but validated again, and refused.
+    // Method: runs born in this store, so the writer answers their durable
+    // ids from memory; a row for one of them slipped into `kv_dedupe`
+    // behind its back makes the server refuse the commit that writes it.
+    // The commit after it, sent right behind it (at once, or after a short
+    // pause so that it arrives while the first is in flight), continues
+    // the same run from the refused commit's last seq: it must be refused
+    // too, and the history must hold neither.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let store = PgStore::open(scratch.0.clone()).expect("open");
+    for (i, pause_us) in [0u64, 100, 300, 600, 1_000, 2_000].into_iter().enumerate() {
+        let mut b = RunBuilder::new(run_id(100 + i as u64), 1_000);
+        b.commit(
+            &store,
+            vec![
+                started(b.run, &format!("pipelined-{i}"), "wf"),
+                scheduled(b.run, 2),
+            ],
+        )
+        .expect("start");
+        let key = keel_storage::keys::dedupe_key(
+            b.run,
+            &keel_storage::DurableKey::Attempt(keel_storage::Step(2), keel_storage::AttemptNo(1)),
+        );
+        let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+        admin(
+            &url,
+            &format!(
+                "insert into \"{}\".kv_dedupe values ('\\x{hex}'::bytea, '\\x00'::bytea)",
+                scratch.0.schema
+            ),
+        );
+        let first = vec![b.next(completed(b.run, 2, 1))];
+        let second = vec![b.next(signal("after", b"1"))];
+        let h1 = store.commit(CommitBatch::append(b.run, first));
+        std::thread::sleep(std::time::Duration::from_micros(pause_us));
+        let h2 = store.commit(CommitBatch::append(b.run, second));
+        let e1 = h1
+            .wait()
+            .expect_err("the server refuses the planted durable id");
+        let e2 = h2.wait().expect_err("validated over a refused commit");
+        assert_eq!(
+            store.history(b.run).expect("read").len(),
+            2,
+            "pause {pause_us} us: {e1} / {e2}"
+        );
+        // The store still takes the run's next commit at the right seq.
+        let mut again = RunBuilder::new(b.run, b.at);
+        again.next = 3;
+        again
+            .commit(&store, vec![signal("later", b"2")])
+            .expect("the run goes on after the refusals");
+    }
+}
