@@ -395,6 +395,15 @@ impl Sql {
                     "create table if not exists {} (k bytea primary key, v bytea not null){room}",
                     table(schema, cf)
                 ));
+                if !room.is_empty() {
+                    // Tables created before keel set it get it too (pages
+                    // written from now on leave the room).
+                    out.push(format!(
+                        "alter table {}{}",
+                        table(schema, cf),
+                        room.replace(" with", " set")
+                    ));
+                }
             }
         }
         out.push(format!(
@@ -1178,17 +1187,22 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
 }
 
 /// Whether the objects added within this schema version (for engine
-/// processes sharing the database) are there.
+/// processes sharing the database, and the room left on the pages of
+/// rewritten tables) are there.
 fn schema_complete(shared: &Shared, conn: &Conn) -> Result<bool> {
     let s = &shared.schema;
     let rows = block(conn.client.query(
         "select to_regclass($1) is not null and to_regclass($2) is not null \
-         and to_regprocedure($3) is not null and to_regclass($4) is not null",
+         and to_regprocedure($3) is not null and to_regclass($4) is not null \
+         and coalesce((select reloptions from pg_class where oid = to_regclass($5)) \
+             @> array[$6], false)",
         &[
             &format!("\"{s}\".shard_lease"),
             &format!("\"{s}\".member"),
             &format!("\"{s}\".shard_fence(int4, int8)"),
             &format!("\"{s}\".relay"),
+            &table(s, Cf::Runs),
+            &format!("fillfactor={PG_UPDATED_FILLFACTOR_PERCENT}"),
         ],
     ))
     .map_err(|e| shared.error(&e))?;

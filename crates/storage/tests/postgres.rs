@@ -803,3 +803,31 @@ fn a_commit_validated_over_a_refused_one_is_validated_again() {
             .expect("the run goes on after the refusals");
     }
 }
+
+#[test]
+fn rewritten_tables_leave_room_on_their_pages_in_older_databases_too() {
+    // Goal: the tables whose rows keel rewrites (a run's record on every
+    // commit) leave room on their pages, so the server can update a row
+    // beside itself, in a database created before keel asked for that too.
+    // Method: a store's schema has the room; the test takes it away (as a
+    // database of an earlier keel had it), and opening the store again
+    // brings it back.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    drop(PgStore::open(scratch.0.clone()).expect("create"));
+    let runs = format!("\"{}\".kv_runs", scratch.0.schema);
+    let roomy = || {
+        admin(
+            &url,
+            &format!(
+                "select 1 from pg_class where oid = '{runs}'::regclass \
+                 and reloptions @> array['fillfactor=70']"
+            ),
+        )
+    };
+    assert_eq!(roomy(), 1, "a new schema has the room");
+    admin(&url, &format!("alter table {runs} reset (fillfactor)"));
+    assert_eq!(roomy(), 0);
+    drop(PgStore::open(scratch.0.clone()).expect("reopen"));
+    assert_eq!(roomy(), 1, "opening an older schema gives it the room");
+}
