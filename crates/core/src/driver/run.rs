@@ -425,8 +425,7 @@ impl Shard {
             let slot = self.runs.get_mut(&run).expect("checked above");
             slot.phase = Phase::Closed;
             slot.closed = true;
-            let instance = slot.instance.take();
-            self.instance_gone(run, instance.as_deref());
+            self.instance_closed(run);
             let slot = self.runs.get_mut(&run).expect("checked above");
             for origin in std::mem::take(&mut slot.resuming) {
                 self.answer(origin, Answer::Resumed(Resumed::fitting(run, false)), None);
@@ -474,8 +473,7 @@ impl Shard {
         match RunMachine::replay(&self.workflows, history) {
             Ok(m) => {
                 if let Some(instance) = instance {
-                    self.open_instances.insert(instance.clone(), run);
-                    self.runs.get_mut(&run).expect("checked above").instance = Some(instance);
+                    self.instance_open(run, instance);
                 }
                 let slot = self.runs.get_mut(&run).expect("checked above");
                 slot.restarts = 0;
@@ -748,8 +746,7 @@ impl Shard {
             Ok(ack) => {
                 let cause: Cause = Some((run, entry.last_seq));
                 if let Some(instance) = entry.instance.take() {
-                    self.open_instances.insert(instance.clone(), run);
-                    self.runs.get_mut(&run).expect("checked above").instance = Some(instance);
+                    self.instance_open(run, instance);
                 }
                 self.removed(ack.removed);
                 self.intents(ack.intents, cause);
@@ -854,8 +851,22 @@ impl Shard {
         }
     }
 
+    /// `run`, in memory, is its instance's open run.
+    fn instance_open(&mut self, run: RunId, instance: String) {
+        self.open_instances.insert(instance.clone(), run);
+        if let Some(slot) = self.runs.get_mut(&run) {
+            slot.instance = Some(instance);
+        }
+    }
+
+    /// `run`, still in memory, is no longer its instance's open run.
+    fn instance_closed(&mut self, run: RunId) {
+        let instance = self.runs.get_mut(&run).and_then(|s| s.instance.take());
+        self.instance_gone(run, instance.as_deref());
+    }
+
     /// `run` is no longer its instance's open run in memory here.
-    pub(super) fn instance_gone(&mut self, run: RunId, instance: Option<&str>) {
+    fn instance_gone(&mut self, run: RunId, instance: Option<&str>) {
         if let Some(instance) = instance {
             if self.open_instances.get(instance) == Some(&run) {
                 self.open_instances.remove(instance);
@@ -886,9 +897,8 @@ impl Shard {
     fn run_closed(&mut self, run: RunId, outcome: Outcome, cause: Cause) {
         if let Some(slot) = self.runs.get_mut(&run) {
             slot.closed = true;
-            let instance = slot.instance.take();
-            self.instance_gone(run, instance.as_deref());
         }
+        self.instance_closed(run);
         self.updates_end(run, Answer::Refused(Refusal::RunClosed(run)));
         self.workflows.unbind_async(run);
         if let Some(waiters) = self.results.remove(&run) {
