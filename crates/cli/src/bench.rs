@@ -318,6 +318,10 @@ fn print_w1(report: &W1Report, json: bool) -> anyhow::Result<ExitCode> {
                 "takeover: every shard held again {:.0} ms after the kill ({:.0} ms after the killed leases ended); {} workflows in flight meanwhile: p50 {:.0} ms, p99 {:.0} ms",
                 t.kill_to_taken_ms, t.lease_end_to_taken_ms, t.workflows_during, t.p50_during_ms, t.p99_during_ms
             );
+            println!(
+                "the killed process's workflows: {} started, {} completed after the takeover; verify clean over {} runs",
+                t.killed_started, t.killed_completed, t.verified_runs
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

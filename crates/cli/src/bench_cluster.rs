@@ -9,7 +9,11 @@
 //! `--kill-one`, the parent SIGKILLs the first child a third of the way
 //! through and watches the shard leases until the others hold every shard:
 //! how long that took after the kill and after the killed leases ended,
-//! and the latency of the workflows that were in flight meanwhile.
+//! and the latency of the workflows that were in flight meanwhile. Once
+//! the others are done, an engine in the parent takes the shards and
+//! awaits every workflow the killed process had started: each must
+//! complete, and the database must verify clean (one terminal fact per
+//! durable id), or the benchmark fails.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
@@ -83,6 +87,56 @@ pub(crate) struct Takeover {
     /// Their latency.
     pub(crate) p50_during_ms: f64,
     pub(crate) p99_during_ms: f64,
+    /// Workflows the killed process had started (committed starts).
+    pub(crate) killed_started: u64,
+    /// Of those, completed after the takeover.
+    pub(crate) killed_completed: u64,
+    /// Runs `verify` walked in the database afterwards, all clean.
+    pub(crate) verified_runs: u64,
+}
+
+/// How long the parent waits for one of the killed process's workflows.
+const KILLED_RESULT_WAIT_S: u64 = 60;
+
+/// After a `--kill-one` run: every workflow the killed process (`slot`,
+/// `count` workflows) had started is awaited by an engine in this process,
+/// which takes the shards over once the survivors left them, and must
+/// complete; then the database must verify clean. (started, completed,
+/// runs verified).
+fn finish_killed(options: &PgOptions, slot: usize, count: u64) -> anyhow::Result<(u64, u64, u64)> {
+    let engine = cluster_engine(options.clone())?;
+    let store = engine.store();
+    let client = engine.client();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut started, mut completed) = (0, 0);
+    for i in 0..count {
+        let id = format!("w1-{slot}-{i}");
+        if store.resolve(&id)?.is_none() {
+            continue; // killed before its start committed
+        }
+        started += 1;
+        let wait = Duration::from_secs(KILLED_RESULT_WAIT_S);
+        // The timer is made inside the runtime: it needs its clock.
+        let result = rt
+            .block_on(async { tokio::time::timeout(wait, client.result::<ThreeSteps>(&id)).await });
+        match result {
+            Ok(Ok(_)) => completed += 1,
+            Ok(Err(e)) => anyhow::bail!("workflow {id} of the killed process: {e}"),
+            Err(_) => anyhow::bail!(
+                "workflow {id} of the killed process did not complete within {KILLED_RESULT_WAIT_S} s of the takeover"
+            ),
+        }
+    }
+    let report = store.verify()?;
+    engine.shutdown_blocking();
+    anyhow::ensure!(
+        report.ok,
+        "the database does not verify after the takeover: {:?}",
+        report.violations
+    );
+    Ok((started, completed, report.runs))
 }
 
 /// The result of a cluster run, folded into the W1 report.
@@ -102,12 +156,10 @@ fn unix_ms() -> f64 {
         * 1000.0
 }
 
-/// The child: one engine process of the cluster.
-pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
-    let options = PgOptions::new(&args.store)
-        .schema(args.schema.clone())
-        .sharded();
-    let engine = Engine::builder()
+/// An engine of the cluster: W1's workflow and activity, the benchmark's
+/// shard count.
+fn cluster_engine(options: PgOptions) -> anyhow::Result<Engine> {
+    Ok(Engine::builder()
         .postgres_options(options)
         .config(EngineConfig {
             shards: BENCH_SHARDS,
@@ -115,7 +167,15 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
         })
         .register_workflow::<ThreeSteps>()
         .register_activity::<Noop>()
-        .build()?;
+        .build()?)
+}
+
+/// The child: one engine process of the cluster.
+pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
+    let options = PgOptions::new(&args.store)
+        .schema(args.schema.clone())
+        .sharded();
+    let engine = cluster_engine(options)?;
     // Ready once every process holds some of the shards.
     let store = engine.store();
     let shared = store.shared().context("a sharded store is shared")?;
@@ -279,8 +339,18 @@ pub(crate) fn run(
         Ok((wall_s, kill, server))
     });
     drop(watcher);
+    let outcome = outcome.and_then(|(wall_s, kill, server)| {
+        // Slot 0 was killed; its share of the workflows, as it was given.
+        let share0 =
+            workflows / processes as u64 + u64::from(!workflows.is_multiple_of(processes as u64));
+        let killed = match kill {
+            Some(_) => Some(finish_killed(&options, 0, share0)?),
+            None => None,
+        };
+        Ok((wall_s, kill, server, killed))
+    });
     let _ = PgStore::drop_schema(&options);
-    let (wall_s, kill, server) = outcome?;
+    let (wall_s, kill, server, killed) = outcome?;
     let samples: Vec<(f64, f64)> = procs
         .iter()
         .filter_map(|p| p.result.as_ref())
@@ -293,7 +363,11 @@ pub(crate) fn run(
             .map(|(_, ms)| *ms)
             .collect();
         during.sort_by(|a, b| a.total_cmp(b));
+        let (killed_started, killed_completed, verified_runs) = killed.unwrap_or_default();
         Takeover {
+            killed_started,
+            killed_completed,
+            verified_runs,
             kill_to_taken_ms: taken_at - killed_at,
             lease_end_to_taken_ms: taken_at - lease_end,
             workflows_during: during.len(),

@@ -68,7 +68,11 @@ impl ServerCounters {
 }
 
 /// CPU seconds used so far by every process named `postgres` on this
-/// machine (Linux `/proc`; 0 elsewhere).
+/// machine, with the backends that already exited (Linux `/proc`; 0
+/// elsewhere). A backend lives as long as its connection: the engine
+/// processes of a cluster benchmark end, and their backends with them,
+/// before the second reading, so their time is found in the postmaster's
+/// count of its reaped children.
 fn local_server_cpu_s() -> f64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0.0;
@@ -86,9 +90,11 @@ fn local_server_cpu_s() -> f64 {
             continue;
         }
         let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of the whole line, 12 and
-        // 13 after the command name and the state.
-        for i in [11, 12] {
+        // utime, stime, cutime and cstime are fields 14 to 17 of the whole
+        // line, 12 to 15 after the command name and the state (indices 11
+        // to 14 here). A child's time is added to its parent's `c` fields
+        // only once it exited and was reaped, so nothing counts twice.
+        for i in [11, 12, 13, 14] {
             ticks += fields
                 .get(i)
                 .and_then(|f| f.parse::<u64>().ok())
