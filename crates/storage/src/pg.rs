@@ -2090,6 +2090,10 @@ struct Group {
     /// writes validated under did not commit: validate again before
     /// writing.
     stale: bool,
+    /// The writer's [`Writer::generation`] the group was validated in
+    /// (`None`: not yet); another one at the time of writing means the
+    /// store it was validated against may not be the one written to.
+    generation: Option<u64>,
 }
 
 impl Group {
@@ -2102,6 +2106,7 @@ impl Group {
             bytes: 0,
             fence,
             stale: false,
+            generation: None,
         }
     }
 
@@ -2125,13 +2130,19 @@ impl Group {
     }
 
     /// Answers every commit with `e`, nothing written.
-    fn refuse(mut self, e: &Error) {
+    fn refuse(self, e: &Error) {
+        let (group, written) = self.refused(e);
+        group.reply(written);
+    }
+
+    /// The group with every commit's answer set to `e`, nothing written.
+    fn refused(mut self, e: &Error) -> (Group, Result<()>) {
         self.results = self
             .requests
             .iter()
             .map(|_| Err(e.clone_shallow()))
             .collect();
-        self.reply(Ok(()));
+        (self, Ok(()))
     }
 }
 
@@ -2184,6 +2195,27 @@ impl Flight {
     }
 }
 
+/// What sending a group came to.
+enum Sent {
+    /// Its transaction is on its way.
+    Flight(Flight),
+    /// Nothing was sent: answer the group so.
+    Answer((Group, Result<()>)),
+}
+
+impl Sent {
+    /// The flight; a group answered at once is answered here.
+    fn flight(self) -> Option<Flight> {
+        match self {
+            Sent::Flight(f) => Some(f),
+            Sent::Answer((group, written)) => {
+                group.reply(written);
+                None
+            }
+        }
+    }
+}
+
 /// What landing a flight came to.
 enum Landed {
     /// Committed or not, known: answer the group so.
@@ -2210,10 +2242,13 @@ impl futures::task::ArcWake for ChannelWaker {
 /// flight (its statements executing, its commit waiting for the WAL
 /// flush), the next group is taken and validated over the first's writes,
 /// its reads going through a second connection; once the first is known
-/// committed, the next is sent at once and only then are the first's
-/// committers answered. If the first did not commit, the next is validated
-/// again from the store before it is written: a group is only ever written
-/// over a store that holds what it was validated against.
+/// committed, the next is sent at once and then the first's committers are
+/// answered (a group the writer answers without sending is answered after
+/// them, in the order the commits were taken). If the first did not commit, or the
+/// writer's connection or cache changed since (a new `generation`: the
+/// server may have restarted), the next is validated again from the store
+/// before it is written: a group is only ever written over a store that
+/// holds what it was validated against.
 struct Writer<'a> {
     shared: &'a Shared,
     conn: Option<Arc<Conn>>,
@@ -2221,11 +2256,23 @@ struct Writer<'a> {
     /// has a transaction in flight.
     reader: Option<Arc<Conn>>,
     cache: WriterCache,
+    /// Counts what makes earlier validation unsure: a new connection (the
+    /// server may have restarted and, with buffered durability, lost
+    /// commits, or failed over to a standby behind it) and a forgotten
+    /// cache. A group is written only in the generation it was validated
+    /// in.
+    generation: u64,
     waker: Waker,
     woken: Receiver<()>,
 }
 
 impl Writer<'_> {
+    /// Empties the cache; what was validated with it is validated again.
+    fn forget(&mut self) {
+        self.cache.forget();
+        self.generation += 1;
+    }
+
     /// The writer's connection, reconnecting if it broke (which empties
     /// the cache: the server may have restarted and, with buffered
     /// durability, lost commits the cache remembers).
@@ -2234,7 +2281,7 @@ impl Writer<'_> {
             return Ok(c.clone());
         }
         let c = Arc::new(reconnect(self.shared)?);
-        self.cache.forget();
+        self.forget();
         self.conn = Some(c.clone());
         Ok(c)
     }
@@ -2243,6 +2290,10 @@ impl Writer<'_> {
     fn reader(&mut self) -> Result<Arc<Conn>> {
         if let Some(c) = self.reader.as_ref().filter(|c| !c.client.is_closed()) {
             return Ok(c.clone());
+        }
+        if self.reader.is_some() {
+            // A new reader: what the old one read may predate a restart.
+            self.generation += 1;
         }
         let c = Arc::new(self.shared.connect()?);
         self.reader = Some(c.clone());
@@ -2256,7 +2307,7 @@ impl Writer<'_> {
             // Other processes write too: what this writer learned from its
             // own writes may be out of date (a shard it held was taken
             // over).
-            self.cache.forget();
+            self.forget();
         }
         let conn = if use_reader {
             self.reader()
@@ -2264,7 +2315,9 @@ impl Writer<'_> {
             self.conn()
         };
         let fail = |group: &mut Group, batch: Vec<Request>, e: &Error| {
-            group.stale |= is_lost(e);
+            // A failed read on the second connection says nothing of the
+            // writer's: those commits are validated again there.
+            group.stale |= use_reader || is_lost(e);
             for req in batch {
                 group.bytes += req.prepared.bytes();
                 group.results.push(Err(e.clone_shallow()));
@@ -2275,6 +2328,12 @@ impl Writer<'_> {
             Ok(c) => c,
             Err(e) => return fail(group, batch, &e),
         };
+        // After the connection: taking it may have started a generation.
+        match group.generation {
+            None => group.generation = Some(self.generation),
+            Some(g) if g != self.generation => group.stale = true,
+            Some(_) => {}
+        }
         let conn = &*conn;
         let view = ConnView {
             shared: self.shared,
@@ -2371,35 +2430,47 @@ impl Writer<'_> {
         }
     }
 
-    /// Sends `group`'s transaction; answers the group at once instead when
-    /// there is nothing to write or it cannot be sent.
-    fn send(&mut self, mut group: Group) -> Option<Flight> {
+    /// Sends `group`'s transaction; or, when there is nothing to write or
+    /// it cannot be sent, the answer the group is to hear (the caller
+    /// answers, keeping the committers' order).
+    fn send(&mut self, mut group: Group) -> Sent {
         if let Some(e) = self.shared.health.get().error() {
             // Fenced (nothing is written any more), or the database out of
             // reach (answered at once).
-            group.refuse(&e);
-            return None;
-        }
-        if group.stale {
-            group = self.recheck(group);
+            return Sent::Answer(group.refused(&e));
         }
         let mut tries_left = 2;
         loop {
             tries_left -= 1;
-            if group.writes.is_empty() {
-                group.reply(Ok(()));
-                return None;
+            if group.stale || group.generation != Some(self.generation) {
+                group = self.recheck(group);
             }
             let conn = match self.conn() {
                 Ok(c) => c,
+                Err(e) if is_lost(&e) && tries_left > 0 => continue,
                 Err(e) => {
-                    group.refuse(&e);
-                    return None;
+                    return Sent::Answer(group.refused(&e));
                 }
             };
+            if group.generation != Some(self.generation) {
+                // A new connection since the group was validated (taking
+                // one just now may have started a generation).
+                if tries_left > 0 {
+                    group.stale = true;
+                    continue;
+                }
+                let e = self.shared.fault(
+                    DatabaseFault::Lost,
+                    "the connection to the database kept breaking while the commits were validated",
+                );
+                return Sent::Answer(group.refused(&e));
+            }
+            if group.writes.is_empty() {
+                return Sent::Answer((group, Ok(())));
+            }
             match start_write(self.shared, &conn, &group.writes, group.fence, &self.waker) {
                 Ok((future, done)) => {
-                    return Some(Flight {
+                    return Sent::Flight(Flight {
                         group,
                         future,
                         done,
@@ -2409,13 +2480,11 @@ impl Writer<'_> {
                 // sent for this group.
                 Err(e) if is_lost(&e) && tries_left > 0 => {
                     self.conn = None;
-                    group = self.recheck(group);
+                    group.stale = true;
                 }
                 Err(e) => {
-                    self.cache.forget();
-                    let written = Err(e);
-                    group.reply(written);
-                    return None;
+                    self.forget();
+                    return Sent::Answer((group, Err(e)));
                 }
             }
         }
@@ -2439,7 +2508,7 @@ impl Writer<'_> {
                 self.conn = fresh.map(Arc::new);
                 // A new connection: see `conn`. Only this group's
                 // read-back is learned from here.
-                self.cache.forget();
+                self.forget();
                 match known {
                     Some(true) => Ok(()),
                     Some(false) => return Landed::Retry(group, e),
@@ -2472,7 +2541,7 @@ impl Writer<'_> {
     /// not written after a broken connection, and answers it.
     fn retry(&mut self, group: Group, first: Error) {
         let group = self.recheck(group);
-        if let Some(flight) = self.send(group) {
+        if let Some(flight) = self.send(group).flight() {
             match self.land(flight) {
                 Landed::Done(group, written) => group.reply(written),
                 Landed::Retry(group, _) => group.reply(Err(first)),
@@ -2514,6 +2583,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         conn: Some(Arc::new(conn)),
         reader: None,
         cache: WriterCache::default(),
+        generation: 0,
         waker: futures::task::waker(Arc::new(ChannelWaker(wake))),
         woken,
     };
@@ -2527,9 +2597,6 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         // finds it back.
         let health = shared.health.get();
         let due = renewed.elapsed() >= renew_every && !health.is_failed();
-        let retry = health.error().is_some()
-            && !health.is_failed()
-            && last_reconnect.elapsed() >= Duration::from_millis(PG_RECONNECT_PAUSE_MS);
         let Some(mut in_flight) = flight.take() else {
             if closed && held.is_none() {
                 break;
@@ -2538,16 +2605,26 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
                 renewed = std::time::Instant::now();
                 w.renew();
             }
-            // Idle: wait for a commit, renewing the lease meanwhile.
+            // Idle: wait for a commit, renewing the lease meanwhile (a
+            // failed store renews nothing: it only answers).
+            let wait = if health.is_failed() {
+                renew_every
+            } else {
+                renew_every.saturating_sub(renewed.elapsed())
+            };
             let first = match held.take() {
                 Some(r) => r,
-                None => match rx.recv_timeout(renew_every.saturating_sub(renewed.elapsed())) {
+                None => match rx.recv_timeout(wait) {
                     Ok(r) => r,
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => continue,
                     Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
                 },
             };
-            if retry {
+            let health = shared.health.get();
+            if health.error().is_some()
+                && !health.is_failed()
+                && last_reconnect.elapsed() >= Duration::from_millis(PG_RECONNECT_PAUSE_MS)
+            {
                 // The database was out of reach: a commit is a reason to
                 // try it now rather than at the next renewal.
                 last_reconnect = std::time::Instant::now();
@@ -2556,12 +2633,15 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             }
             let mut group = Group::new(first.fence);
             let batch = take_queued(&rx, &mut held, &group, first);
-            if shared.health.get().error().is_none() {
-                w.check(false, &mut group, batch, &Writes::new());
-            } else {
+            if let Some(e) = shared.health.get().error() {
+                // Fenced (nothing is written any more), or the database
+                // still out of reach (answered at once).
                 group.requests = batch;
+                group.refuse(&e);
+                continue;
             }
-            flight = w.send(group);
+            w.check(false, &mut group, batch, &Writes::new());
+            flight = w.send(group).flight();
             continue;
         };
         // A group in flight: take and validate the next as its commits
@@ -2605,17 +2685,20 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             renewed = std::time::Instant::now();
             w.renew();
         }
-        if let Some(mut group) = next {
+        let sent = next.map(|mut group| {
             // Validated over the writes of the group that just landed:
             // that holds only if they committed.
             group.stale |= !committed;
-            flight = w.send(group);
-        }
-        // The next group went out first; now its predecessor's committers
-        // are answered.
+            w.send(group)
+        });
+        // The next group went out first (answering wakes many committers,
+        // which then compete with the writer for the cores); the answers
+        // keep the order the commits were taken in (a run's commits
+        // follow each other through the groups).
         if let Some((group, written)) = answer {
             group.reply(written);
         }
+        flight = sent.and_then(Sent::flight);
     }
     // Closed: hand the lease on at once rather than let it run out.
     if shared.health.get().is_healthy() && !shared.sharded {
