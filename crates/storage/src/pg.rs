@@ -2391,7 +2391,11 @@ impl Writer<'_> {
                     group.results.push(Ok(ack));
                 }
                 Err(e) => {
-                    group.stale |= is_lost(&e);
+                    // A database error on the second connection (a
+                    // statement timeout, say) says nothing of the
+                    // commit: it is validated again on the writer's.
+                    group.stale |=
+                        (use_reader && matches!(e, Error::Database { .. })) || is_lost(&e);
                     group.results.push(Err(e));
                 }
             }
@@ -2532,7 +2536,7 @@ impl Writer<'_> {
                     .map(|(req, _)| &req.prepared);
                 self.cache.learn(Learned::of(&group.writes, accepted));
             }
-            Err(_) => self.cache.forget(),
+            Err(_) => self.forget(),
         }
         Landed::Done(group, written)
     }
