@@ -979,6 +979,8 @@ enum ReadFor {
     Resolve {
         op: RunOp,
         reply: ReplyTo,
+        /// The instance or run id the request named, for its refusal.
+        target: String,
     },
     Result(RunId, Token),
     Continuation(Token),
@@ -1424,7 +1426,7 @@ impl Shard {
         match purpose {
             ReadFor::Activate(run) => self.history_read(run, result),
             ReadFor::Instance(job) => self.instance_read(*job, result),
-            ReadFor::Resolve { op, reply } => self.resolved(op, reply, result),
+            ReadFor::Resolve { op, reply, target } => self.resolved(op, reply, &target, result),
             ReadFor::Result(run, waiter) => self.result_read(run, waiter, result),
             ReadFor::Continuation(token) => self.continuation_read(token, result),
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),

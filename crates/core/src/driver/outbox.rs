@@ -250,7 +250,8 @@ impl Shard {
                 let op = RunOp::Input(input);
                 // Through the store, never at once: this runs inside the
                 // answer to the sender's commit.
-                self.read(ReadQuery::Resolve(target), ReadFor::Resolve { op, reply });
+                let query = ReadQuery::Resolve(target.clone());
+                self.read(query, ReadFor::Resolve { op, reply, target });
             }
         }
     }

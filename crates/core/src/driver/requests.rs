@@ -210,9 +210,10 @@ impl Shard {
     /// it ([`Shard::resolve_here`]), else once the store has told.
     pub(super) fn resolve(&mut self, target: String, op: RunOp, reply: ReplyTo) {
         match self.resolve_here(&target) {
-            Some(run) => self.resolved(op, reply, Ok(ReadResult::Resolved(Some(run)))),
+            Some(run) => self.resolved(op, reply, &target, Ok(ReadResult::Resolved(Some(run)))),
             None => {
-                self.read(ReadQuery::Resolve(target), ReadFor::Resolve { op, reply });
+                let query = ReadQuery::Resolve(target.clone());
+                self.read(query, ReadFor::Resolve { op, reply, target });
             }
         }
     }
@@ -222,6 +223,7 @@ impl Shard {
         &mut self,
         op: RunOp,
         reply: ReplyTo,
+        target: &str,
         result: Result<ReadResult, StoreError>,
     ) {
         match result {
@@ -233,7 +235,7 @@ impl Shard {
                 }
             }
             Ok(ReadResult::Resolved(None)) => {
-                let answer = Answer::Refused(Refusal::UnknownRun("the target".into()));
+                let answer = Answer::Refused(Refusal::UnknownRun(target.to_string()));
                 self.reply(reply, answer, None);
             }
             // A signal, cancel or terminate for an instance in the middle
@@ -246,7 +248,7 @@ impl Shard {
                     );
                     self.reply(reply, Answer::Retry(why), None);
                 }
-                op => self.resolved(op, reply, Ok(ReadResult::Resolved(Some(closed)))),
+                op => self.resolved(op, reply, target, Ok(ReadResult::Resolved(Some(closed)))),
             },
             Ok(_) => {}
             Err(e) => self.reply(reply, Answer::Retry(format!("store unreadable: {e}")), None),
