@@ -133,6 +133,17 @@ pub fn workflows() -> WorkflowRegistry {
     r
 }
 
+/// An engine builder with the demo's workflows and activities registered:
+/// what `keel demo`'s engine processes and `keel serve` run.
+pub fn engine_builder() -> keel::EngineBuilder {
+    keel::Engine::builder()
+        .workflows(&workflows())
+        .register_activity::<ChargeCard>()
+        .register_activity::<ReserveInventory>()
+        .register_activity::<Ship>()
+        .register_activity::<Notify>()
+}
+
 /// The n-th demo order (every tenth is large and needs approval).
 pub fn order(id: u64) -> Order {
     let cents = if id % 10 == 9 {

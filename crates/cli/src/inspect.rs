@@ -201,21 +201,7 @@ pub(crate) fn list(args: ListArgs) -> anyhow::Result<ExitCode> {
     to_stdout(|out| {
         if args.json {
             for (m, p) in runs.iter().zip(&parked) {
-                let v = json!({
-                    "instance_id": m.instance_id.as_str(),
-                    "run_id": m.run_id.to_string(),
-                    "workflow_type": m.workflow_type,
-                    "status": m.status.name(),
-                    "events": m.next_seq.0 - 1,
-                    "started_at": m.started_at.0,
-                    "updated_at": m.updated_at.0,
-                    "closed_at": m.closed_at.map(|t| t.0),
-                    "parent_run_id": m.parent.as_ref().map(|p| p.run_id.to_string()),
-                    "parked": p.as_ref().map(|p| p.kind.clone()),
-                    "search_attributes": attributes_json(&m.search_attributes),
-                    "memo": memo_json(&m.memo),
-                });
-                writeln!(out, "{v}")?;
+                writeln!(out, "{}", run_json(m, p.as_ref()))?;
             }
             return Ok(());
         }
@@ -252,6 +238,24 @@ pub(crate) fn list(args: ListArgs) -> anyhow::Result<ExitCode> {
         None => eprintln!("{} runs", runs.len()),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One run as `list --json` prints it (and the HTTP API lists it).
+pub(crate) fn run_json(m: &RunMeta, parked: Option<&keel_storage::ParkInfo>) -> Value {
+    json!({
+        "instance_id": m.instance_id.as_str(),
+        "run_id": m.run_id.to_string(),
+        "workflow_type": m.workflow_type,
+        "status": m.status.name(),
+        "events": m.next_seq.0 - 1,
+        "started_at": m.started_at.0,
+        "updated_at": m.updated_at.0,
+        "closed_at": m.closed_at.map(|t| t.0),
+        "parent_run_id": m.parent.as_ref().map(|p| p.run_id.to_string()),
+        "parked": parked.map(|p| p.kind.clone()),
+        "search_attributes": attributes_json(&m.search_attributes),
+        "memo": memo_json(&m.memo),
+    })
 }
 
 /// Search attributes as `name=value` pairs for a table cell.
@@ -577,13 +581,13 @@ fn group_text(g: Option<&GroupPath>) -> String {
 }
 
 /// A payload as JSON for scripts: the decoded value, or its bytes in hex.
-fn payload_json(p: &Payload) -> Value {
+pub(crate) fn payload_json(p: &Payload) -> Value {
     p.decode::<Value>().unwrap_or_else(|_| {
         Value::String(p.0.iter().map(|b| format!("{b:02x}")).collect::<String>())
     })
 }
 
-fn event_json(e: &Event) -> Value {
+pub(crate) fn event_json(e: &Event) -> Value {
     let mut obj = serde_json::Map::new();
     obj.insert("seq".into(), json!(e.seq.0));
     obj.insert("at".into(), json!(e.at.0));

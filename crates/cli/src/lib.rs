@@ -27,6 +27,7 @@ pub mod replay_bench;
 pub mod replay_cmd;
 pub mod resume_cmd;
 pub mod schedule_cmd;
+pub mod serve;
 mod table;
 mod verify;
 

@@ -39,6 +39,9 @@ enum Command {
     /// Measure keel on this machine.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Serve an engine over HTTP: the JSON API under /api/v1, the
+    /// operator's web page at /, Prometheus metrics at /metrics.
+    Serve(keel_cli::serve::ServeArgs),
     /// Run the deterministic simulator: workflows under seeded faults,
     /// every invariant checked. Exit 0 all held, 1 a violation, 2 bad
     /// arguments.
@@ -66,6 +69,9 @@ fn main() -> ExitCode {
         Command::Tool(cmd) => Ok(keel_cli::run(cmd, &registry())),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Sim(args) => sim::run(args),
+        Command::Serve(args) => {
+            keel_cli::serve::run(args, demo_app::engine_builder()).map(|()| ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,885 @@
+//! The HTTP/JSON API under `/api/v1`: one handler per client call, each a
+//! thin translation between JSON and [`keel::Client`] (or, for history
+//! and export, the engine's store). Every state-changing call takes a
+//! command id, so a client's retry is the same call; every input is
+//! checked before anything is sent to the engine, and a bad one is
+//! answered with a 4xx whose JSON body names the field.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use actix_web::dev::Service as _;
+use actix_web::error::{JsonPayloadError, PathError, QueryPayloadError};
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
+use keel::{EngineError, ReusePolicy, RunFilter, StartOptions, StartOutcome};
+use keel_storage::search::LIST_PAGE_RUNS_MAX;
+use keel_storage::{Outcome, Payload, RunMeta, RunStatus, SearchValue, Seq};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::auth::{CanRead, CanWrite};
+use super::{ServeState, BODY_BYTES_MAX};
+use crate::inspect;
+
+/// Longest instance id, run id, command id, signal, query or update name
+/// the API accepts, in bytes.
+pub const ID_BYTES_MAX: usize = 512;
+
+/// Longest reason (cancel, terminate), in bytes.
+pub const REASON_BYTES_MAX: usize = 4096;
+
+/// Most events one history page holds.
+pub const HISTORY_PAGE_EVENTS_MAX: usize = 1000;
+
+/// Events in a history page when the caller names no limit.
+const HISTORY_PAGE_EVENTS_DEFAULT: usize = 200;
+
+/// Runs in a list page when the caller names no size.
+const LIST_PAGE_RUNS_DEFAULT: usize = 50;
+
+/// Longest a result call waits for the run to close, in milliseconds.
+pub const RESULT_WAIT_MS_MAX: u64 = 60_000;
+
+/// An API error: its status, a stable code, a message for people and the
+/// input field at fault, sent as `{"error": {"code", "message", "field"}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    field: Option<String>,
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.field {
+            Some(field) => write!(f, "{}: {}", field, self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut res = HttpResponse::build(self.status);
+        if self.status == StatusCode::UNAUTHORIZED {
+            res.insert_header(("WWW-Authenticate", "Bearer"));
+        }
+        res.json(json!({
+            "error": {
+                "code": self.code,
+                "message": self.message,
+                "field": self.field,
+            }
+        }))
+    }
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            field: None,
+        }
+    }
+
+    fn at(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    /// A bad value in `field`.
+    pub(crate) fn bad(field: &str, message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_input", message).at(field)
+    }
+
+    pub(crate) fn unauthorized(message: &str) -> Self {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    pub(crate) fn forbidden(message: &str) -> Self {
+        ApiError::new(StatusCode::FORBIDDEN, "forbidden", message)
+    }
+
+    fn internal(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    /// What the engine refused, as the caller should see it.
+    fn engine(e: EngineError) -> Self {
+        let msg = e.to_string();
+        use EngineError as E;
+        match e {
+            E::UnknownWorkflowType(_) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "unknown_workflow_type", msg)
+                    .at("workflow_type")
+            }
+            E::InvalidInput { .. } => {
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_input", msg).at("input")
+            }
+            E::Encode(_) => ApiError::new(StatusCode::BAD_REQUEST, "bad_input", msg),
+            E::PayloadTooLarge { .. } => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", msg)
+            }
+            E::UnknownInstance(_) => ApiError::new(StatusCode::NOT_FOUND, "unknown_run", msg),
+            E::RunClosed { .. } | E::AlreadyClosed { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "run_closed", msg)
+            }
+            E::Parked { .. } => ApiError::new(StatusCode::CONFLICT, "run_parked", msg),
+            E::Handler(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "handler", msg),
+            E::UpdateFailed(_) => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "update_failed", msg)
+            }
+            E::Metadata(_) => ApiError::new(StatusCode::BAD_REQUEST, "bad_metadata", msg),
+            E::BadFilter(_) => ApiError::new(StatusCode::BAD_REQUEST, "bad_filter", msg),
+            E::BadMessage(_) => ApiError::new(StatusCode::BAD_REQUEST, "bad_message", msg),
+            E::StreamFull { .. } => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "stream_full", msg)
+            }
+            E::Shutdown => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", msg),
+            E::Unavailable(_) | E::StoreUnavailable(_) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", msg)
+            }
+            E::Refused(_) => ApiError::new(StatusCode::CONFLICT, "refused", msg),
+            E::Schedule(_) => ApiError::new(StatusCode::BAD_REQUEST, "bad_schedule", msg),
+            E::ScheduleExists(_) => ApiError::new(StatusCode::CONFLICT, "schedule_exists", msg),
+            E::UnknownSchedule(_) => ApiError::new(StatusCode::NOT_FOUND, "unknown_schedule", msg),
+            E::WorkflowFailed(_)
+            | E::WorkflowCancelled(_)
+            | E::WorkflowTerminated(_)
+            | E::WorkflowTimedOut(_)
+            | E::ResultDecode(_)
+            | E::Store(_) => ApiError::internal(msg),
+        }
+    }
+}
+
+type ApiResult = Result<HttpResponse, ApiError>;
+
+/// The field serde named in a message like "missing field `x`".
+fn field_of(message: &str) -> Option<String> {
+    let start = message.find('`')? + 1;
+    let len = message[start..].find('`')?;
+    Some(message[start..start + len].to_string())
+}
+
+pub(crate) fn json_config() -> web::JsonConfig {
+    web::JsonConfig::default()
+        .limit(BODY_BYTES_MAX)
+        .content_type_required(false)
+        .error_handler(|e, _| {
+            let err = match &e {
+                JsonPayloadError::Overflow { .. }
+                | JsonPayloadError::OverflowKnownLength { .. } => ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    format!("the request body is over the limit of {BODY_BYTES_MAX} bytes"),
+                ),
+                JsonPayloadError::Deserialize(d) => {
+                    let message = d.to_string();
+                    let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_json", &message);
+                    err.field = field_of(&message);
+                    err
+                }
+                other => ApiError::new(StatusCode::BAD_REQUEST, "bad_json", other.to_string()),
+            };
+            err.into()
+        })
+}
+
+pub(crate) fn query_config() -> web::QueryConfig {
+    web::QueryConfig::default().error_handler(|e, _| {
+        let message = match &e {
+            QueryPayloadError::Deserialize(d) => d.to_string(),
+            other => other.to_string(),
+        };
+        let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_query", &message);
+        err.field = field_of(&message);
+        err.into()
+    })
+}
+
+pub(crate) fn path_config() -> web::PathConfig {
+    web::PathConfig::default().error_handler(|e: PathError, _| {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_path", e.to_string()).into()
+    })
+}
+
+/// Anything no route serves.
+pub(crate) async fn not_found(req: HttpRequest) -> ApiResult {
+    Err(ApiError::new(
+        StatusCode::NOT_FOUND,
+        "no_route",
+        format!("no route for {} {}", req.method(), req.path()),
+    ))
+}
+
+/// `GET /healthz`: 200 while the store takes commits, 503 otherwise.
+pub(crate) async fn healthz(state: web::Data<ServeState>) -> HttpResponse {
+    let health = state.store.health();
+    let body = json!({"store": health.to_string()});
+    if health.is_healthy() {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+/// The `/api/v1` routes, each counted in the metrics.
+pub(crate) fn scope() -> actix_web::Scope<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    web::scope("/api/v1")
+        .wrap_fn(|req, srv| {
+            let start = Instant::now();
+            let metrics = req
+                .app_data::<web::Data<ServeState>>()
+                .map(|s| s.metrics.clone());
+            let method = req.method().to_string();
+            let call = srv.call(req);
+            async move {
+                let res = call.await?;
+                if let Some(m) = metrics {
+                    let route = res
+                        .request()
+                        .match_pattern()
+                        .unwrap_or_else(|| "unmatched".into());
+                    m.observe(&method, &route, res.status().as_u16(), start.elapsed());
+                }
+                Ok(res)
+            }
+        })
+        .route("/whoami", web::get().to(whoami))
+        .route("/runs", web::post().to(start))
+        .route("/runs", web::get().to(list))
+        .route("/runs/{id}", web::get().to(describe))
+        .route("/runs/{id}/history", web::get().to(history))
+        .route("/runs/{id}/result", web::get().to(result))
+        .route("/runs/{id}/export", web::get().to(export))
+        .route("/runs/{id}/signal", web::post().to(signal))
+        .route("/runs/{id}/query", web::post().to(query))
+        .route("/runs/{id}/update", web::post().to(update))
+        .route("/runs/{id}/cancel", web::post().to(cancel))
+        .route("/runs/{id}/terminate", web::post().to(terminate))
+        .route("/runs/{id}/resume", web::post().to(resume))
+        .default_service(web::to(not_found))
+}
+
+/// `GET /api/v1/whoami`: what the caller's token allows (the page
+/// disables its forms for a read-only token).
+async fn whoami(req: HttpRequest, state: web::Data<ServeState>) -> ApiResult {
+    let header = req
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let access = state.tokens.access(header)?;
+    Ok(HttpResponse::Ok().json(json!({
+        "access": match access {
+            super::auth::Access::Read => "read",
+            super::auth::Access::Write => "write",
+        },
+        "token_required": state.tokens.required(),
+    })))
+}
+
+// ------------------------------------------------------------ checks
+
+/// A required identifier: not empty, not too long, no control characters.
+fn id(field: &str, value: &str) -> Result<(), ApiError> {
+    if value.trim().is_empty() {
+        return Err(ApiError::bad(field, "must not be empty"));
+    }
+    if value.len() > ID_BYTES_MAX {
+        return Err(ApiError::bad(
+            field,
+            format!("{} bytes; at most {ID_BYTES_MAX}", value.len()),
+        ));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(ApiError::bad(field, "must not hold control characters"));
+    }
+    Ok(())
+}
+
+fn reason(value: &str) -> Result<(), ApiError> {
+    if value.len() > REASON_BYTES_MAX {
+        return Err(ApiError::bad(
+            "reason",
+            format!("{} bytes; at most {REASON_BYTES_MAX}", value.len()),
+        ));
+    }
+    Ok(())
+}
+
+fn payload(field: &str, value: &Value) -> Result<Payload, ApiError> {
+    let p = Payload::encode(value).map_err(|e| ApiError::bad(field, e.to_string()))?;
+    if p.len() > keel_storage::PAYLOAD_BYTES_MAX {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!(
+                "{} bytes encoded; at most {}",
+                p.len(),
+                keel_storage::PAYLOAD_BYTES_MAX
+            ),
+        )
+        .at(field));
+    }
+    Ok(p)
+}
+
+/// Runs a store read off the server's threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    web::block(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("the read did not finish: {e}")))?
+}
+
+// ------------------------------------------------------------ start
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartBody {
+    workflow_type: String,
+    instance_id: String,
+    #[serde(default)]
+    input: Value,
+    command_id: String,
+    /// `allow_duplicate` (default), `allow_duplicate_failed_only` or
+    /// `reject_duplicate`.
+    #[serde(default)]
+    reuse: Option<String>,
+    #[serde(default)]
+    memo: BTreeMap<String, Value>,
+    #[serde(default)]
+    search_attributes: BTreeMap<String, Value>,
+}
+
+fn reuse_of(text: Option<&str>) -> Result<ReusePolicy, ApiError> {
+    match text {
+        None | Some("allow_duplicate") => Ok(ReusePolicy::AllowDuplicate),
+        Some("allow_duplicate_failed_only") => Ok(ReusePolicy::AllowDuplicateFailedOnly),
+        Some("reject_duplicate") => Ok(ReusePolicy::RejectDuplicate),
+        Some(other) => Err(ApiError::bad(
+            "reuse",
+            format!(
+                "{other:?}: use allow_duplicate, allow_duplicate_failed_only or reject_duplicate"
+            ),
+        )),
+    }
+}
+
+fn search_value(name: &str, v: &Value) -> Result<SearchValue, ApiError> {
+    let field = format!("search_attributes.{name}");
+    match v {
+        Value::String(s) => Ok(SearchValue::from(s.as_str())),
+        Value::Bool(b) => Ok(SearchValue::from(*b)),
+        Value::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => Ok(SearchValue::from(i)),
+            (None, Some(f)) => Ok(SearchValue::from(f)),
+            _ => Err(ApiError::bad(&field, "number out of range")),
+        },
+        _ => Err(ApiError::bad(
+            &field,
+            "must be a string, a number or a boolean",
+        )),
+    }
+}
+
+async fn start(_: CanWrite, state: web::Data<ServeState>, body: web::Json<StartBody>) -> ApiResult {
+    let body = body.into_inner();
+    id("workflow_type", &body.workflow_type)?;
+    id("instance_id", &body.instance_id)?;
+    id("command_id", &body.command_id)?;
+    let reuse = reuse_of(body.reuse.as_deref())?;
+    let input = payload("input", &body.input)?;
+    let mut options = StartOptions::new()
+        .command_id(body.command_id.clone())
+        .reuse(reuse);
+    for (name, value) in &body.memo {
+        options = options.memo(name, value);
+    }
+    for (name, value) in &body.search_attributes {
+        options = options.search_attribute(name, search_value(name, value)?);
+    }
+    let outcome = state
+        .client
+        .start_raw_with(&body.workflow_type, &body.instance_id, input, options)
+        .await
+        .map_err(ApiError::engine)?;
+    let (status, started, run) = match outcome {
+        StartOutcome::Started(run) => (StatusCode::CREATED, true, run),
+        StartOutcome::Existing(run) => (StatusCode::OK, false, run),
+    };
+    Ok(HttpResponse::build(status).json(json!({
+        "run_id": run.to_string(),
+        "instance_id": body.instance_id,
+        "started": started,
+    })))
+}
+
+// ------------------------------------------------------------ list
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    /// A filter as `keel list --where` takes it.
+    #[serde(rename = "where")]
+    filter: Option<String>,
+    status: Option<String>,
+    #[serde(rename = "type")]
+    workflow_type: Option<String>,
+    page_size: Option<usize>,
+    after: Option<String>,
+}
+
+fn status_of(text: &str) -> Result<RunStatus, ApiError> {
+    RunStatus::ALL
+        .iter()
+        .copied()
+        .find(|s| s.name() == text)
+        .ok_or_else(|| {
+            let names: Vec<&str> = RunStatus::ALL.iter().map(|s| s.name()).collect();
+            ApiError::bad(
+                "status",
+                format!("{text:?}: use one of {}", names.join(", ")),
+            )
+        })
+}
+
+async fn list(
+    _: CanRead,
+    state: web::Data<ServeState>,
+    params: web::Query<ListParams>,
+) -> ApiResult {
+    let params = params.into_inner();
+    let mut filter = match params.filter.as_deref().filter(|f| !f.trim().is_empty()) {
+        Some(text) => RunFilter::parse(text).map_err(|e| ApiError::bad("where", e.to_string()))?,
+        None => RunFilter::all(),
+    };
+    if let Some(s) = params.status.as_deref().filter(|s| !s.is_empty()) {
+        filter = filter.status(status_of(s)?);
+    }
+    if let Some(t) = params.workflow_type.as_deref().filter(|t| !t.is_empty()) {
+        id("type", t)?;
+        filter = filter.workflow_type(t);
+    }
+    let size = params.page_size.unwrap_or(LIST_PAGE_RUNS_DEFAULT);
+    if size == 0 || size > LIST_PAGE_RUNS_MAX {
+        return Err(ApiError::bad(
+            "page_size",
+            format!("{size}: between 1 and {LIST_PAGE_RUNS_MAX}"),
+        ));
+    }
+    let after = params
+        .after
+        .filter(|a| !a.is_empty())
+        .map(keel_storage::PageToken);
+    let page = state
+        .client
+        .list(&filter, size, after.as_ref())
+        .await
+        .map_err(|e| match e {
+            EngineError::BadFilter(m) if after.is_some() => ApiError::bad("after", m),
+            other => ApiError::engine(other),
+        })?;
+    let store = state.store.clone();
+    let runs = page.runs;
+    let runs = blocking(move || {
+        runs.iter()
+            .map(|m| {
+                let parked = store
+                    .parked(m.run_id)
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
+                Ok(inspect::run_json(m, parked.as_ref()))
+            })
+            .collect::<Result<Vec<Value>, ApiError>>()
+    })
+    .await?;
+    Ok(HttpResponse::Ok().json(json!({
+        "runs": runs,
+        "next": page.next.map(|t| t.0),
+    })))
+}
+
+// ------------------------------------------------------------ describe
+
+/// The store's record of `id` (an instance or a run id), read off the
+/// server's threads.
+async fn meta_of(state: &ServeState, id_text: &str) -> Result<RunMeta, ApiError> {
+    id("id", id_text)?;
+    let store = state.store.clone();
+    let text = id_text.to_string();
+    blocking(move || {
+        let run = store
+            .resolve(&text)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        run.map(|r| store.run_meta(r))
+            .transpose()
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .flatten()
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "unknown_run",
+                    format!("unknown instance or run {text:?}"),
+                )
+            })
+    })
+    .await
+}
+
+fn outcome_json(o: &Outcome) -> Value {
+    match o {
+        Outcome::Completed(p) => json!({"status": "completed", "result": inspect::payload_json(p)}),
+        Outcome::Failed(f) => json!({"status": "failed", "failure": f.to_string()}),
+        Outcome::Cancelled(r) => json!({"status": "cancelled", "reason": r}),
+        Outcome::Terminated(r) => json!({"status": "terminated", "reason": r}),
+        Outcome::TimedOut(r) => json!({"status": "timed-out", "reason": r}),
+        Outcome::ContinuedAsNew(r) => {
+            json!({"status": "continued-as-new", "next_run_id": r.to_string()})
+        }
+    }
+}
+
+async fn describe(_: CanRead, state: web::Data<ServeState>, path: web::Path<String>) -> ApiResult {
+    let id_text = path.into_inner();
+    id("id", &id_text)?;
+    let d = state
+        .client
+        .describe(&id_text)
+        .await
+        .map_err(ApiError::engine)?;
+    let meta = meta_of(&state, &d.run_id.to_string()).await?;
+    let mut v = serde_json::to_value(&d).map_err(|e| ApiError::internal(e.to_string()))?;
+    if let Value::Object(obj) = &mut v {
+        obj.insert("status".into(), json!(d.status.name()));
+        obj.insert("run_id".into(), json!(d.run_id.to_string()));
+        obj.insert("updated_at".into(), json!(meta.updated_at.0));
+        obj.insert(
+            "outcome".into(),
+            meta.outcome.as_ref().map_or(Value::Null, outcome_json),
+        );
+        obj.insert(
+            "search_attributes".into(),
+            inspect::attributes_json(&d.search_attributes),
+        );
+        obj.insert("memo".into(), inspect::memo_json(&meta.memo));
+        obj.insert(
+            "parent".into(),
+            d.parent.as_ref().map_or(
+                Value::Null,
+                |(run, step)| json!({"run_id": run.to_string(), "step": step.0}),
+            ),
+        );
+        obj.insert("store_health".into(), json!(d.store_health.to_string()));
+    }
+    Ok(HttpResponse::Ok().json(v))
+}
+
+// ------------------------------------------------------------ history
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HistoryParams {
+    /// The first event's sequence number (1 is the first event).
+    from: Option<u64>,
+    limit: Option<usize>,
+}
+
+async fn history(
+    _: CanRead,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    params: web::Query<HistoryParams>,
+) -> ApiResult {
+    let meta = meta_of(&state, &path.into_inner()).await?;
+    let from = params.from.unwrap_or(1);
+    if from == 0 {
+        return Err(ApiError::bad("from", "sequence numbers start at 1"));
+    }
+    let limit = params.limit.unwrap_or(HISTORY_PAGE_EVENTS_DEFAULT);
+    if limit == 0 || limit > HISTORY_PAGE_EVENTS_MAX {
+        return Err(ApiError::bad(
+            "limit",
+            format!("{limit}: between 1 and {HISTORY_PAGE_EVENTS_MAX}"),
+        ));
+    }
+    let store = state.store.clone();
+    let last = meta.next_seq.0.saturating_sub(1);
+    let run = meta.run_id;
+    let (events, more) = blocking(move || {
+        let mut events = Vec::with_capacity(limit.min(last as usize));
+        let mut more = false;
+        store
+            .for_each_event(run, Seq(from), &mut |e| {
+                if e.seq.0 > last {
+                    return false;
+                }
+                if events.len() == limit {
+                    more = true;
+                    return false;
+                }
+                events.push(inspect::event_json(&e));
+                true
+            })
+            .map_err(|e| ApiError::internal(format!("reading run {run}: {e}")))?;
+        Ok((events, more))
+    })
+    .await?;
+    let next_from = more.then(|| from + events.len() as u64);
+    Ok(HttpResponse::Ok().json(json!({
+        "run_id": run.to_string(),
+        "events": events,
+        "total": last,
+        "next_from": next_from,
+    })))
+}
+
+// ------------------------------------------------------------ result
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResultParams {
+    /// How long to wait for the run to close, in milliseconds (0: answer
+    /// at once).
+    wait_ms: Option<u64>,
+}
+
+async fn result(
+    _: CanRead,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    params: web::Query<ResultParams>,
+) -> ApiResult {
+    let id_text = path.into_inner();
+    let wait = params.wait_ms.unwrap_or(0);
+    if wait > RESULT_WAIT_MS_MAX {
+        return Err(ApiError::bad(
+            "wait_ms",
+            format!("{wait}: at most {RESULT_WAIT_MS_MAX}"),
+        ));
+    }
+    // Known at once when closed; otherwise waited for, up to `wait`.
+    let meta = meta_of(&state, &id_text).await?;
+    let closed = meta
+        .outcome
+        .as_ref()
+        .filter(|o| !matches!(o, Outcome::ContinuedAsNew(_)));
+    if let Some(o) = closed {
+        return Ok(HttpResponse::Ok().json(outcome_json(o)));
+    }
+    let running = || {
+        HttpResponse::Accepted()
+            .json(json!({"status": "running", "run_id": meta.run_id.to_string()}))
+    };
+    if wait == 0 {
+        return Ok(running());
+    }
+    match tokio::time::timeout(Duration::from_millis(wait), state.client.outcome(&id_text)).await {
+        Ok(Ok(o)) => Ok(HttpResponse::Ok().json(outcome_json(&o))),
+        Ok(Err(e)) => Err(ApiError::engine(e)),
+        Err(_) => Ok(running()),
+    }
+}
+
+// ------------------------------------------------------------ export
+
+async fn export(_: CanRead, state: web::Data<ServeState>, path: web::Path<String>) -> ApiResult {
+    let meta = meta_of(&state, &path.into_inner()).await?;
+    let store = state.store.clone();
+    let run = meta.run_id;
+    let bytes = blocking(move || {
+        let bundle = keel::Bundle::from_store(store.as_ref(), &run.to_string())
+            .map_err(|e| ApiError::internal(format!("reading run {run}: {e}")))?;
+        bundle
+            .encode()
+            .map_err(|e| ApiError::internal(format!("encoding run {run}: {e}")))
+    })
+    .await?;
+    Ok(HttpResponse::Ok()
+        .content_type("application/octet-stream")
+        .insert_header((
+            "Content-Disposition",
+            format!("attachment; filename=\"{run}.keel-bundle\""),
+        ))
+        .body(bytes))
+}
+
+// ------------------------------------------------------------ signal, query, update
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignalBody {
+    name: String,
+    #[serde(default)]
+    payload: Value,
+    command_id: String,
+}
+
+async fn signal(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<SignalBody>,
+) -> ApiResult {
+    let target = path.into_inner();
+    id("id", &target)?;
+    id("name", &body.name)?;
+    id("command_id", &body.command_id)?;
+    payload("payload", &body.payload)?;
+    state
+        .client
+        .signal(&target, &body.name, &body.payload, Some(&body.command_id))
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"signalled": true})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QueryBody {
+    name: String,
+    #[serde(default)]
+    args: Value,
+}
+
+async fn query(
+    _: CanRead,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<QueryBody>,
+) -> ApiResult {
+    let target = path.into_inner();
+    id("id", &target)?;
+    id("name", &body.name)?;
+    payload("args", &body.args)?;
+    let value: Value = state
+        .client
+        .query(&target, &body.name, &body.args)
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"value": value})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpdateBody {
+    name: String,
+    #[serde(default)]
+    args: Value,
+    update_id: String,
+}
+
+async fn update(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<UpdateBody>,
+) -> ApiResult {
+    let target = path.into_inner();
+    id("id", &target)?;
+    id("name", &body.name)?;
+    id("update_id", &body.update_id)?;
+    payload("args", &body.args)?;
+    let value: Value = state
+        .client
+        .update(&target, &body.name, &body.args, Some(&body.update_id))
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"value": value})))
+}
+
+// ------------------------------------------------------------ cancel, terminate, resume
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CloseBody {
+    #[serde(default)]
+    reason: String,
+    command_id: String,
+}
+
+async fn cancel(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<CloseBody>,
+) -> ApiResult {
+    let target = path.into_inner();
+    id("id", &target)?;
+    id("command_id", &body.command_id)?;
+    reason(&body.reason)?;
+    state
+        .client
+        .cancel_with(&target, &body.reason, Some(&body.command_id))
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"cancel_requested": true})))
+}
+
+async fn terminate(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<CloseBody>,
+) -> ApiResult {
+    let target = path.into_inner();
+    id("id", &target)?;
+    id("command_id", &body.command_id)?;
+    reason(&body.reason)?;
+    state
+        .client
+        .terminate_with(&target, &body.reason, Some(&body.command_id))
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"terminated": true})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResumeBody {
+    /// Accepted for uniformity; a resume needs none to be repeated safely
+    /// (it re-checks the run against the code, which is idempotent).
+    #[serde(default)]
+    command_id: Option<String>,
+}
+
+async fn resume(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: Option<web::Json<ResumeBody>>,
+) -> ApiResult {
+    let target = path.into_inner();
+    id("id", &target)?;
+    if let Some(c) = body.as_ref().and_then(|b| b.command_id.as_deref()) {
+        id("command_id", c)?;
+    }
+    let r = state
+        .client
+        .resume(&target)
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({
+        "run_id": r.run.to_string(),
+        "was_parked": r.was_parked,
+        "fits": r.fits,
+        "reason": r.reason,
+    })))
+}

@@ -1,0 +1,274 @@
+//! `keel serve`: an engine behind an HTTP/JSON API, with the operator's
+//! web page and Prometheus metrics, served by one actix-web server.
+//!
+//! An application serves its own engine with [`serve_with`], or mounts
+//! [`configure`] into an actix-web `App` it already runs.
+//!
+//! Safe by default: the server binds to 127.0.0.1; a non-loopback address
+//! needs a bearer token ([`ServeConfig::check`] refuses to start without
+//! one). With a token set, every API call must carry it, except reads,
+//! which a read-only token may make too. Bodies are limited to
+//! [`BODY_BYTES_MAX`]; every input is checked and a bad one answered with
+//! a 4xx and a JSON body naming the field.
+
+mod api;
+mod auth;
+mod metrics;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use actix_web::{web, App, HttpServer};
+use keel::{Client, Engine};
+use keel_storage::Store;
+
+pub use api::{
+    ApiError, HISTORY_PAGE_EVENTS_MAX, ID_BYTES_MAX, REASON_BYTES_MAX, RESULT_WAIT_MS_MAX,
+};
+pub use metrics::Metrics;
+
+/// Largest request body the API reads, in bytes: a start's input plus its
+/// memo fits (a payload is at most `keel::storage::PAYLOAD_BYTES_MAX`,
+/// 1 MiB, and JSON is a little larger than msgpack).
+pub const BODY_BYTES_MAX: usize = 2 * 1024 * 1024;
+
+/// The address `keel serve` binds to unless told otherwise.
+pub const DEFAULT_BIND: &str = "127.0.0.1:8233";
+
+/// Where the OpenAPI document is served.
+pub const OPENAPI_PATH: &str = "/api/openapi.json";
+
+/// The OpenAPI document of the API, checked in beside the code
+/// (`crates/cli/src/serve/openapi.json`); a test checks that it lists
+/// every route the server answers.
+pub const OPENAPI_JSON: &str = include_str!("openapi.json");
+
+/// The operator's page: one HTML file with its script, no build chain.
+const UI_HTML: &str = include_str!("ui.html");
+
+/// How `keel serve` listens and whom it lets in.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Where to listen.
+    pub bind: SocketAddr,
+    /// The bearer token for every call. Required on a non-loopback
+    /// address.
+    pub token: Option<String>,
+    /// A bearer token for reads only (list, describe, history, result,
+    /// query, export, metrics).
+    pub read_token: Option<String>,
+    /// HTTP worker threads.
+    pub workers: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            bind: DEFAULT_BIND.parse().expect("a valid default address"),
+            token: None,
+            read_token: None,
+            workers: 2,
+        }
+    }
+}
+
+/// Why a configuration cannot serve.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// A non-loopback address without a token: anyone on the network
+    /// could start, signal and terminate runs.
+    #[error("binding to {0} (not a loopback address) needs a bearer token (--token or KEEL_SERVE_TOKEN); refusing to serve the API open to the network")]
+    OpenToNetwork(SocketAddr),
+    /// A read-only token without a full one: writes would be open while
+    /// reads are not.
+    #[error("a read-only token needs a full token too (--token or KEEL_SERVE_TOKEN); without one, writes would be open while reads are not")]
+    ReadTokenAlone,
+    /// A token too short to resist guessing.
+    #[error("the {which} token has {len} characters; use at least {TOKEN_CHARS_MIN}")]
+    WeakToken {
+        /// `full` or `read-only`.
+        which: &'static str,
+        /// Its length.
+        len: usize,
+    },
+    /// The same text for both tokens would make readers writers.
+    #[error("the read-only token must differ from the full token")]
+    SameTokens,
+}
+
+/// Shortest bearer token accepted, in characters.
+pub const TOKEN_CHARS_MIN: usize = 16;
+
+impl ServeConfig {
+    /// Refuses what would expose the engine: a non-loopback address with
+    /// no token, weak or identical tokens, a read-only token alone.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        for (which, t) in [("full", &self.token), ("read-only", &self.read_token)] {
+            if let Some(t) = t {
+                if t.chars().count() < TOKEN_CHARS_MIN {
+                    return Err(ConfigError::WeakToken {
+                        which,
+                        len: t.chars().count(),
+                    });
+                }
+            }
+        }
+        if self.read_token.is_some() && self.token.is_none() {
+            return Err(ConfigError::ReadTokenAlone);
+        }
+        if self.token.is_some() && self.token == self.read_token {
+            return Err(ConfigError::SameTokens);
+        }
+        if self.token.is_none() && !is_loopback(self.bind.ip()) {
+            return Err(ConfigError::OpenToNetwork(self.bind));
+        }
+        Ok(())
+    }
+}
+
+fn is_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v| v.is_loopback()),
+    }
+}
+
+/// What the handlers share: the engine's client and store, the tokens and
+/// the metrics.
+#[derive(Clone)]
+pub struct ServeState {
+    pub(crate) client: Client,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) engine: Option<Arc<Engine>>,
+    pub(crate) tokens: auth::Tokens,
+    pub(crate) metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for ServeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeState")
+            .field("token_required", &self.tokens.required())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServeState {
+    /// The state for serving `engine` under `config`'s tokens.
+    pub fn new(engine: Arc<Engine>, config: &ServeConfig) -> Self {
+        ServeState {
+            client: engine.client(),
+            store: engine.store(),
+            engine: Some(engine),
+            tokens: auth::Tokens::new(config.token.clone(), config.read_token.clone()),
+            metrics: Arc::new(Metrics::default()),
+        }
+    }
+}
+
+/// Mounts the API, the page, the OpenAPI document and `/metrics` on an
+/// actix-web app: `App::new().configure(keel_cli::serve::configure(state))`.
+pub fn configure(state: ServeState) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg| {
+        cfg.app_data(web::Data::new(state))
+            .app_data(api::json_config())
+            .app_data(api::query_config())
+            .app_data(api::path_config())
+            .default_service(web::to(api::not_found))
+            .route("/", web::get().to(ui))
+            .route("/runs/{id}", web::get().to(ui))
+            .route(OPENAPI_PATH, web::get().to(openapi))
+            .route("/healthz", web::get().to(api::healthz))
+            .route("/metrics", web::get().to(metrics::scrape))
+            .service(api::scope());
+    }
+}
+
+async fn ui() -> actix_web::HttpResponse {
+    actix_web::HttpResponse::Ok()
+        .content_type("text/html; charset=utf-8")
+        .insert_header(("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline' 'self'; style-src 'unsafe-inline' 'self'; frame-ancestors 'none'"))
+        .insert_header(("X-Content-Type-Options", "nosniff"))
+        .body(UI_HTML)
+}
+
+async fn openapi() -> actix_web::HttpResponse {
+    actix_web::HttpResponse::Ok()
+        .content_type("application/json")
+        .body(OPENAPI_JSON)
+}
+
+/// Arguments of `keel serve`.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// The data directory (created if missing). A PostgreSQL store is
+    /// named by its URL instead: `--store postgres://user:password@host:port/database`.
+    #[arg(long, alias = "store", default_value = "keel-data")]
+    pub data: std::path::PathBuf,
+    /// Where to listen. Anything but a loopback address needs --token.
+    #[arg(long, default_value = DEFAULT_BIND)]
+    pub bind: SocketAddr,
+    /// The bearer token every call must carry (default: the environment
+    /// variable KEEL_SERVE_TOKEN; none on a loopback address means open).
+    #[arg(long)]
+    pub token: Option<String>,
+    /// A bearer token that may only read (default: KEEL_SERVE_READ_TOKEN).
+    #[arg(long)]
+    pub read_token: Option<String>,
+}
+
+/// Runs `keel serve`: builds the engine from `builder` on `--data` and
+/// serves it until interrupted.
+pub fn run(args: ServeArgs, builder: keel::EngineBuilder) -> anyhow::Result<()> {
+    let from_env = |name: &str| std::env::var(name).ok().filter(|t| !t.is_empty());
+    let config = ServeConfig {
+        bind: args.bind,
+        token: args.token.or_else(|| from_env("KEEL_SERVE_TOKEN")),
+        read_token: args
+            .read_token
+            .or_else(|| from_env("KEEL_SERVE_READ_TOKEN")),
+        ..ServeConfig::default()
+    };
+    // Refused before the store is opened: a bad configuration touches
+    // no data.
+    config.check()?;
+    let builder = match crate::output::postgres_of(&args.data) {
+        Some(options) => builder.postgres_options(options),
+        None => builder.data_dir(&args.data),
+    };
+    let engine = builder
+        .build()
+        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", crate::output::shown(&args.data)))?;
+    serve_with(engine, config)
+}
+
+/// Serves `engine` under `config` until the process is interrupted
+/// (SIGINT or SIGTERM), then shuts the engine down. Blocks; call it from
+/// `main`, not from inside an async runtime.
+pub fn serve_with(engine: Engine, config: ServeConfig) -> anyhow::Result<()> {
+    config.check()?;
+    let engine = Arc::new(engine);
+    let state = ServeState::new(engine.clone(), &config);
+    let bind = config.bind;
+    actix_web::rt::System::new().block_on(async move {
+        let server = HttpServer::new(move || App::new().configure(configure(state.clone())))
+            .workers(config.workers.max(1))
+            .bind(bind)
+            .map_err(|e| anyhow::anyhow!("cannot listen on {bind}: {e}"))?;
+        let addrs = server.addrs();
+        for a in &addrs {
+            eprintln!(
+                "keel serve: listening on http://{a}/ (API under /api/v1, metrics at /metrics)"
+            );
+        }
+        server.run().await?;
+        anyhow::Ok(())
+    })?;
+    eprintln!("keel serve: stopping the engine");
+    match Arc::try_unwrap(engine) {
+        Ok(engine) => engine.shutdown_blocking(),
+        Err(_) => {
+            tracing::warn!("the engine is still shared at exit; its store closes with the process")
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,370 @@
+//! Goal: the operator's page works in a real browser against a running
+//! `keel serve`: the run list shows the demo's orders and filters them,
+//! a run's page shows what it waits for, a waiting order signalled from
+//! its page completes, and a parked run is resumed from its page.
+//!
+//! Method: the demo's engine (plus one workflow that panics while a flag
+//! is set, to park a run) on a RocksDB directory, served by a real
+//! actix-web server on a loopback port; headless Chromium (the
+//! distribution's package; `.ci/run` installs it and sets
+//! KEEL_REQUIRE_BROWSER=1, so a missing browser fails there instead of
+//! skipping) is driven over the DevTools protocol: it loads the pages,
+//! fills and submits the forms, clicks the buttons, and the test reads
+//! the rendered page, and the engine, after each step. With
+//! KEEL_SCREENSHOTS_DIR set, the main pages are saved there as PNG (the
+//! README's pictures under docs/ come from this test).
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use keel::{Workflow, WorkflowContext, WorkflowError};
+use keel_cli::serve::{configure, ServeConfig, ServeState};
+use serde_json::{json, Value};
+use tungstenite::stream::MaybeTlsStream;
+use tungstenite::{Message, WebSocket};
+
+/// How long the test waits for the page to show something.
+const PAGE_WAIT_MS_MAX: u64 = 20_000;
+
+static BROKEN: AtomicBool = AtomicBool::new(false);
+
+/// Waits for two signals; panics between them while `BROKEN` is set, so
+/// its run is parked until the code is "fixed" and the run resumed.
+struct Toggle;
+impl Workflow for Toggle {
+    const NAME: &'static str = "ops.toggle";
+    type Input = ();
+    type Output = String;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<String, WorkflowError> {
+        let a: u32 = ctx.wait_signal("go").await?;
+        if BROKEN.load(Ordering::SeqCst) {
+            panic!("a bug after the first signal");
+        }
+        let b: u32 = ctx.wait_signal("go").await?;
+        Ok(format!("went {a} and {b}"))
+    }
+}
+
+fn chromium() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    for name in ["chromium", "chromium-browser", "google-chrome", "chrome"] {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join(name);
+            if candidate.is_file() {
+                return Some(candidate);
+            }
+        }
+    }
+    None
+}
+
+/// A headless browser and one page, driven over the DevTools protocol.
+struct Browser {
+    child: Child,
+    ws: WebSocket<MaybeTlsStream<TcpStream>>,
+    session: String,
+    next_id: u64,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Browser {
+    fn launch(binary: &PathBuf) -> Browser {
+        let profile = tempfile::tempdir().unwrap();
+        let mut child = Command::new(binary)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--no-first-run",
+                "--remote-debugging-port=0",
+                "--window-size=1280,900",
+                "--lang=en-US",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("chromium starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(url) = line.split("DevTools listening on ").nth(1) {
+                    let _ = tx.send(url.trim().to_string());
+                }
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("chromium prints its DevTools address");
+        let (ws, _) = tungstenite::connect(url.as_str()).expect("connects to DevTools");
+        if let MaybeTlsStream::Plain(s) = ws.get_ref() {
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        }
+        let mut b = Browser {
+            child,
+            ws,
+            session: String::new(),
+            next_id: 0,
+            _profile: profile,
+        };
+        let target = b.call("Target.createTarget", json!({"url": "about:blank"}));
+        let attached = b.call(
+            "Target.attachToTarget",
+            json!({"targetId": target["targetId"], "flatten": true}),
+        );
+        b.session = attached["sessionId"].as_str().unwrap().to_string();
+        b.call("Page.enable", json!({}));
+        b.call("Runtime.enable", json!({}));
+        b
+    }
+
+    /// One DevTools command; its result (events in between are skipped).
+    fn call(&mut self, method: &str, params: Value) -> Value {
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut msg = json!({"id": id, "method": method, "params": params});
+        if !self.session.is_empty() {
+            msg["sessionId"] = json!(self.session);
+        }
+        self.ws.send(Message::text(msg.to_string())).unwrap();
+        loop {
+            let text = match self.ws.read().expect("DevTools answers") {
+                Message::Text(t) => t.to_string(),
+                _ => continue,
+            };
+            let v: Value = serde_json::from_str(&text).unwrap();
+            if v["id"] == json!(id) {
+                assert!(v.get("error").is_none(), "{method}: {}", v["error"]);
+                return v["result"].clone();
+            }
+        }
+    }
+
+    /// Evaluates `js` in the page and returns its value.
+    fn eval(&mut self, js: &str) -> Value {
+        let r = self.call(
+            "Runtime.evaluate",
+            json!({"expression": js, "returnByValue": true, "awaitPromise": true}),
+        );
+        assert!(
+            r.get("exceptionDetails").is_none(),
+            "{js}: {}",
+            r["exceptionDetails"]
+        );
+        r["result"]["value"].clone()
+    }
+
+    fn open(&mut self, url: &str) {
+        self.call("Page.navigate", json!({"url": url}));
+    }
+
+    /// Waits until `js` is true in the page.
+    fn wait_for(&mut self, js: &str, what: &str) {
+        let deadline = Instant::now() + Duration::from_millis(PAGE_WAIT_MS_MAX);
+        loop {
+            if self.eval(&format!(
+                "(() => {{ try {{ return !!({js}); }} catch (e) {{ return false; }} }})()"
+            )) == json!(true)
+            {
+                return;
+            }
+            if Instant::now() > deadline {
+                let text = self.eval("document.body ? document.body.innerText : ''");
+                panic!(
+                    "the page never showed {what}; it shows:\n{}",
+                    text.as_str().unwrap_or("")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn screenshot(&mut self, name: &str) {
+        let Some(dir) = std::env::var_os("KEEL_SCREENSHOTS_DIR") else {
+            return;
+        };
+        let shot = self.call(
+            "Page.captureScreenshot",
+            json!({"format": "png", "captureBeyondViewport": true}),
+        );
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(shot["data"].as_str().unwrap())
+            .unwrap();
+        let path = PathBuf::from(dir).join(name);
+        std::fs::write(&path, png).unwrap();
+        eprintln!("saved {}", path.display());
+    }
+}
+
+#[test]
+fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
+    let Some(binary) = chromium() else {
+        assert!(
+            std::env::var_os("KEEL_REQUIRE_BROWSER").is_none(),
+            "KEEL_REQUIRE_BROWSER is set but no chromium is on PATH"
+        );
+        eprintln!("skipped: no chromium on PATH (scripts/chromium.sh installs it)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(
+        keel_cli::demo_app::engine_builder()
+            .register_workflow::<Toggle>()
+            .data_dir(dir.path())
+            .build()
+            .unwrap(),
+    );
+    let client = engine.client();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+
+    // Twelve orders; the tenth is large and waits for approval.
+    rt.block_on(async {
+        for i in 0..12u64 {
+            let order = keel_cli::demo_app::order(i);
+            client
+                .start::<keel_cli::demo_app::ProcessOrder>(&format!("order-{i}"), &order)
+                .await
+                .unwrap();
+        }
+        for i in (0..12u64).filter(|i| *i != 9) {
+            client
+                .result::<keel_cli::demo_app::ProcessOrder>(&format!("order-{i}"))
+                .await
+                .unwrap();
+        }
+        // A run parked by a bug.
+        client.start::<Toggle>("toggle-1", &()).await.unwrap();
+        BROKEN.store(true, Ordering::SeqCst);
+        let err = client
+            .signal("toggle-1", "go", &1u32, Some("go-1"))
+            .await
+            .err();
+        // The signal commits and the code then panics: parked.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while client.describe("toggle-1").await.unwrap().parked.is_none() {
+            assert!(Instant::now() < deadline, "never parked ({err:?})");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+
+    let state = ServeState::new(engine.clone(), &ServeConfig::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let server_thread = std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            let server = actix_web::HttpServer::new(move || {
+                actix_web::App::new().configure(configure(state.clone()))
+            })
+            .workers(1)
+            .bind("127.0.0.1:0")
+            .unwrap();
+            let addr = server.addrs()[0];
+            let server = server.run();
+            tx.send((addr, server.handle())).unwrap();
+            server.await
+        })
+    });
+    let (addr, handle) = rx.recv().unwrap();
+    let base = format!("http://{addr}");
+
+    let mut b = Browser::launch(&binary);
+
+    // The list shows every run.
+    b.open(&format!("{base}/"));
+    b.wait_for(
+        "document.querySelectorAll('#rows tr').length >= 13",
+        "13 runs",
+    );
+    b.wait_for(
+        "document.querySelector('#rows').innerText.includes('order-9')",
+        "order-9",
+    );
+    b.screenshot("ui-runs.png");
+
+    // Filtered to running orders: only the one waiting for approval.
+    b.eval(
+        "(() => { const f = document.querySelector('#filters'); \
+         f.elements.status.value = 'running'; f.elements.type.value = 'demo.order'; \
+         f.requestSubmit(); })()",
+    );
+    b.wait_for(
+        "location.search.includes('status=running') && document.querySelectorAll('#rows tr').length === 1 \
+         && document.querySelector('#rows').innerText.includes('order-9')",
+        "only order-9 when filtered to running orders",
+    );
+
+    // Its page says what it waits for.
+    b.eval("document.querySelector('#rows a').click()");
+    b.wait_for("location.pathname.startsWith('/runs/')", "the run's page");
+    b.wait_for(
+        "document.querySelector('h1').innerText.includes('order-9') && document.body.innerText.includes('approve')",
+        "order-9 waiting for approve",
+    );
+    b.screenshot("ui-run-waiting.png");
+
+    // Signalled from its page, it completes.
+    b.eval(
+        "(() => { const f = document.querySelector('#signal-form'); \
+         f.elements.name.value = 'approve'; f.elements.payload.value = '\"ops-team\"'; \
+         f.requestSubmit(); })()",
+    );
+    b.wait_for(
+        "document.body.innerText.includes('Signal committed')",
+        "the signal committed",
+    );
+    let receipt = rt
+        .block_on(client.result::<keel_cli::demo_app::ProcessOrder>("order-9"))
+        .unwrap();
+    assert_eq!(receipt.approved_by.as_deref(), Some("ops-team"));
+    b.open(&format!("{base}/runs/order-9"));
+    b.wait_for(
+        "document.querySelector('h1 .badge').innerText === 'completed'",
+        "order-9 completed",
+    );
+    b.wait_for(
+        "document.querySelector('#events').innerText.includes('ops-team')",
+        "the signal in the history",
+    );
+    b.screenshot("ui-run-completed.png");
+
+    // The parked run: its reason is shown, and once the code is fixed a
+    // click on Resume lets it go on.
+    b.open(&format!("{base}/runs/toggle-1"));
+    b.wait_for(
+        "document.querySelector('.parked') && document.querySelector('.parked').innerText.includes('panic')",
+        "the parked run's reason",
+    );
+    b.screenshot("ui-run-parked.png");
+    BROKEN.store(false, Ordering::SeqCst);
+    b.eval("document.querySelector('#resume').click()");
+    b.wait_for(
+        "document.body.innerText.includes('Resumed')",
+        "the resume answer",
+    );
+    b.wait_for("!document.querySelector('.parked')", "the parked box gone");
+    // The engine agrees: the run is no longer parked and waits for its
+    // second signal. (Whether a signal then reaches a run resumed live
+    // is tests/no_stuck_runs.rs's subject.)
+    let d = rt.block_on(client.describe("toggle-1")).unwrap();
+    assert!(d.parked.is_none(), "{d:?}");
+    assert_eq!(d.signal_waits, vec![("go".to_string(), 1)], "{d:?}");
+
+    drop(b);
+    rt.block_on(handle.stop(true));
+    server_thread.join().unwrap().unwrap();
+}

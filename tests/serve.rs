@@ -1,0 +1,403 @@
+//! Goal: `keel serve`'s HTTP API does what its OpenAPI document says over a
+//! real engine: an order started over HTTP waits for its approval, is
+//! found by a filtered list, described with its open wait, signalled, and
+//! completes; its history pages and its bundle exports. Bad input gets a
+//! 4xx naming the field and writes nothing; tokens let exactly the right
+//! callers in; `/metrics` is Prometheus text that counts what was served;
+//! every route the document lists is served.
+//! Method: the demo's engine on a RocksDB directory in a temporary folder,
+//! mounted with `keel_cli::serve::configure` into an actix-web test
+//! service, called in-process with real HTTP requests and JSON bodies.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::http::StatusCode;
+use actix_web::{test, App};
+use keel_cli::serve::{configure, ConfigError, ServeConfig, ServeState, OPENAPI_JSON};
+use serde_json::{json, Value};
+
+const FULL: &str = "operator-token-0123456789";
+const READ: &str = "viewer-token-0123456789";
+
+fn engine(dir: &std::path::Path) -> Arc<keel::Engine> {
+    Arc::new(
+        keel_cli::demo_app::engine_builder()
+            .data_dir(dir)
+            .build()
+            .expect("the engine opens a fresh directory"),
+    )
+}
+
+async fn call<S>(app: &S, req: test::TestRequest) -> (StatusCode, Value)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse, Error = actix_web::Error>,
+{
+    let res = test::call_service(app, req.to_request()).await;
+    let status = res.status();
+    let bytes = res.into_body().try_into_bytes().unwrap_or_default();
+    let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    (status, body)
+}
+
+fn get(path: &str) -> test::TestRequest {
+    test::TestRequest::get().uri(path)
+}
+
+fn post(path: &str, body: Value) -> test::TestRequest {
+    test::TestRequest::post().uri(path).set_json(body)
+}
+
+fn large_order(id: u64) -> Value {
+    json!({"id": id, "cents": 75_000, "sku": "sku-9"})
+}
+
+#[actix_web::test]
+async fn an_order_started_over_http_waits_is_signalled_and_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let app = test::init_service(App::new().configure(configure(state))).await;
+
+    let start = json!({
+        "workflow_type": "demo.order",
+        "instance_id": "order-9",
+        "input": large_order(9),
+        "command_id": "start-order-9",
+        "search_attributes": {"customer": "c-42"},
+    });
+    let (status, started) = call(&app, post("/api/v1/runs", start.clone())).await;
+    assert_eq!(status, StatusCode::CREATED, "{started}");
+    assert_eq!(started["started"], true);
+    let run_id = started["run_id"].as_str().unwrap().to_string();
+    // The same command again is the same start.
+    let (status, again) = call(&app, post("/api/v1/runs", start)).await;
+    assert_eq!(status, StatusCode::OK, "{again}");
+    assert_eq!(again["run_id"], run_id.as_str());
+    assert_eq!(again["started"], false);
+
+    // It waits for its approval: describe shows the open wait.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let described = loop {
+        let (status, d) = call(&app, get("/api/v1/runs/order-9")).await;
+        assert_eq!(status, StatusCode::OK, "{d}");
+        let waits = d["signal_waits"].as_array().cloned().unwrap_or_default();
+        if waits.iter().any(|w| w[0] == "approve") {
+            break d;
+        }
+        assert!(Instant::now() < deadline, "never waited for approve: {d}");
+        actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(described["status"], "running");
+    assert_eq!(described["run_id"], run_id.as_str());
+    assert_eq!(described["search_attributes"]["customer"], "c-42");
+
+    // A filtered list finds it; another filter does not.
+    let (status, page) = call(
+        &app,
+        get("/api/v1/runs?where=customer%20%3D%20%22c-42%22&status=running"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{page}");
+    assert_eq!(page["runs"].as_array().unwrap().len(), 1, "{page}");
+    assert_eq!(page["runs"][0]["instance_id"], "order-9");
+    let (_, none) = call(&app, get("/api/v1/runs?status=completed")).await;
+    assert_eq!(none["runs"].as_array().unwrap().len(), 0, "{none}");
+
+    // Not closed yet: the result says so at once.
+    let (status, running) = call(&app, get("/api/v1/runs/order-9/result")).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{running}");
+    assert_eq!(running["status"], "running");
+
+    let signal = json!({"name": "approve", "payload": "ops-team", "command_id": "approve-9"});
+    let (status, body) = call(&app, post("/api/v1/runs/order-9/signal", signal)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, outcome) = call(&app, get("/api/v1/runs/order-9/result?wait_ms=20000")).await;
+    assert_eq!(status, StatusCode::OK, "{outcome}");
+    assert_eq!(outcome["status"], "completed", "{outcome}");
+    assert_eq!(outcome["result"]["approved_by"], "ops-team", "{outcome}");
+
+    // The history pages; the pages join up to the whole history.
+    let (status, first) = call(&app, get("/api/v1/runs/order-9/history?limit=3")).await;
+    assert_eq!(status, StatusCode::OK, "{first}");
+    assert_eq!(first["events"].as_array().unwrap().len(), 3);
+    assert_eq!(first["next_from"], 4);
+    let total = first["total"].as_u64().unwrap();
+    let (_, rest) = call(&app, get("/api/v1/runs/order-9/history?from=4&limit=1000")).await;
+    assert_eq!(rest["events"].as_array().unwrap().len() as u64, total - 3);
+    assert_eq!(rest["next_from"], Value::Null);
+    assert_eq!(rest["events"][0]["seq"], 4);
+    assert!(rest["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["kind"] == "SignalReceived" || e["payload"] == "ops-team"));
+
+    // The bundle is the one `keel replay` reads.
+    let res = test::call_service(&app, get("/api/v1/runs/order-9/export").to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let bytes = res.into_body().try_into_bytes().unwrap();
+    let bundle = keel::Bundle::decode(&bytes).expect("a valid bundle");
+    assert_eq!(bundle.events.len() as u64, total);
+}
+
+#[actix_web::test]
+async fn bad_input_gets_a_4xx_naming_the_field_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let app = test::init_service(App::new().configure(configure(state))).await;
+    let error = |body: &Value| {
+        (
+            body["error"]["code"].as_str().unwrap_or("").to_string(),
+            body["error"]["field"].as_str().unwrap_or("").to_string(),
+        )
+    };
+
+    let malformed = test::TestRequest::post()
+        .uri("/api/v1/runs")
+        .insert_header(("content-type", "application/json"))
+        .set_payload("{\"workflow_type\": ");
+    let (status, body) = call(&app, malformed).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(error(&body).0, "bad_json");
+
+    let cases = [
+        (
+            json!({"workflow_type": "demo.order", "instance_id": "a", "input": large_order(1)}),
+            StatusCode::BAD_REQUEST,
+            "bad_json",
+            "command_id",
+        ),
+        (
+            json!({"workflow_type": "demo.order", "instance_id": "a", "command_id": "c", "colour": 1}),
+            StatusCode::BAD_REQUEST,
+            "bad_json",
+            "colour",
+        ),
+        (
+            json!({"workflow_type": "no.such", "instance_id": "a", "command_id": "c"}),
+            StatusCode::BAD_REQUEST,
+            "unknown_workflow_type",
+            "workflow_type",
+        ),
+        (
+            json!({"workflow_type": "demo.order", "instance_id": "", "command_id": "c"}),
+            StatusCode::BAD_REQUEST,
+            "bad_input",
+            "instance_id",
+        ),
+        (
+            json!({"workflow_type": "demo.order", "instance_id": "a", "command_id": "c", "reuse": "sometimes"}),
+            StatusCode::BAD_REQUEST,
+            "bad_input",
+            "reuse",
+        ),
+        (
+            json!({"workflow_type": "demo.order", "instance_id": "a", "command_id": "c", "input": {"id": "not a number"}}),
+            StatusCode::BAD_REQUEST,
+            "invalid_input",
+            "input",
+        ),
+    ];
+    for (body, want_status, want_code, want_field) in cases {
+        let (status, got) = call(&app, post("/api/v1/runs", body.clone())).await;
+        assert_eq!(status, want_status, "{body} -> {got}");
+        assert_eq!(
+            error(&got),
+            (want_code.to_string(), want_field.to_string()),
+            "{body} -> {got}"
+        );
+    }
+
+    let huge = "x".repeat(keel_cli::serve::BODY_BYTES_MAX + 1);
+    let big = json!({"workflow_type": "demo.order", "instance_id": "a", "command_id": "c", "input": huge});
+    let (status, body) = call(&app, post("/api/v1/runs", big)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body}");
+    let over_payload = "x".repeat(keel::storage::PAYLOAD_BYTES_MAX + 16);
+    let big = json!({"workflow_type": "demo.order", "instance_id": "a", "command_id": "c", "input": over_payload});
+    let (status, body) = call(&app, post("/api/v1/runs", big)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body}");
+    assert_eq!(error(&body).1, "input");
+
+    let (status, body) = call(&app, get("/api/v1/runs/no-such-order")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    let signal = json!({"name": "approve", "payload": "x", "command_id": "c"});
+    let (status, body) = call(&app, post("/api/v1/runs/no-such-order/signal", signal)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains("no-such-order"),
+        "the refusal names the id: {body}"
+    );
+    let (status, body) = call(&app, get("/api/v1/runs?status=sleeping")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(error(&body).1, "status");
+    let (status, body) = call(&app, get("/api/v1/runs?page_size=0")).await;
+    assert_eq!(error(&body).1, "page_size", "{status} {body}");
+    let (status, body) = call(&app, get("/api/v1/runs?where=customer%20%3D")).await;
+    assert_eq!(
+        (status, error(&body).1),
+        (StatusCode::BAD_REQUEST, "where".into()),
+        "{body}"
+    );
+    let (status, body) = call(&app, get("/api/v1/runs?colour=red")).await;
+    assert_eq!(
+        (status, error(&body).1),
+        (StatusCode::BAD_REQUEST, "colour".into()),
+        "{body}"
+    );
+    let (status, body) = call(&app, get("/api/v1/nothing/here")).await;
+    assert_eq!(
+        (status, error(&body).0),
+        (StatusCode::NOT_FOUND, "no_route".into()),
+        "{body}"
+    );
+
+    // Nothing above wrote a run.
+    let (_, page) = call(&app, get("/api/v1/runs")).await;
+    assert_eq!(page["runs"].as_array().unwrap().len(), 0, "{page}");
+}
+
+#[actix_web::test]
+async fn tokens_let_exactly_the_right_callers_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ServeConfig {
+        token: Some(FULL.into()),
+        read_token: Some(READ.into()),
+        ..ServeConfig::default()
+    };
+    let state = ServeState::new(engine(dir.path()), &config);
+    let app = test::init_service(App::new().configure(configure(state))).await;
+    let start = json!({"workflow_type": "demo.order", "instance_id": "o-1", "input": {"id": 1, "cents": 100, "sku": "s"}, "command_id": "c-1"});
+    let bearer = |t: &str| ("Authorization", format!("Bearer {t}"));
+
+    let (status, body) = call(&app, get("/api/v1/runs")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    let (status, _) = call(
+        &app,
+        get("/api/v1/runs").insert_header(bearer("guess-guess-guess-guess")),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = call(&app, get("/metrics")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+
+    let (status, body) = call(
+        &app,
+        post("/api/v1/runs", start.clone()).insert_header(bearer(READ)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let (status, who) = call(&app, get("/api/v1/whoami").insert_header(bearer(READ))).await;
+    assert_eq!(
+        (status, who["access"].as_str()),
+        (StatusCode::OK, Some("read"))
+    );
+    let (status, body) = call(
+        &app,
+        post("/api/v1/runs", start).insert_header(bearer(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, page) = call(&app, get("/api/v1/runs").insert_header(bearer(READ))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(page["runs"].as_array().unwrap().len(), 1);
+    // The page itself holds no data and is served to anyone.
+    let res = test::call_service(&app, get("/").to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
+#[actix_web::test]
+async fn a_server_open_to_the_network_needs_a_token() {
+    let open = ServeConfig {
+        bind: "0.0.0.0:8233".parse().unwrap(),
+        ..ServeConfig::default()
+    };
+    assert!(matches!(open.check(), Err(ConfigError::OpenToNetwork(_))));
+    let guarded = ServeConfig {
+        token: Some(FULL.into()),
+        ..open.clone()
+    };
+    assert_eq!(guarded.check(), Ok(()));
+    let weak = ServeConfig {
+        token: Some("short".into()),
+        ..open.clone()
+    };
+    assert!(matches!(weak.check(), Err(ConfigError::WeakToken { .. })));
+    let readers_only = ServeConfig {
+        read_token: Some(READ.into()),
+        ..ServeConfig::default()
+    };
+    assert_eq!(readers_only.check(), Err(ConfigError::ReadTokenAlone));
+    assert_eq!(ServeConfig::default().check(), Ok(()));
+    let v6 = ServeConfig {
+        bind: "[::1]:8233".parse().unwrap(),
+        ..ServeConfig::default()
+    };
+    assert_eq!(v6.check(), Ok(()));
+}
+
+#[actix_web::test]
+async fn metrics_are_prometheus_text_counting_what_was_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let app = test::init_service(App::new().configure(configure(state))).await;
+    let start = json!({"workflow_type": "demo.order", "instance_id": "m-1", "input": {"id": 1, "cents": 100, "sku": "s"}, "command_id": "c-1"});
+    let (status, _) = call(&app, post("/api/v1/runs", start)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    call(&app, get("/api/v1/runs/nope")).await;
+    let res = test::call_service(&app, get("/metrics").to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let kind = res
+        .headers()
+        .get("content-type")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(kind.starts_with("text/plain; version=0.0.4"), "{kind}");
+    let text = String::from_utf8(res.into_body().try_into_bytes().unwrap().to_vec()).unwrap();
+    for want in [
+        "keel_api_requests_total{method=\"POST\",route=\"/api/v1/runs\",status=\"201\"} 1",
+        "keel_api_requests_total{method=\"GET\",route=\"/api/v1/runs/{id}\",status=\"404\"} 1",
+        "keel_api_request_duration_seconds_count 2",
+        "keel_api_request_duration_seconds_bucket{le=\"+Inf\"} 2",
+        "# TYPE keel_runs_cached gauge",
+        "keel_store_writable 1",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    // Every sample line is `name{labels} value` with a number for value.
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let value = line.rsplit(' ').next().unwrap();
+        assert!(value.parse::<f64>().is_ok(), "not a sample: {line}");
+    }
+}
+
+#[actix_web::test]
+async fn every_route_the_openapi_document_lists_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let app = test::init_service(App::new().configure(configure(state))).await;
+    let doc: Value = serde_json::from_str(OPENAPI_JSON).expect("the document is JSON");
+    assert_eq!(doc["openapi"], "3.0.3");
+    let paths = doc["paths"].as_object().unwrap();
+    assert!(paths.len() >= 12, "{}", paths.len());
+    for (path, ops) in paths {
+        for method in ops.as_object().unwrap().keys() {
+            let uri = format!("/api/v1{}", path.replace("{id}", "no-such-run"));
+            let req = match method.as_str() {
+                "get" => get(&uri),
+                "post" => post(&uri, json!({})),
+                other => panic!("unexpected method {other}"),
+            };
+            let (_, body) = call(&app, req).await;
+            assert_ne!(body["error"]["code"], "no_route", "{method} {uri}: {body}");
+        }
+    }
+    let res = test::call_service(&app, get("/api/openapi.json").to_request()).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    let served = res.into_body().try_into_bytes().unwrap();
+    assert_eq!(&served[..], OPENAPI_JSON.as_bytes());
+}
