@@ -246,19 +246,16 @@ impl Workflow for FlipLive {
 }
 
 /// Goal: a run parked by a panic while the engine runs it (not at a
-/// replay after a restart), resumed in the same engine once the code is
-/// fixed, takes its next signal and completes. Method: the flag breaks
-/// the code before the first signal; the signal commits and the code
-/// panics; `resume` with the flag cleared must report a fit, and the
-/// second signal must be committed and complete the run.
-///
-/// Found by the browser test of `keel serve`: the second signal is
-/// answered `Ok` but never committed (the history stays at two events and
-/// the run waits for `go` forever). Ignored until that is fixed; run it
-/// with `--ignored`.
+/// replay after a restart) refuses the input that hit the bug, writing
+/// nothing; resumed in the same engine once the code is fixed, it takes
+/// that input again (the client's retry, same command id) and the next,
+/// and completes. Method: the flag breaks the code before the first
+/// signal; that signal must be refused as parked and absent from the
+/// history; `resume` with the flag cleared must report a fit; the retried
+/// and the second signal must complete the run with both values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: a signal to a run parked live and resumed is answered but not committed"]
-async fn a_run_parked_live_and_resumed_takes_its_next_signal() -> anyhow::Result<()> {
+async fn a_run_parked_live_refuses_the_input_that_hit_the_bug_and_takes_it_once_resumed(
+) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let engine = Engine::builder()
         .data_dir(dir.path())
@@ -267,15 +264,15 @@ async fn a_run_parked_live_and_resumed_takes_its_next_signal() -> anyhow::Result
     let c = engine.client();
     c.start::<FlipLive>("fl", &()).await?;
     BROKEN_LIVE.store(true, Ordering::SeqCst);
-    let _ = c.signal("fl", "go", &1u32, Some("go-1")).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while c.describe("fl").await?.parked.is_none() {
-        assert!(std::time::Instant::now() < deadline, "never parked");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let err = c.signal("fl", "go", &1u32, Some("go-1")).await.unwrap_err();
+    assert!(matches!(err, EngineError::Parked { .. }), "{err}");
+    let d = c.describe("fl").await?;
+    assert_eq!(d.parked.as_ref().map(|p| p.kind.as_str()), Some("panic"));
+    assert_eq!(d.history_len, 1, "the refused signal wrote nothing: {d:?}");
     BROKEN_LIVE.store(false, Ordering::SeqCst);
     let r = c.resume("fl").await?;
     assert!(r.was_parked && r.fits, "{r:?}");
+    c.signal("fl", "go", &1u32, Some("go-1")).await?;
     c.signal("fl", "go", &2u32, Some("go-2")).await?;
     let out = tokio::time::timeout(Duration::from_secs(20), c.result::<FlipLive>("fl")).await;
     let d = c.describe("fl").await?;
