@@ -65,8 +65,19 @@ fn chromium() -> Option<PathBuf> {
 }
 
 /// A headless browser and one page, driven over the DevTools protocol.
+struct KillOnDrop(Option<Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 struct Browser {
-    child: Child,
+    _child: KillOnDrop,
     ws: WebSocket<MaybeTlsStream<TcpStream>>,
     session: String,
     next_id: u64,
@@ -75,8 +86,9 @@ struct Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // Asks the browser to close all its processes; the guard kills
+        // the main one if it did not.
+        let _ = self.try_call("Browser.close", json!({}), false);
     }
 }
 
@@ -101,6 +113,8 @@ impl Browser {
             .spawn()
             .expect("chromium starts");
         let stderr = child.stderr.take().unwrap();
+        // Killed even if starting fails below.
+        let child = KillOnDrop(Some(child));
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -117,7 +131,7 @@ impl Browser {
             s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         }
         let mut b = Browser {
-            child,
+            _child: child,
             ws,
             session: String::new(),
             next_id: 0,
@@ -136,22 +150,34 @@ impl Browser {
 
     /// One DevTools command; its result (events in between are skipped).
     fn call(&mut self, method: &str, params: Value) -> Value {
+        match self.try_call(method, params, true) {
+            Ok(v) => v,
+            Err(e) => panic!("{method}: {e}"),
+        }
+    }
+
+    /// One DevTools command, in the page's session or the browser's.
+    fn try_call(&mut self, method: &str, params: Value, in_page: bool) -> Result<Value, String> {
         self.next_id += 1;
         let id = self.next_id;
         let mut msg = json!({"id": id, "method": method, "params": params});
-        if !self.session.is_empty() {
+        if in_page && !self.session.is_empty() {
             msg["sessionId"] = json!(self.session);
         }
-        self.ws.send(Message::text(msg.to_string())).unwrap();
+        self.ws
+            .send(Message::text(msg.to_string()))
+            .map_err(|e| e.to_string())?;
         loop {
-            let text = match self.ws.read().expect("DevTools answers") {
+            let text = match self.ws.read().map_err(|e| e.to_string())? {
                 Message::Text(t) => t.to_string(),
                 _ => continue,
             };
-            let v: Value = serde_json::from_str(&text).unwrap();
+            let v: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
             if v["id"] == json!(id) {
-                assert!(v.get("error").is_none(), "{method}: {}", v["error"]);
-                return v["result"].clone();
+                if let Some(e) = v.get("error") {
+                    return Err(e.to_string());
+                }
+                return Ok(v["result"].clone());
             }
         }
     }
@@ -177,11 +203,16 @@ impl Browser {
     /// Waits until `js` is true in the page.
     fn wait_for(&mut self, js: &str, what: &str) {
         let deadline = Instant::now() + Duration::from_millis(PAGE_WAIT_MS_MAX);
+        let probe =
+            format!("(() => {{ try {{ return !!({js}); }} catch (e) {{ return false; }} }})()");
         loop {
-            if self.eval(&format!(
-                "(() => {{ try {{ return !!({js}); }} catch (e) {{ return false; }} }})()"
-            )) == json!(true)
-            {
+            // While the page navigates its context may be gone: not yet.
+            let r = self.try_call(
+                "Runtime.evaluate",
+                json!({"expression": probe, "returnByValue": true}),
+                true,
+            );
+            if matches!(r, Ok(v) if v["result"]["value"] == json!(true)) {
                 return;
             }
             if Instant::now() > deadline {
@@ -243,10 +274,12 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
                 .unwrap();
         }
         for i in (0..12u64).filter(|i| *i != 9) {
-            client
-                .result::<keel_cli::demo_app::ProcessOrder>(&format!("order-{i}"))
-                .await
-                .unwrap();
+            let id = format!("order-{i}");
+            let done = tokio::time::timeout(
+                Duration::from_millis(PAGE_WAIT_MS_MAX),
+                client.result::<keel_cli::demo_app::ProcessOrder>(&id),
+            );
+            done.await.expect("small orders complete").unwrap();
         }
         // A run parked by a bug: the signal that hits it is refused
         // (nothing written) and the run parked.
@@ -259,7 +292,7 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         assert!(matches!(err, keel::EngineError::Parked { .. }), "{err}");
     });
 
-    let state = ServeState::new(engine.clone(), &ServeConfig::default());
+    let state = ServeState::new(engine.clone(), &ServeConfig::default()).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let server_thread = std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
@@ -324,7 +357,14 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         "the signal committed",
     );
     let receipt = rt
-        .block_on(client.result::<keel_cli::demo_app::ProcessOrder>("order-9"))
+        .block_on(async {
+            tokio::time::timeout(
+                Duration::from_millis(PAGE_WAIT_MS_MAX),
+                client.result::<keel_cli::demo_app::ProcessOrder>("order-9"),
+            )
+            .await
+        })
+        .expect("order-9 completes once signalled")
         .unwrap();
     assert_eq!(receipt.approved_by.as_deref(), Some("ops-team"));
     b.open(&format!("{base}/runs/order-9"));

@@ -55,6 +55,8 @@ fn resume(dir: &Path) -> ExitCode {
         id: "t".into(),
         data: dir.to_path_buf(),
         json: true,
+        server: None,
+        token: None,
     };
     keel_cli::run(Command::Resume(args), &registry())
 }

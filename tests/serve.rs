@@ -57,7 +57,7 @@ fn large_order(id: u64) -> Value {
 #[actix_web::test]
 async fn an_order_started_over_http_waits_is_signalled_and_completes() {
     let dir = tempfile::tempdir().unwrap();
-    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default()).unwrap();
     let app = test::init_service(App::new().configure(configure(state))).await;
 
     let start = json!({
@@ -145,7 +145,7 @@ async fn an_order_started_over_http_waits_is_signalled_and_completes() {
 #[actix_web::test]
 async fn bad_input_gets_a_4xx_naming_the_field_and_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default()).unwrap();
     let app = test::init_service(App::new().configure(configure(state))).await;
     let error = |body: &Value| {
         (
@@ -247,6 +247,34 @@ async fn bad_input_gets_a_4xx_naming_the_field_and_writes_nothing() {
         (StatusCode::BAD_REQUEST, "colour".into()),
         "{body}"
     );
+    // A body that does not say it is JSON (what a cross-site form sends).
+    let form = test::TestRequest::post()
+        .uri("/api/v1/runs/x/terminate")
+        .insert_header(("content-type", "text/plain"))
+        .set_payload("{\"reason\": \"\", \"command_id\": \"c\"}");
+    let (status, body) = call(&app, form).await;
+    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{body}");
+    // Without a token: only loopback names, only loopback origins.
+    let rebound = get("/api/v1/runs").insert_header(("host", "evil.example:8233"));
+    let (status, body) = call(&app, rebound).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let foreign = get("/api/v1/runs")
+        .insert_header(("host", "127.0.0.1:8233"))
+        .insert_header(("origin", "https://evil.example"));
+    let (status, body) = call(&app, foreign).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let local = get("/api/v1/runs")
+        .insert_header(("host", "localhost:8233"))
+        .insert_header(("origin", "http://localhost:8233"));
+    let (status, body) = call(&app, local).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // An optional body, once sent, is checked like any other.
+    let (status, body) = call(&app, post("/api/v1/runs/x/resume", json!({"colour": 1}))).await;
+    assert_eq!(
+        (status, error(&body).1),
+        (StatusCode::BAD_REQUEST, "colour".into()),
+        "{body}"
+    );
     let (status, body) = call(&app, get("/api/v1/nothing/here")).await;
     assert_eq!(
         (status, error(&body).0),
@@ -267,7 +295,7 @@ async fn tokens_let_exactly_the_right_callers_in() {
         read_token: Some(READ.into()),
         ..ServeConfig::default()
     };
-    let state = ServeState::new(engine(dir.path()), &config);
+    let state = ServeState::new(engine(dir.path()), &config).unwrap();
     let app = test::init_service(App::new().configure(configure(state))).await;
     let start = json!({"workflow_type": "demo.order", "instance_id": "o-1", "input": {"id": 1, "cents": 100, "sku": "s"}, "command_id": "c-1"});
     let bearer = |t: &str| ("Authorization", format!("Bearer {t}"));
@@ -341,7 +369,7 @@ async fn a_server_open_to_the_network_needs_a_token() {
 #[actix_web::test]
 async fn metrics_are_prometheus_text_counting_what_was_served() {
     let dir = tempfile::tempdir().unwrap();
-    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default()).unwrap();
     let app = test::init_service(App::new().configure(configure(state))).await;
     let start = json!({"workflow_type": "demo.order", "instance_id": "m-1", "input": {"id": 1, "cents": 100, "sku": "s"}, "command_id": "c-1"});
     let (status, _) = call(&app, post("/api/v1/runs", start)).await;
@@ -378,7 +406,7 @@ async fn metrics_are_prometheus_text_counting_what_was_served() {
 #[actix_web::test]
 async fn every_route_the_openapi_document_lists_is_served() {
     let dir = tempfile::tempdir().unwrap();
-    let state = ServeState::new(engine(dir.path()), &ServeConfig::default());
+    let state = ServeState::new(engine(dir.path()), &ServeConfig::default()).unwrap();
     let app = test::init_service(App::new().configure(configure(state))).await;
     let doc: Value = serde_json::from_str(OPENAPI_JSON).expect("the document is JSON");
     assert_eq!(doc["openapi"], "3.0.3");
@@ -400,4 +428,81 @@ async fn every_route_the_openapi_document_lists_is_served() {
     assert_eq!(res.status(), StatusCode::OK);
     let served = res.into_body().try_into_bytes().unwrap();
     assert_eq!(&served[..], OPENAPI_JSON.as_bytes());
+}
+
+/// Goal: the CLI's `--server` commands drive a real `keel serve` over
+/// TCP: start, signal, query-free resume of an unparked run, and a refusal
+/// printed with the server's field. Method: a real actix-web server on a
+/// loopback port, the commands run through `keel_cli::run` as the binary
+/// runs them, the run's completion checked through the engine.
+#[actix_web::test]
+async fn the_cli_drives_a_running_server() {
+    use keel_cli::remote::{ServerArgs, SignalArgs, StartArgs};
+    use std::process::ExitCode;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine(dir.path());
+    let client = engine.client();
+    let state = ServeState::new(engine, &ServeConfig::default()).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            let server =
+                actix_web::HttpServer::new(move || App::new().configure(configure(state.clone())))
+                    .workers(1)
+                    .bind("127.0.0.1:0")
+                    .unwrap();
+            let addr = server.addrs()[0];
+            let server = server.run();
+            tx.send((addr, server.handle())).unwrap();
+            server.await
+        })
+    });
+    let (addr, handle) = rx.recv().unwrap();
+    let server = ServerArgs {
+        server: format!("http://{addr}"),
+        token: None,
+        json: true,
+    };
+    let registry = keel_cli::registry();
+    let run = move |cmd: keel_cli::Command| {
+        let registry = registry.clone();
+        std::thread::spawn(move || keel_cli::run(cmd, &registry))
+            .join()
+            .unwrap()
+    };
+    let start = StartArgs {
+        server: server.clone(),
+        workflow_type: "demo.order".into(),
+        instance_id: "cli-9".into(),
+        input: large_order(9).to_string(),
+        command_id: Some("start-cli-9".into()),
+        reuse: None,
+    };
+    assert_eq!(run(keel_cli::Command::Start(start)), ExitCode::SUCCESS);
+    let bad = StartArgs {
+        server: server.clone(),
+        workflow_type: "no.such".into(),
+        instance_id: "cli-x".into(),
+        input: "null".into(),
+        command_id: None,
+        reuse: None,
+    };
+    assert_eq!(run(keel_cli::Command::Start(bad)), ExitCode::from(2));
+    let signal = SignalArgs {
+        server: server.clone(),
+        id: "cli-9".into(),
+        name: "approve".into(),
+        payload: "\"cli\"".into(),
+        command_id: Some("approve-cli-9".into()),
+    };
+    assert_eq!(run(keel_cli::Command::Signal(signal)), ExitCode::SUCCESS);
+    let receipt = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.result::<keel_cli::demo_app::ProcessOrder>("cli-9"),
+    )
+    .await
+    .expect("completes once approved")
+    .unwrap();
+    assert_eq!(receipt.approved_by.as_deref(), Some("cli"));
+    handle.stop(true).await;
 }

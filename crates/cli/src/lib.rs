@@ -22,6 +22,7 @@ pub mod inspect;
 #[doc(hidden)]
 pub mod output;
 pub mod recover_cmd;
+pub mod remote;
 #[doc(hidden)]
 pub mod replay_bench;
 pub mod replay_cmd;
@@ -95,6 +96,19 @@ pub enum Command {
     /// Schedules: `list` them, or `describe` one (its calendar, policies,
     /// open runs, next times and newest triggers).
     Schedule(schedule_cmd::ScheduleArgs),
+    /// Start a workflow on a running `keel serve` (--server URL).
+    Start(remote::StartArgs),
+    /// Signal a run on a running `keel serve`.
+    Signal(remote::SignalArgs),
+    /// Send an update to a run on a running `keel serve` and print its
+    /// value.
+    Update(remote::UpdateArgs),
+    /// Ask a run's query on a running `keel serve` and print its value.
+    Query(remote::QueryArgs),
+    /// Request cooperative cancellation of a run on a running `keel serve`.
+    Cancel(remote::CloseArgs),
+    /// Terminate a run on a running `keel serve` without running its code.
+    Terminate(remote::CloseArgs),
 }
 
 /// Runs one command and returns its exit code. Errors are printed to
@@ -111,6 +125,12 @@ pub fn run(command: Command, registry: &WorkflowRegistry) -> ExitCode {
         Command::Resume(args) => resume_cmd::run(args, registry),
         Command::Recover(args) => recover_cmd::run(args),
         Command::Schedule(args) => schedule_cmd::run(args, registry),
+        Command::Start(args) => remote::start(args),
+        Command::Signal(args) => remote::signal(args),
+        Command::Update(args) => remote::update(args),
+        Command::Query(args) => remote::query(args),
+        Command::Cancel(args) => remote::close(args, false),
+        Command::Terminate(args) => remote::close(args, true),
     };
     finish(result)
 }

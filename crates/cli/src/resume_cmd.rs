@@ -31,6 +31,14 @@ pub struct ResumeArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Resume on this running `keel serve` instead (its engine holds the
+    /// data and re-checks the run against its own code), e.g.
+    /// http://127.0.0.1:8233.
+    #[arg(long, value_name = "URL", conflicts_with = "data")]
+    pub server: Option<String>,
+    /// The server's bearer token (default: KEEL_SERVE_TOKEN).
+    #[arg(long, requires = "server")]
+    pub token: Option<String>,
 }
 
 #[derive(serde::Serialize)]
@@ -43,6 +51,14 @@ struct ResumeOut {
 }
 
 pub(crate) fn run(args: ResumeArgs, registry: &WorkflowRegistry) -> anyhow::Result<ExitCode> {
+    if let Some(server) = args.server {
+        let server = crate::remote::ServerArgs {
+            server,
+            token: args.token,
+            json: args.json,
+        };
+        return crate::remote::resume(&args.id, &server);
+    }
     let opened: Result<Box<dyn Store>, StoreError> = match postgres_of(&args.data) {
         Some(options) => PgStore::open(options).map(|s| Box::new(s) as Box<dyn Store>),
         None => {

@@ -41,6 +41,14 @@ const LIST_PAGE_RUNS_DEFAULT: usize = 50;
 /// Longest a result call waits for the run to close, in milliseconds.
 pub const RESULT_WAIT_MS_MAX: u64 = 60_000;
 
+/// First and longest pause between a waiting result call's reads, in
+/// milliseconds.
+const RESULT_POLL_MS_MIN: u64 = 10;
+const RESULT_POLL_MS_MAX: u64 = 200;
+
+/// Most continue-as-new links a result call follows in one request.
+const RESULT_CHAIN_RUNS_MAX: usize = 64;
+
 /// An API error: its status, a stable code, a message for people and the
 /// input field at fault, sent as `{"error": {"code", "message", "field"}}`.
 #[derive(Debug, Clone)]
@@ -173,7 +181,10 @@ fn field_of(message: &str) -> Option<String> {
 pub(crate) fn json_config() -> web::JsonConfig {
     web::JsonConfig::default()
         .limit(BODY_BYTES_MAX)
-        .content_type_required(false)
+        // A JSON body must say so: a cross-site form or a no-cors fetch
+        // cannot send `application/json` without a preflight this server
+        // never grants, so a page elsewhere cannot post to it.
+        .content_type_required(true)
         .error_handler(|e, _| {
             let err = match &e {
                 JsonPayloadError::Overflow { .. }
@@ -188,6 +199,11 @@ pub(crate) fn json_config() -> web::JsonConfig {
                     err.field = field_of(&message);
                     err
                 }
+                JsonPayloadError::ContentType => ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "content_type",
+                    "send the body as JSON with `Content-Type: application/json`",
+                ),
                 other => ApiError::new(StatusCode::BAD_REQUEST, "bad_json", other.to_string()),
             };
             err.into()
@@ -675,26 +691,32 @@ async fn result(
             format!("{wait}: at most {RESULT_WAIT_MS_MAX}"),
         ));
     }
-    // Known at once when closed; otherwise waited for, up to `wait`.
-    let meta = meta_of(&state, &id_text).await?;
-    let closed = meta
-        .outcome
-        .as_ref()
-        .filter(|o| !matches!(o, Outcome::ContinuedAsNew(_)));
-    if let Some(o) = closed {
-        return Ok(HttpResponse::Ok().json(outcome_json(o)));
-    }
-    let running = || {
-        HttpResponse::Accepted()
-            .json(json!({"status": "running", "run_id": meta.run_id.to_string()}))
-    };
-    if wait == 0 {
-        return Ok(running());
-    }
-    match tokio::time::timeout(Duration::from_millis(wait), state.client.outcome(&id_text)).await {
-        Ok(Ok(o)) => Ok(HttpResponse::Ok().json(outcome_json(&o))),
-        Ok(Err(e)) => Err(ApiError::engine(e)),
-        Err(_) => Ok(running()),
+    // Read from the store, following continue-as-new, until the run closes
+    // or `wait` passes. Polling rather than the engine's result waiter: a
+    // client that gives up leaves nothing registered in the engine.
+    let deadline = Instant::now() + Duration::from_millis(wait);
+    let mut target = id_text;
+    let mut pause_ms = RESULT_POLL_MS_MIN;
+    let mut hops = 0;
+    loop {
+        let meta = meta_of(&state, &target).await?;
+        match &meta.outcome {
+            Some(Outcome::ContinuedAsNew(next)) if hops < RESULT_CHAIN_RUNS_MAX => {
+                hops += 1;
+                target = next.to_string();
+                continue;
+            }
+            Some(o) => return Ok(HttpResponse::Ok().json(outcome_json(o))),
+            None => {}
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(HttpResponse::Accepted()
+                .json(json!({"status": "running", "run_id": meta.run_id.to_string()})));
+        }
+        let pause = Duration::from_millis(pause_ms).min(deadline - now);
+        actix_web::rt::time::sleep(pause).await;
+        pause_ms = (pause_ms * 2).min(RESULT_POLL_MS_MAX);
     }
 }
 
@@ -864,12 +886,21 @@ async fn resume(
     _: CanWrite,
     state: web::Data<ServeState>,
     path: web::Path<String>,
-    body: Option<web::Json<ResumeBody>>,
+    body: web::Bytes,
 ) -> ApiResult {
     let target = path.into_inner();
     id("id", &target)?;
-    if let Some(c) = body.as_ref().and_then(|b| b.command_id.as_deref()) {
-        id("command_id", c)?;
+    // The body is optional, but one that is sent is checked like any other.
+    if !body.iter().all(u8::is_ascii_whitespace) {
+        let parsed: ResumeBody = serde_json::from_slice(&body).map_err(|e| {
+            let message = e.to_string();
+            let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_json", &message);
+            err.field = field_of(&message);
+            err
+        })?;
+        if let Some(c) = parsed.command_id.as_deref() {
+            id("command_id", c)?;
+        }
     }
     let r = state
         .client

@@ -40,7 +40,13 @@ impl Tokens {
                 "this server needs a bearer token: send `Authorization: Bearer <token>`",
             ));
         };
-        let Some(given) = header.strip_prefix("Bearer ") else {
+        // The scheme's name is case-insensitive (RFC 9110, section 11.1).
+        let scheme = header.get(..7).unwrap_or("");
+        let given = match scheme.eq_ignore_ascii_case("bearer ") {
+            true => header.get(7..),
+            false => None,
+        };
+        let Some(given) = given else {
             return Err(ApiError::unauthorized(
                 "the Authorization header must be `Bearer <token>`",
             ));
@@ -76,11 +82,57 @@ fn access_of(req: &HttpRequest) -> Result<Access, ApiError> {
     let state = req
         .app_data::<web::Data<ServeState>>()
         .expect("configure() registers the state");
+    if !state.tokens.required() {
+        local_only(req)?;
+    }
     let header = req
         .headers()
         .get(actix_web::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     state.tokens.access(header)
+}
+
+/// Whether `host` (a Host header's or an Origin's host, port stripped)
+/// names this machine's loopback.
+fn loopback_name(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(super::is_loopback)
+}
+
+/// Without a token the API trusts only this machine, so it answers only
+/// requests addressed to a loopback name (a page whose DNS name was
+/// rebound to 127.0.0.1 sends its own name) and, from a browser, only
+/// pages served from a loopback origin.
+fn local_only(req: &HttpRequest) -> Result<(), ApiError> {
+    let header = |name| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let host = header(actix_web::http::header::HOST).unwrap_or_default();
+    if !host.is_empty() && !loopback_name(&host) {
+        return Err(ApiError::forbidden(
+            "this server has no token and answers only requests to localhost; serve with --token to be reached by another name",
+        ));
+    }
+    if let Some(origin) = header(actix_web::http::header::ORIGIN) {
+        let host_of_origin = origin
+            .split_once("://")
+            .map_or(origin.as_str(), |(_, rest)| rest);
+        if origin != "null" && !loopback_name(host_of_origin) {
+            return Err(ApiError::forbidden(
+                "a page from another origin may not call this server",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The request may read.
@@ -120,6 +172,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_loopback_names_count_as_local() {
+        for local in [
+            "localhost",
+            "localhost:8233",
+            "127.0.0.1:8233",
+            "[::1]:8233",
+            "[::1]",
+            "LOCALHOST",
+        ] {
+            assert!(loopback_name(local), "{local}");
+        }
+        for remote in [
+            "evil.example:8233",
+            "10.0.0.1:80",
+            "127.0.0.1.evil.example",
+            "[2001:db8::1]:1",
+        ] {
+            assert!(!loopback_name(remote), "{remote}");
+        }
+    }
+
+    #[test]
     fn tokens_grant_what_they_should() {
         let open = Tokens::default();
         assert_eq!(open.access(None).unwrap(), Access::Write);
@@ -130,6 +204,10 @@ mod tests {
         assert!(t.access(None).is_err());
         assert!(t.access(Some("full-token-0123456789")).is_err());
         assert!(t.access(Some("Bearer wrong")).is_err());
+        assert_eq!(
+            t.access(Some("bearer full-token-0123456789")).unwrap(),
+            Access::Write
+        );
         assert!(t.access(Some("Bearer full-token-012345678")).is_err());
         assert_eq!(
             t.access(Some("Bearer full-token-0123456789")).unwrap(),

@@ -43,8 +43,13 @@ pub const OPENAPI_PATH: &str = "/api/openapi.json";
 /// every route the server answers.
 pub const OPENAPI_JSON: &str = include_str!("openapi.json");
 
-/// The operator's page: one HTML file with its script, no build chain.
+/// The operator's page: one HTML file and its script, no build chain.
 const UI_HTML: &str = include_str!("ui.html");
+const UI_JS: &str = include_str!("ui.js");
+
+/// The page's policy: its own script only (nothing injected can run),
+/// no framing, no foreign form targets.
+const UI_CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
 /// How `keel serve` listens and whom it lets in.
 #[derive(Clone, Debug)]
@@ -126,7 +131,7 @@ impl ServeConfig {
     }
 }
 
-fn is_loopback(ip: IpAddr) -> bool {
+pub(crate) fn is_loopback(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4.is_loopback(),
         IpAddr::V6(v6) => v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v| v.is_loopback()),
@@ -153,15 +158,19 @@ impl std::fmt::Debug for ServeState {
 }
 
 impl ServeState {
-    /// The state for serving `engine` under `config`'s tokens.
-    pub fn new(engine: Arc<Engine>, config: &ServeConfig) -> Self {
-        ServeState {
+    /// The state for serving `engine` under `config`'s tokens; refused
+    /// when `config` would expose the engine ([`ServeConfig::check`]), so an
+    /// application mounting [`configure`] gets the same protection as
+    /// `keel serve`.
+    pub fn new(engine: Arc<Engine>, config: &ServeConfig) -> Result<Self, ConfigError> {
+        config.check()?;
+        Ok(ServeState {
             client: engine.client(),
             store: engine.store(),
             engine: Some(engine),
             tokens: auth::Tokens::new(config.token.clone(), config.read_token.clone()),
             metrics: Arc::new(Metrics::default()),
-        }
+        })
     }
 }
 
@@ -176,6 +185,7 @@ pub fn configure(state: ServeState) -> impl FnOnce(&mut web::ServiceConfig) {
             .default_service(web::to(api::not_found))
             .route("/", web::get().to(ui))
             .route("/runs/{id}", web::get().to(ui))
+            .route("/ui.js", web::get().to(ui_js))
             .route(OPENAPI_PATH, web::get().to(openapi))
             .route("/healthz", web::get().to(api::healthz))
             .route("/metrics", web::get().to(metrics::scrape))
@@ -186,9 +196,16 @@ pub fn configure(state: ServeState) -> impl FnOnce(&mut web::ServiceConfig) {
 async fn ui() -> actix_web::HttpResponse {
     actix_web::HttpResponse::Ok()
         .content_type("text/html; charset=utf-8")
-        .insert_header(("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline' 'self'; style-src 'unsafe-inline' 'self'; frame-ancestors 'none'"))
+        .insert_header(("Content-Security-Policy", UI_CSP))
         .insert_header(("X-Content-Type-Options", "nosniff"))
         .body(UI_HTML)
+}
+
+async fn ui_js() -> actix_web::HttpResponse {
+    actix_web::HttpResponse::Ok()
+        .content_type("text/javascript; charset=utf-8")
+        .insert_header(("X-Content-Type-Options", "nosniff"))
+        .body(UI_JS)
 }
 
 async fn openapi() -> actix_web::HttpResponse {
@@ -247,7 +264,7 @@ pub fn run(args: ServeArgs, builder: keel::EngineBuilder) -> anyhow::Result<()> 
 pub fn serve_with(engine: Engine, config: ServeConfig) -> anyhow::Result<()> {
     config.check()?;
     let engine = Arc::new(engine);
-    let state = ServeState::new(engine.clone(), &config);
+    let state = ServeState::new(engine.clone(), &config)?;
     let bind = config.bind;
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || App::new().configure(configure(state.clone())))
