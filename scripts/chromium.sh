@@ -3,11 +3,12 @@
 # lacks it. With KEEL_REQUIRE_BROWSER=1 that test fails, rather than
 # skips, when no browser is found.
 
-# The first browser on PATH the test can drive, or nothing.
+# The first browser on PATH the test can drive, or nothing. It must run:
+# Ubuntu's chromium-browser package is only a stub that asks for a snap.
 keel_chromium_bin() {
   local name
   for name in chromium chromium-browser google-chrome; do
-    if command -v "$name" >/dev/null 2>&1; then
+    if command -v "$name" >/dev/null 2>&1 && "$name" --version >/dev/null 2>&1; then
       command -v "$name"
       return 0
     fi

@@ -275,6 +275,12 @@ async fn bad_input_gets_a_4xx_naming_the_field_and_writes_nothing() {
         (StatusCode::BAD_REQUEST, "colour".into()),
         "{body}"
     );
+    let (status, body) = call(&app, get("/api/v1/runs/x/signal")).await;
+    assert_eq!(
+        (status, error(&body).0),
+        (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed".into()),
+        "{body}"
+    );
     let (status, body) = call(&app, get("/api/v1/nothing/here")).await;
     assert_eq!(
         (status, error(&body).0),

@@ -228,6 +228,17 @@ pub(crate) fn path_config() -> web::PathConfig {
     })
 }
 
+/// A resource whose other methods are answered 405 with the JSON error.
+fn resource(path: &str) -> actix_web::Resource {
+    web::resource(path).default_service(web::to(|req: HttpRequest| async move {
+        Err::<HttpResponse, _>(ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("{} is not served for {}", req.method(), req.path()),
+        ))
+    }))
+}
+
 /// Anything no route serves.
 pub(crate) async fn not_found(req: HttpRequest) -> ApiResult {
     Err(ApiError::new(
@@ -278,19 +289,22 @@ pub(crate) fn scope() -> actix_web::Scope<
                 Ok(res)
             }
         })
-        .route("/whoami", web::get().to(whoami))
-        .route("/runs", web::post().to(start))
-        .route("/runs", web::get().to(list))
-        .route("/runs/{id}", web::get().to(describe))
-        .route("/runs/{id}/history", web::get().to(history))
-        .route("/runs/{id}/result", web::get().to(result))
-        .route("/runs/{id}/export", web::get().to(export))
-        .route("/runs/{id}/signal", web::post().to(signal))
-        .route("/runs/{id}/query", web::post().to(query))
-        .route("/runs/{id}/update", web::post().to(update))
-        .route("/runs/{id}/cancel", web::post().to(cancel))
-        .route("/runs/{id}/terminate", web::post().to(terminate))
-        .route("/runs/{id}/resume", web::post().to(resume))
+        .service(resource("/whoami").route(web::get().to(whoami)))
+        .service(
+            resource("/runs")
+                .route(web::post().to(start))
+                .route(web::get().to(list)),
+        )
+        .service(resource("/runs/{id}").route(web::get().to(describe)))
+        .service(resource("/runs/{id}/history").route(web::get().to(history)))
+        .service(resource("/runs/{id}/result").route(web::get().to(result)))
+        .service(resource("/runs/{id}/export").route(web::get().to(export)))
+        .service(resource("/runs/{id}/signal").route(web::post().to(signal)))
+        .service(resource("/runs/{id}/query").route(web::post().to(query)))
+        .service(resource("/runs/{id}/update").route(web::post().to(update)))
+        .service(resource("/runs/{id}/cancel").route(web::post().to(cancel)))
+        .service(resource("/runs/{id}/terminate").route(web::post().to(terminate)))
+        .service(resource("/runs/{id}/resume").route(web::post().to(resume)))
         .default_service(web::to(not_found))
 }
 
