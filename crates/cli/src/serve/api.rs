@@ -852,39 +852,46 @@ struct CloseBody {
 }
 
 async fn cancel(
-    _: CanWrite,
+    w: CanWrite,
     state: web::Data<ServeState>,
     path: web::Path<String>,
     body: web::Json<CloseBody>,
 ) -> ApiResult {
-    let target = path.into_inner();
-    id("id", &target)?;
-    id("command_id", &body.command_id)?;
-    reason(&body.reason)?;
-    state
-        .client
-        .cancel_with(&target, &body.reason, Some(&body.command_id))
-        .await
-        .map_err(ApiError::engine)?;
-    Ok(HttpResponse::Ok().json(json!({"cancel_requested": true})))
+    close(w, state, path, body, false).await
 }
 
 async fn terminate(
+    w: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<CloseBody>,
+) -> ApiResult {
+    close(w, state, path, body, true).await
+}
+
+/// A cancel request or a termination: the same checks, one client call.
+async fn close(
     _: CanWrite,
     state: web::Data<ServeState>,
     path: web::Path<String>,
     body: web::Json<CloseBody>,
+    terminate: bool,
 ) -> ApiResult {
     let target = path.into_inner();
     id("id", &target)?;
     id("command_id", &body.command_id)?;
     reason(&body.reason)?;
-    state
-        .client
-        .terminate_with(&target, &body.reason, Some(&body.command_id))
-        .await
-        .map_err(ApiError::engine)?;
-    Ok(HttpResponse::Ok().json(json!({"terminated": true})))
+    let (client, command) = (&state.client, Some(body.command_id.as_str()));
+    let answer = if terminate {
+        client.terminate_with(&target, &body.reason, command).await
+    } else {
+        client.cancel_with(&target, &body.reason, command).await
+    };
+    answer.map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(match terminate {
+        true => json!({"terminated": true}),
+        false => json!({"cancel_requested": true}),
+    }))
 }
 
 #[derive(Deserialize)]
