@@ -33,8 +33,8 @@ pub(crate) struct SimArgs {
     /// outbox-redelivery, timer-skew, commit-failure, engine-crash,
     /// activity-failure, stray-command, silent-worker, slow-attempt,
     /// store-stop, process-pause, process-kill, lease-answer-lost,
-    /// remote-copy, copy-lost-alive, taker-kill (the last six with
-    /// `--processes` 2 or more).
+    /// remote-copy, copy-lost-alive, taker-kill (those six with
+    /// `--processes` 2 or more), slow-read.
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
     /// Workflows per seed (the default mix).

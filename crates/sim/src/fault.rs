@@ -92,11 +92,16 @@ pub enum FaultKind {
     /// another process's shard is killed while the copy runs (per copy
     /// another process runs).
     TakerKill,
+    /// A read runs late (its pool is busy) and sees commits answered
+    /// after it was asked for, and its answer reaches the shard late, after
+    /// commits answered after it ran: recovery's read of intent rows, a
+    /// run's history, an instance (per read).
+    SlowRead,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 21] = [
+    pub const ALL: [FaultKind; 22] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -118,6 +123,7 @@ impl FaultKind {
         FaultKind::RemoteCopy,
         FaultKind::CopyLostAlive,
         FaultKind::TakerKill,
+        FaultKind::SlowRead,
     ];
 
     /// The name used on the command line and in reports.
@@ -144,6 +150,7 @@ impl FaultKind {
             FaultKind::RemoteCopy => "remote-copy",
             FaultKind::CopyLostAlive => "copy-lost-alive",
             FaultKind::TakerKill => "taker-kill",
+            FaultKind::SlowRead => "slow-read",
         }
     }
 
@@ -185,6 +192,7 @@ impl FaultKind {
             FaultKind::RemoteCopy => 0.5,
             FaultKind::CopyLostAlive => 0.3,
             FaultKind::TakerKill => 0.3,
+            FaultKind::SlowRead => 0.3,
         }
     }
 

@@ -39,3 +39,33 @@ fn two_hundred_seeds_pass_with_every_fault_kind_firing() {
     assert!(outbox > 100, "{outbox} outbox messages");
     assert_eq!(finished, 200 * 20);
 }
+
+// Goal: a read that runs late and answers late (a busy reader pool) while
+// commits go on brings back nothing a commit already consumed: recovery's
+// read of intent rows must not turn a child whose "started" notice is in
+// flight back into a start (that failed the child as "did not start"),
+// nor resurrect or lose an outbox row.
+// Method: only slow reads and engine crashes; first the seeds that failed
+// on the driver before the fix (six in 3,000; one slow read sufficed),
+// then a few hundred more, since a change to the driver's decisions moves
+// the race to other seeds.
+#[test]
+fn reads_racing_commits_bring_back_no_consumed_intent() {
+    let faults = Faults::only(&[FaultKind::SlowRead, FaultKind::EngineCrash]);
+    let failed_before = [660, 1232, 1896, 2273, 2674, 2791];
+    let mut slow = 0;
+    for seed in failed_before.into_iter().chain(0..300) {
+        let r = Simulation::new(seed)
+            .default_mix(20)
+            .faults(faults.clone())
+            .run()
+            .expect("runs");
+        assert!(r.passed, "{r}");
+        slow += r
+            .faults_fired
+            .get(&FaultKind::SlowRead)
+            .copied()
+            .unwrap_or(0);
+    }
+    assert!(slow > 1000, "{slow} slow reads");
+}

@@ -85,8 +85,19 @@ pub enum Intent {
     Outbox(OutboxMessage),
 }
 
+impl Intent {
+    /// The key of this row: what a commit that removes it names.
+    pub fn key(&self) -> IntentKey {
+        match self {
+            Intent::Task(t) => IntentKey::Task(t.execution_id.run_id, t.execution_id.step),
+            Intent::Timer(t) => IntentKey::Timer(t.run_id, t.step),
+            Intent::Outbox(m) => IntentKey::Outbox(m.key()),
+        }
+    }
+}
+
 /// An intent row a commit removed: its effect is done or no longer wanted.
-#[derive(Clone, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Debug)]
 pub enum IntentKey {
     /// The pending attempt of the execution at (run, step).
     Task(RunId, Step),

@@ -41,7 +41,7 @@ mod requests;
 mod run;
 pub mod wire;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use keel_resilience::CompiledPipeline;
@@ -1042,6 +1042,12 @@ pub struct Shard {
     lru: BTreeMap<u64, RunId>,
     tick: u64,
     reads: BTreeMap<Token, ReadFor>,
+    /// Reads of intent rows in flight (recovery, or one run's rows).
+    intent_reads: u32,
+    /// Intent rows commits removed while an intent read was in flight:
+    /// that read may have seen them before the removal, and must not
+    /// bring back work already done. Cleared when no such read is left.
+    removed_while_reading: BTreeSet<keel_storage::IntentKey>,
     commits: BTreeMap<Token, CommitFor>,
     /// Who waits for a run's outcome, by the token of their registration.
     results: BTreeMap<RunId, BTreeMap<Token, ReplyTo>>,
@@ -1111,6 +1117,8 @@ impl Shard {
             lru: BTreeMap::new(),
             tick: 0,
             reads: BTreeMap::new(),
+            intent_reads: 0,
+            removed_while_reading: BTreeSet::new(),
             commits: BTreeMap::new(),
             results: BTreeMap::new(),
             updates: BTreeMap::new(),
@@ -1142,15 +1150,11 @@ impl Shard {
     /// commit had just written it. Call once, after [`Shard::new`].
     pub fn recover(&mut self, now: Timestamp) {
         self.now = self.now.max(now);
-        let token = self.token();
-        self.reads.insert(token, ReadFor::Recover);
-        self.actions.push_back(Action::Read {
-            token,
-            query: ReadQuery::Intents {
-                shard: self.id,
-                shards: self.config.shards,
-            },
-        });
+        let query = ReadQuery::Intents {
+            shard: self.id,
+            shards: self.config.shards,
+        };
+        self.read(query, ReadFor::Recover);
     }
 
     /// Feeds one input at time `now`.
@@ -1382,7 +1386,7 @@ impl Shard {
             Origin::Reply(reply) => self.reply(reply, answer, cause),
             Origin::Attempt(key, attempt) => self.report_answered(key, attempt, answer),
             Origin::Timer(run, step) => self.fire_answered(run, step, answer),
-            Origin::Outbox(key) => self.outbox_answered(&key, answer),
+            Origin::Outbox(key) => self.notify_answered(&key, answer),
             Origin::Start(job) => self.start_answered(*job, answer, cause),
         }
     }
@@ -1414,6 +1418,9 @@ impl Shard {
 
     fn read(&mut self, query: ReadQuery, purpose: ReadFor) -> Token {
         let token = self.token();
+        if matches!(purpose, ReadFor::Recover | ReadFor::RunIntents(_)) {
+            self.intent_reads += 1;
+        }
         self.reads.insert(token, purpose);
         self.actions.push_back(Action::Read { token, query });
         token
@@ -1423,6 +1430,17 @@ impl Shard {
         let Some(purpose) = self.reads.remove(&token) else {
             return;
         };
+        let intents = matches!(purpose, ReadFor::Recover | ReadFor::RunIntents(_));
+        if intents {
+            self.intent_reads -= 1;
+        }
+        self.read_answered(purpose, result);
+        if intents && self.intent_reads == 0 {
+            self.removed_while_reading.clear();
+        }
+    }
+
+    fn read_answered(&mut self, purpose: ReadFor, result: Result<ReadResult, StoreError>) {
         match purpose {
             ReadFor::Activate(run) => self.history_read(run, result),
             ReadFor::Instance(job) => self.instance_read(*job, result),
@@ -1463,16 +1481,42 @@ impl Shard {
     /// just answered (`cause` names it) or read back at recovery.
     fn intents(&mut self, rows: Vec<keel_storage::Intent>, cause: Cause) {
         for row in rows {
-            match row {
-                keel_storage::Intent::Task(task) => self.task_intent(task, cause),
-                keel_storage::Intent::Timer(t) => self.arm_timer(t.run_id, t.step, t.fire_at),
-                keel_storage::Intent::Outbox(msg) => self.outbox_intent(msg, cause),
+            self.intent(row, cause);
+        }
+    }
+
+    /// Intent rows a read brought back. The read ran at some moment after
+    /// it was asked for, while commits went on: a row a commit removed
+    /// meanwhile is done (a child started, an attempt completed) and is
+    /// skipped; one still in memory is merged with what memory knows.
+    fn intents_read_back(&mut self, rows: Vec<keel_storage::Intent>) {
+        let stale = rows
+            .iter()
+            .filter(|r| self.removed_while_reading.contains(&r.key()))
+            .count();
+        if stale > 0 {
+            tracing::debug!(shard = %self.id, stale, "intent rows read back were removed meanwhile; skipped");
+        }
+        for row in rows {
+            if !self.removed_while_reading.contains(&row.key()) {
+                self.intent(row, None);
             }
+        }
+    }
+
+    fn intent(&mut self, row: keel_storage::Intent, cause: Cause) {
+        match row {
+            keel_storage::Intent::Task(task) => self.task_intent(task, cause),
+            keel_storage::Intent::Timer(t) => self.arm_timer(t.run_id, t.step, t.fire_at),
+            keel_storage::Intent::Outbox(msg) => self.outbox_intent(msg, cause),
         }
     }
 
     fn removed(&mut self, keys: Vec<keel_storage::IntentKey>) {
         for key in keys {
+            if self.intent_reads > 0 {
+                self.removed_while_reading.insert(key.clone());
+            }
             match key {
                 keel_storage::IntentKey::Task(run, step) => {
                     self.task_removed(AttemptKey { run, step })
@@ -1489,21 +1533,17 @@ impl Shard {
         match result {
             Ok(ReadResult::Intents(rows)) => {
                 tracing::info!(shard = %self.id, intents = rows.len(), "recovering durable work");
-                self.intents(rows, None);
+                self.intents_read_back(rows);
             }
             Ok(other) => tracing::error!(?other, "recovery read answered the wrong query"),
             Err(e) => {
                 // Without its intents the shard would forget work: try again.
                 tracing::error!(shard = %self.id, error = %e, "recovery read failed; retrying");
-                let token = self.token();
-                self.reads.insert(token, ReadFor::Recover);
-                self.actions.push_back(Action::Read {
-                    token,
-                    query: ReadQuery::Intents {
-                        shard: self.id,
-                        shards: self.config.shards,
-                    },
-                });
+                let query = ReadQuery::Intents {
+                    shard: self.id,
+                    shards: self.config.shards,
+                };
+                self.read(query, ReadFor::Recover);
             }
         }
     }

@@ -88,6 +88,12 @@ impl Shard {
             return; // broken on purpose: cancellations are never delivered
         }
         let key = msg.key();
+        if self.outbox.rows.contains_key(&key) {
+            // Written once per key: this is the row memory already drives
+            // (read back at recovery while its delivery went on), and
+            // memory knows how far that delivery got.
+            return;
+        }
         self.outbox.rows.insert(
             key.clone(),
             Row {
@@ -305,6 +311,16 @@ impl Shard {
                 self.outbox_answered(&key, answer);
             }
             None => {}
+        }
+    }
+
+    /// The parent answered the input that tells it of its child's start.
+    /// Only a row still telling it takes the answer: the answer of the
+    /// "started" input is never read as the answer to a start.
+    pub(super) fn notify_answered(&mut self, key: &[u8], answer: Answer) {
+        match self.outbox.rows.get(key) {
+            Some(row) if row.stage == Stage::Notify => self.outbox_answered(key, answer),
+            _ => {}
         }
     }
 

@@ -6,24 +6,53 @@ use keel_core::driver::{Action, Message, ReadQuery, ReadResult, ShardId, ShardIn
 use keel_storage::{CommitBatch, Error as StoreError, ShardLease};
 use rand::RngExt;
 
-use super::{Ev, Pending, World, SLOW_SYNC_MS_MAX, STORE_STOP_MS_MAX, SYNC_MS_MAX};
+use super::{
+    Ev, Pending, World, SLOW_READ_MS_MAX, SLOW_READ_MS_MIN, SLOW_SYNC_MS_MAX, STORE_STOP_MS_MAX,
+    SYNC_MS_MAX,
+};
 use crate::fault::FaultKind;
 
 impl World<'_> {
+    /// Performs a read on what is durable now (RocksDB in Sync mode shows
+    /// a commit once its fsync returned) and queues its answer to arrive
+    /// within `answer_ms_max`.
+    pub(super) fn read_now(
+        &mut self,
+        inc: u32,
+        shard: ShardId,
+        token: Token,
+        query: &ReadQuery,
+        answer_ms_max: u64,
+    ) {
+        let result = query.perform(self.store.reader());
+        if let (ReadQuery::List { filter, .. }, Ok(ReadResult::Listed(page))) = (query, &result) {
+            self.check_listed(filter, page);
+        }
+        let at = self.now + self.ms(0, answer_ms_max);
+        self.pinned_at(at, inc, shard, ShardInput::Read { token, result });
+    }
+
     pub(super) fn perform(&mut self, p: usize, shard: ShardId, action: Action) {
         let inc = self.processes[p].inc;
         match action {
             Action::Read { token, query } => {
-                // Readers see what is durable (RocksDB in Sync mode shows a
-                // commit once its fsync returned).
-                let result = query.perform(self.store.reader());
-                if let (ReadQuery::List { filter, .. }, Ok(ReadResult::Listed(page))) =
-                    (&query, &result)
-                {
-                    self.check_listed(filter, page);
+                if self.fault(FaultKind::SlowRead) {
+                    // The reader pool is busy: the read runs later and sees
+                    // what was committed meanwhile.
+                    let at = self.now + self.ms(SLOW_READ_MS_MIN, SLOW_READ_MS_MAX);
+                    let query = Box::new(query);
+                    self.at(
+                        at,
+                        Ev::SlowRead {
+                            inc,
+                            shard,
+                            token,
+                            query,
+                        },
+                    );
+                    return;
                 }
-                let at = self.now + self.ms(0, 1);
-                self.pinned_at(at, inc, shard, ShardInput::Read { token, result });
+                self.read_now(inc, shard, token, &query, 1);
             }
             Action::Commit { token, batch } => {
                 // Several processes: one may freeze with this commit

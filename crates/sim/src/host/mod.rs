@@ -67,6 +67,10 @@ const SYNC_MS_MAX: u64 = 2;
 /// ...and now and then (a slow disk) up to this long, which widens the
 /// window in which the machines are ahead of what is durable.
 const SLOW_SYNC_MS_MAX: u64 = 100;
+/// A slow read runs this long after it was asked for (a blocking pool
+/// busy elsewhere), while commits go on.
+const SLOW_READ_MS_MIN: u64 = 5;
+const SLOW_READ_MS_MAX: u64 = 60;
 
 /// Longest simulated stop of the store's writes (a full disk until an
 /// operator frees space).
@@ -162,6 +166,13 @@ enum Ev {
     /// The group commit syncs.
     Flush {
         inc: u32,
+    },
+    /// A read asked for earlier runs now (see `FaultKind::SlowRead`).
+    SlowRead {
+        inc: u32,
+        shard: ShardId,
+        token: keel_core::driver::Token,
+        query: Box<keel_core::driver::ReadQuery>,
     },
     /// A copy of an attempt finishes on a worker.
     WorkerDone {
@@ -809,6 +820,17 @@ impl<'a> World<'a> {
                 let now = keel_storage::Timestamp(self.now);
                 if let Some(s) = self.processes[p].shards.get_mut(&shard) {
                     s.handle_timeout(now);
+                }
+            }
+            Ev::SlowRead {
+                inc,
+                shard,
+                token,
+                query,
+            } => {
+                if self.live(inc).is_some() {
+                    // Its answer waits behind the shard's other inputs too.
+                    self.read_now(inc, shard, token, &query, SLOW_READ_MS_MAX);
                 }
             }
             Ev::Flush { inc } => {
