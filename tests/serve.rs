@@ -381,6 +381,22 @@ async fn metrics_are_prometheus_text_counting_what_was_served() {
     let (status, _) = call(&app, post("/api/v1/runs", start)).await;
     assert_eq!(status, StatusCode::CREATED);
     call(&app, get("/api/v1/runs/nope")).await;
+    // It runs its activities and completes: the engine counts commits,
+    // inputs and attempts.
+    let (status, done) = call(&app, get("/api/v1/runs/m-1/result?wait_ms=20000")).await;
+    assert_eq!(status, StatusCode::OK, "{done}");
+    // A large order waits for approval; the same signal sent twice is
+    // committed once and its repeat dropped as a duplicate.
+    let big = json!({"workflow_type": "demo.order", "instance_id": "m-2", "input": large_order(2), "command_id": "c-2"});
+    let (status, _) = call(&app, post("/api/v1/runs", big)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let signal = json!({"name": "approve", "payload": "ops", "command_id": "approve-m-2"});
+    for _ in 0..2 {
+        let (status, body) = call(&app, post("/api/v1/runs/m-2/signal", signal.clone())).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let (status, done) = call(&app, get("/api/v1/runs/m-2/result?wait_ms=20000")).await;
+    assert_eq!(status, StatusCode::OK, "{done}");
     let res = test::call_service(&app, get("/metrics").to_request()).await;
     assert_eq!(res.status(), StatusCode::OK);
     let kind = res
@@ -393,15 +409,91 @@ async fn metrics_are_prometheus_text_counting_what_was_served() {
     assert!(kind.starts_with("text/plain; version=0.0.4"), "{kind}");
     let text = String::from_utf8(res.into_body().try_into_bytes().unwrap().to_vec()).unwrap();
     for want in [
-        "keel_api_requests_total{method=\"POST\",route=\"/api/v1/runs\",status=\"201\"} 1",
+        "keel_api_requests_total{method=\"POST\",route=\"/api/v1/runs\",status=\"201\"} 2",
         "keel_api_requests_total{method=\"GET\",route=\"/api/v1/runs/{id}\",status=\"404\"} 1",
-        "keel_api_request_duration_seconds_count 2",
-        "keel_api_request_duration_seconds_bucket{le=\"+Inf\"} 2",
+        "keel_api_requests_total{method=\"POST\",route=\"/api/v1/runs/{id}/signal\",status=\"200\"} 2",
+        "keel_api_request_duration_seconds_count 7",
+        "keel_api_request_duration_seconds_bucket{le=\"+Inf\"} 7",
         "# TYPE keel_runs_cached gauge",
         "keel_store_writable 1",
+        "keel_inputs_total{kind=\"signal\"} 1",
+        "keel_inputs_total{kind=\"start\"} 2",
+        "keel_duplicates_dropped_total 1",
+        "keel_runs_parked 0",
+        "keel_lease_expiries_total 0",
+        "# TYPE keel_commit_duration_seconds histogram",
+        "# TYPE keel_store_write_sync_duration_seconds histogram",
+        "# TYPE keel_timer_lag_seconds histogram",
+        "# TYPE keel_resilience_rejections_total counter",
     ] {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
+    let value = |name: &str| -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .unwrap_or_else(|| panic!("no sample {name} in\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    // Two orders of four activities each (the demo's charge may fail and
+    // retry): every attempt that ended is counted by outcome.
+    assert!(
+        value("keel_attempts_total{outcome=\"completed\"}") >= 8.0,
+        "{text}"
+    );
+    assert!(
+        value("keel_inputs_total{kind=\"activity_completed\"}") >= 8.0,
+        "{text}"
+    );
+    // Each accepted input and each start is a commit; the store's writer
+    // wrote them in groups and timed each group's sync.
+    let commits = value("keel_commits_total");
+    assert!(commits >= 10.0, "{text}");
+    assert_eq!(
+        value("keel_commit_duration_seconds_count"),
+        commits,
+        "{text}"
+    );
+    assert!(value("keel_store_commits_total") >= commits, "{text}");
+    let groups = value("keel_store_group_size_commits_count");
+    assert!(
+        groups >= 1.0
+            && groups
+                <= value("keel_store_commits_total") + value("keel_store_commits_refused_total"),
+        "{text}"
+    );
+    assert_eq!(
+        value("keel_store_write_sync_duration_seconds_count"),
+        groups,
+        "{text}"
+    );
+    assert_eq!(value("keel_outbox_backlog_rows"), 0.0, "{text}");
+
+    // The sample Grafana dashboard graphs only series this endpoint has.
+    let dashboard: Value = serde_json::from_str(include_str!("../docs/grafana-dashboard.json"))
+        .expect("the dashboard is JSON");
+    let mut graphed = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for (at, _) in expr.match_indices("keel_") {
+                let name: String = expr[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .unwrap_or(&name);
+                assert!(
+                    text.contains(&format!("# TYPE {family} ")),
+                    "the dashboard graphs {name}, which /metrics does not export"
+                );
+                graphed += 1;
+            }
+        }
+    }
+    assert!(graphed >= 20, "{graphed}");
     // Every sample line is `name{labels} value` with a number for value.
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let value = line.rsplit(' ').next().unwrap();

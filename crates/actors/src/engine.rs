@@ -21,6 +21,7 @@ use keel_core::driver::{
 };
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
+use keel_storage::stats::{Histogram, HistogramSnapshot, WriterSnapshot, WRITE_BUCKETS_SECONDS};
 use keel_storage::{
     Durability, Failure, LeaseEpoch, MemStore, PgOptions, PgStore, RelayTo, RocksStore, Store,
     StoreHealth, Timestamp,
@@ -31,7 +32,7 @@ use crate::client::{Client, ClientCore, EngineError};
 use crate::cluster::{ClusterHandle, Member};
 use crate::readers::{ReadQueue, Readers};
 use crate::routes::{Local, RelayLink, Report, Routes, Wire};
-use crate::shard::{Counts, Feed, ShardActor, Stop};
+use crate::shard::{Counts, Feed, ShardActor, Stats, Stop};
 
 /// How long a shutdown waits for activity code to reach an await point.
 pub const ACTIVITY_SHUTDOWN_MS: u64 = 2_000;
@@ -250,6 +251,23 @@ pub(crate) struct Host {
     /// The processes that took copies of this process's shards' attempts
     /// (a stop goes to them), at most [`TAKEN_COPIES_MAX`].
     pub(crate) taken: Mutex<HashMap<(AttemptKey, LeaseEpoch), String>>,
+    /// Seconds from a shard asking for a commit to the store's answer
+    /// (queueing, validation, the group's write and sync).
+    pub(crate) commit_seconds: Histogram<{ WRITE_BUCKETS_SECONDS.len() }>,
+}
+
+/// The numbers `/metrics` shows of an engine (see [`Engine::stats`]).
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    /// What the shards this process runs counted since they started here
+    /// (summed) and hold now.
+    pub shards: keel_core::driver::ShardStats,
+    /// Shards this process runs now.
+    pub shards_owned: u64,
+    /// Seconds from a shard asking for a commit to the store's answer.
+    pub commit_seconds: HistogramSnapshot,
+    /// What the store's writer counted, where it counts.
+    pub writer: Option<WriterSnapshot>,
 }
 
 /// Copies of attempts taken by other processes whose taker is remembered,
@@ -489,6 +507,7 @@ impl Engine {
             attempts_anywhere: shared && config.attempts_anywhere,
             copies_max: config.worker_concurrency_max.max(1),
             taken: Mutex::new(HashMap::new()),
+            commit_seconds: Histogram::new(&WRITE_BUCKETS_SECONDS),
         });
         let driver = DriverConfig {
             shards: shards as u16,
@@ -618,6 +637,24 @@ impl Engine {
             .as_ref()
             .map(|h| h.store.health())
             .unwrap_or_default()
+    }
+
+    /// The numbers `/metrics` shows: what the shards this process runs
+    /// counted (summed over them) and hold now, how long commits took as
+    /// the shards saw them, and what the store's writer counted.
+    pub async fn stats(&self) -> EngineStats {
+        let mut stats = EngineStats::default();
+        for s in self.local_shards() {
+            if let Ok(one) = s.send(Stats).await {
+                stats.shards.merge(&one);
+                stats.shards_owned += 1;
+            }
+        }
+        if let Some(h) = &self.host {
+            stats.commit_seconds = h.commit_seconds.snapshot();
+            stats.writer = h.store.writer_stats();
+        }
+        stats
     }
 
     /// Runs and attempts the shards hold in memory now.

@@ -23,7 +23,7 @@ pub use client::{
     CLIENT_RETRIES_MAX, CONTINUE_AS_NEW_FOLLOWS_MAX, REMOTE_ANSWER_WAIT_MS,
 };
 pub use cluster::{LOOK_MS, RELAY_POLL_MS, RELAY_SEND_NOTES_MAX, RELAY_TAKE_NOTES_MAX};
-pub use engine::{Engine, EngineBuilder, EngineConfig, ACTIVITY_SHUTDOWN_MS};
+pub use engine::{Engine, EngineBuilder, EngineConfig, EngineStats, ACTIVITY_SHUTDOWN_MS};
 pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDescription};
 pub use readers::{READER_THREADS, READ_QUEUE_MAX};
 pub use routes::RELAY_QUEUE_MAX;

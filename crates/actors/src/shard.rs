@@ -42,6 +42,11 @@ pub(crate) struct Release;
 #[rtype(result = "(usize, usize)")]
 pub(crate) struct Counts;
 
+/// What the shard's driver counted and holds (for `/metrics`).
+#[derive(Message)]
+#[rtype(result = "keel_core::driver::ShardStats")]
+pub(crate) struct Stats;
+
 pub(crate) struct ShardActor {
     driver: Shard,
     host: Arc<Host>,
@@ -110,8 +115,10 @@ impl ShardActor {
                 }));
             }
             Action::Commit { token, batch } => {
+                let asked = std::time::Instant::now();
                 let answer = self.host.store.commit(batch);
                 ctx.spawn(answer.into_actor(self).map(move |result, act, ctx| {
+                    act.host.commit_seconds.observe_duration(asked.elapsed());
                     act.feed(ShardInput::Committed { token, result }, ctx);
                 }));
             }
@@ -227,6 +234,14 @@ impl Handler<Release> for ShardActor {
     fn handle(&mut self, _: Release, ctx: &mut Self::Context) {
         self.driver.release();
         self.drain(ctx);
+    }
+}
+
+impl Handler<Stats> for ShardActor {
+    type Result = MessageResult<Stats>;
+
+    fn handle(&mut self, _: Stats, _: &mut Self::Context) -> Self::Result {
+        MessageResult(self.driver.stats())
     }
 }
 

@@ -49,9 +49,9 @@ pub mod replay;
 pub use replay::{Bundle, ReplayOutcome, Replayer};
 
 pub use keel_actors::{
-    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, MessageSent,
-    NewSchedule, Resumed, ReusePolicy, RunDescription, ScheduleSummary, Schedules, SignalWithStart,
-    StartOptions, StartOutcome,
+    AttemptView, ChildView, Client, Engine, EngineBuilder, EngineConfig, EngineError, EngineStats,
+    MessageSent, NewSchedule, Resumed, ReusePolicy, RunDescription, ScheduleSummary, Schedules,
+    SignalWithStart, StartOptions, StartOutcome,
 };
 pub use keel_core::child;
 pub use keel_core::child::{AnyChild, ChildCall, ChildHandle, ChildResult, StartChild};

@@ -371,6 +371,28 @@ pub enum Input {
     },
 }
 
+impl Input {
+    /// Its kind, as metrics label it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Input::ActivityCompleted { .. } => "activity_completed",
+            Input::ActivityFailed { .. } => "activity_failed",
+            Input::ActivityCancelled { .. } => "activity_cancelled",
+            Input::TimerFired { .. } => "timer_fired",
+            Input::ChildStarted { .. } => "child_started",
+            Input::ChildCompleted { .. } => "child_completed",
+            Input::ChildFailed { .. } => "child_failed",
+            Input::Signal { .. } => "signal",
+            Input::Message { .. } => "message",
+            Input::SendCompleted { .. } => "send_completed",
+            Input::CancelRequested { .. } => "cancel_requested",
+            Input::TimedOut { .. } => "timed_out",
+            Input::Terminate { .. } => "terminate",
+            Input::Update { .. } => "update",
+        }
+    }
+}
+
 /// A message stream of a run, as `describe` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StreamPosition {

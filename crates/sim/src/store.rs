@@ -60,7 +60,8 @@ pub(crate) enum SimStore {
     Mem(Arc<MemStore>, SyncedView),
     Rocks {
         dir: tempfile::TempDir,
-        store: Option<RocksStore>,
+        /// Boxed: a store is large beside the in-memory variant.
+        store: Option<Box<RocksStore>>,
         /// Commits still to fail, as `MemStore::fail_next_commits` counts
         /// them (RocksDB has no such hook; a failed commit writes nothing).
         fail_next: u32,
@@ -89,7 +90,7 @@ impl SimStore {
                     .map_err(|e| SimError::Store(e.to_string()))?;
                 SimStore::Rocks {
                     dir,
-                    store: Some(store),
+                    store: Some(Box::new(store)),
                     fail_next: 0,
                 }
             }
@@ -99,7 +100,7 @@ impl SimStore {
     pub(crate) fn store(&self) -> &dyn Store {
         match self {
             SimStore::Mem(m, _) => m.as_ref(),
-            SimStore::Rocks { store, .. } => store.as_ref().expect("the store is open"),
+            SimStore::Rocks { store, .. } => store.as_deref().expect("the store is open"),
         }
     }
 
@@ -108,7 +109,7 @@ impl SimStore {
     pub(crate) fn reader(&self) -> &dyn Store {
         match self {
             SimStore::Mem(_, synced) => synced,
-            SimStore::Rocks { store, .. } => store.as_ref().expect("the store is open"),
+            SimStore::Rocks { store, .. } => store.as_deref().expect("the store is open"),
         }
     }
 
@@ -170,10 +171,10 @@ impl SimStore {
             } => {
                 *fail_next = 0;
                 drop(store.take());
-                *store = Some(
+                *store = Some(Box::new(
                     RocksStore::open(dir.path(), Durability::Sync)
                         .map_err(|e| SimError::Store(e.to_string()))?,
-                );
+                ));
             }
         }
         Ok(())

@@ -275,9 +275,12 @@ pub fn member_key(owner: &str) -> Vec<u8> {
     k
 }
 
+/// The prefix of every park marker in `Meta`.
+pub const PARKED_PREFIX: &[u8] = b"parked/";
+
 /// `"parked/" ‖ run` in `Meta`.
 pub fn parked_key(run: RunId) -> Vec<u8> {
-    let mut k = b"parked/".to_vec();
+    let mut k = PARKED_PREFIX.to_vec();
     k.extend_from_slice(run.as_bytes());
     k
 }

@@ -29,6 +29,7 @@ pub mod relay;
 pub mod rocks;
 pub mod search;
 pub mod state;
+pub mod stats;
 pub mod store;
 pub mod verify;
 pub mod wal;

@@ -500,6 +500,8 @@ struct Shared {
     /// Several processes write, each under its shard leases.
     sharded: bool,
     health: HealthCell,
+    /// What the writer counted.
+    stats: crate::stats::WriterStats,
 }
 
 impl Drop for Shared {
@@ -841,6 +843,7 @@ impl PgStore {
             epoch: AtomicI64::new(0),
             sharded: options.sharded,
             health: HealthCell::default(),
+            stats: crate::stats::WriterStats::default(),
         });
         let pool = Pool {
             idle: Mutex::new(PoolState {
@@ -1525,6 +1528,10 @@ impl Store for PgStore {
     fn health(&self) -> StoreHealth {
         self.shared.health.get()
     }
+
+    fn writer_stats(&self) -> Option<crate::stats::WriterSnapshot> {
+        Some(self.shared.stats.snapshot())
+    }
 }
 
 impl PgStore {
@@ -2180,6 +2187,8 @@ struct Flight {
     future: WriteFuture,
     /// The first error, once the transaction is done.
     done: Option<Option<tokio_postgres::Error>>,
+    /// When it was sent (its round trips and WAL flush are timed).
+    sent: std::time::Instant,
 }
 
 impl Flight {
@@ -2478,6 +2487,7 @@ impl Writer<'_> {
                         group,
                         future,
                         done,
+                        sent: std::time::Instant::now(),
                     })
                 }
                 // Preparing failed on a broken connection: nothing was
@@ -2501,6 +2511,7 @@ impl Writer<'_> {
             let _ = self.woken.recv();
         }
         let first_error = flight.done.take().expect("polled to the end");
+        let took = flight.sent.elapsed();
         let group = flight.group;
         let conn = self.conn.clone().expect("a flight has a connection");
         let written = match outcome_of(self.shared, &conn, first_error, group.fence) {
@@ -2535,8 +2546,15 @@ impl Writer<'_> {
                     .filter(|(_, r)| r.is_ok())
                     .map(|(req, _)| &req.prepared);
                 self.cache.learn(Learned::of(&group.writes, accepted));
+                let ok = group.results.iter().filter(|r| r.is_ok()).count();
+                self.shared
+                    .stats
+                    .group(ok, group.results.len() - ok, Some(took));
             }
-            Err(_) => self.forget(),
+            Err(_) => {
+                self.forget();
+                self.shared.stats.group(0, group.results.len(), Some(took));
+            }
         }
         Landed::Done(group, written)
     }

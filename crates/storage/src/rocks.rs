@@ -68,6 +68,8 @@ pub struct RocksStore {
     tx: Option<Sender<Request>>,
     writer: Option<JoinHandle<()>>,
     health: Arc<HealthCell>,
+    /// What the writer counted (groups, their sizes, write and sync time).
+    stats: Arc<crate::stats::WriterStats>,
     /// Keeps the acknowledged-commit record (read-write opens).
     acked: Option<acked::AckedKeeper>,
     _secondary_dir: Option<tempfile::TempDir>,
@@ -403,15 +405,17 @@ impl RocksStore {
             }
         }
         let health = Arc::new(HealthCell::default());
+        let stats = Arc::new(crate::stats::WriterStats::default());
         let (tx, writer, acked) = if mode == OpenMode::ReadWrite {
             let keeper = acked::AckedKeeper::start(path, db.latest_sequence_number())?;
             let (tx, rx) = crossbeam_channel::bounded(COMMIT_QUEUE_MAX);
             let db2 = db.clone();
             let watch = WriteWatch::new(health.clone(), path.to_path_buf());
             let published = (durability == Durability::Sync).then(|| keeper.handle());
+            let counted = stats.clone();
             let handle = std::thread::Builder::new()
                 .name("keel-writer".into())
-                .spawn(move || writer_loop(db2, rx, durability, watch, published))?;
+                .spawn(move || writer_loop(db2, rx, durability, watch, published, counted))?;
             (Some(tx), Some(handle), Some(keeper))
         } else {
             (None, None, None)
@@ -424,6 +428,7 @@ impl RocksStore {
             tx,
             writer,
             health,
+            stats,
             acked,
             _secondary_dir: secondary_dir,
         })
@@ -701,6 +706,10 @@ impl Store for RocksStore {
         self.health.get()
     }
 
+    fn writer_stats(&self) -> Option<crate::stats::WriterSnapshot> {
+        (self.mode == OpenMode::ReadWrite).then(|| self.stats.snapshot())
+    }
+
     fn memory_bytes(&self) -> Option<u64> {
         let mut total = 0;
         for cf in Cf::ALL {
@@ -756,6 +765,7 @@ fn writer_loop(
     durability: Durability,
     mut watch: WriteWatch,
     acked: Option<Arc<AtomicU64>>,
+    stats: Arc<crate::stats::WriterStats>,
 ) {
     let (answer_tx, answer_rx) = crossbeam_channel::unbounded::<Answers>();
     // Groups handed to the answer thread and not yet fully answered.
@@ -824,6 +834,7 @@ fn writer_loop(
                 Err(e) => results.push(Err(e)),
             }
         }
+        let mut took = None;
         let written = if overlay.is_empty() {
             Ok(())
         } else if let Some(e) = watch.failed() {
@@ -837,7 +848,9 @@ fn writer_loop(
                 .filter(|(_, r)| r.is_ok())
                 .map(|(req, _)| &req.prepared);
             let learned = Learned::of(&writes, accepted);
+            let started = std::time::Instant::now();
             let written = write_batch(&db, mutations_of(writes), &wo);
+            took = Some(started.elapsed());
             match &written {
                 Ok(()) => {
                     cache.learn(learned);
@@ -856,6 +869,12 @@ fn writer_loop(
             ok = written.is_ok(),
             "group committed"
         );
+        let accepted = if written.is_ok() {
+            results.iter().filter(|r| r.is_ok()).count()
+        } else {
+            0
+        };
+        stats.group(accepted, group.len() - accepted, took);
         let inline = group.len() <= ANSWER_INLINE_MAX && handed.load(Ordering::Acquire) == 0;
         let answers: Answers = group
             .drain(..)

@@ -120,6 +120,12 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// What the store's writer counted (groups, their sizes, write and
+    /// sync time), where the backend has a writer that counts.
+    fn writer_stats(&self) -> Option<crate::stats::WriterSnapshot> {
+        None
+    }
+
     /// A run's whole history.
     fn history(&self, run: RunId) -> Result<Vec<Event>> {
         self.history_from(run, Seq::FIRST)
@@ -328,6 +334,22 @@ pub trait Store: Send + Sync + 'static {
             RecordKind::Parked,
             &keys::parked_key(run),
         )
+    }
+
+    /// How many runs are parked, counting at most `limit` (a bounded
+    /// scan of the park markers: a number past it reads "at least").
+    fn parked_count(&self, limit: usize) -> Result<usize> {
+        let mut n = 0;
+        self.view().scan(
+            Cf::Meta,
+            keys::PARKED_PREFIX,
+            keys::PARKED_PREFIX,
+            &mut |_, _| {
+                n += 1;
+                n < limit
+            },
+        )?;
+        Ok(n)
     }
 
     /// Walks every run and reports gaps, bad records, duplicate terminal

@@ -10,6 +10,9 @@ use std::time::Duration;
 
 use actix_web::{web, HttpResponse};
 
+use keel::storage::stats::HistogramSnapshot;
+use keel::EngineStats;
+
 use super::auth::CanRead;
 use super::ServeState;
 
@@ -17,6 +20,11 @@ use super::ServeState;
 const LATENCY_BUCKETS_SECONDS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
+
+/// Park markers counted at most per scrape; past it `keel_runs_parked`
+/// reads "at least this many" (a scrape stays cheap on a store with a
+/// mass of parked runs).
+pub(super) const PARKED_COUNT_MAX: usize = 10_000;
 
 /// Most distinct (method, route, status) series kept; later ones are
 /// counted under route `other` so a scan of odd URLs cannot grow memory.
@@ -109,27 +117,164 @@ fn escape(s: &str) -> String {
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, value: impl std::fmt::Display) {
+    one(out, "gauge", name, help, value);
+}
+
+fn counter(out: &mut String, name: &str, help: &str, value: impl std::fmt::Display) {
+    one(out, "counter", name, help, value);
+}
+
+fn one(out: &mut String, kind: &str, name: &str, help: &str, value: impl std::fmt::Display) {
     let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} gauge");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
     let _ = writeln!(out, "{name} {value}");
+}
+
+/// A counter with one label, one series per value of it.
+fn counters<'a, K: AsRef<str> + 'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    series: impl IntoIterator<Item = (&'a K, &'a u64)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} counter");
+    for (value, n) in series {
+        let _ = writeln!(out, "{name}{{{label}=\"{}\"}} {n}", escape(value.as_ref()));
+    }
+}
+
+fn histogram(out: &mut String, name: &str, help: &str, h: &HistogramSnapshot) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for (bound, n) in &h.buckets {
+        let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
+    let _ = writeln!(out, "{name}_sum {}", h.sum);
+    let _ = writeln!(out, "{name}_count {}", h.count);
+}
+
+/// The engine's own series: what its shards counted and hold, and what
+/// its store's writer did.
+fn write_engine(out: &mut String, e: &EngineStats) {
+    let s = &e.shards;
+    gauge(
+        out,
+        "keel_shards_owned",
+        "Shards this engine process runs now.",
+        e.shards_owned,
+    );
+    counter(
+        out,
+        "keel_commits_total",
+        "Commits the shards asked of the store and had answered.",
+        s.commits,
+    );
+    counter(
+        out,
+        "keel_commits_failed_total",
+        "Commits the store answered with an error (nothing of them written).",
+        s.commits_failed,
+    );
+    histogram(out, "keel_commit_duration_seconds", "Time from a shard asking for a commit to the store's answer (queueing, validation, the group's write and sync).", &e.commit_seconds);
+    if let Some(w) = &e.writer {
+        counter(
+            out,
+            "keel_store_commits_total",
+            "Commits the store's writer validated and wrote.",
+            w.commits,
+        );
+        counter(out, "keel_store_commits_refused_total", "Commits the store's writer refused (a duplicate id, a fenced owner, an unwritable store).", w.refused);
+        histogram(
+            out,
+            "keel_store_group_size_commits",
+            "Commits written together in one group (one write and one sync).",
+            &w.group_commits,
+        );
+        histogram(out, "keel_store_write_sync_duration_seconds", "Time to write one group and make it durable: the fsync with Sync durability on RocksDB, the transaction and its WAL flush on PostgreSQL.", &w.write_seconds);
+    }
+    gauge(
+        out,
+        "keel_runs_cached",
+        "Runs whose machines the engine holds in memory.",
+        s.runs_cached,
+    );
+    counter(out, "keel_passivations_total", "Runs dropped from memory (idle past the cache's limit); they replay from the log when needed.", s.passivations);
+    counters(
+        out,
+        "keel_inputs_total",
+        "Inputs runs accepted, by kind.",
+        "kind",
+        &s.inputs,
+    );
+    counter(out, "keel_duplicates_dropped_total", "Inputs a run already had (a redelivered result, a repeated signal): answered, nothing committed.", s.duplicates_dropped);
+    counters(
+        out,
+        "keel_attempts_total",
+        "Activity attempts ended, by outcome.",
+        "outcome",
+        &s.attempts,
+    );
+    gauge(
+        out,
+        "keel_attempts_supervised",
+        "Activity attempts the engine supervises now.",
+        s.attempts_supervised,
+    );
+    counter(
+        out,
+        "keel_lease_expiries_total",
+        "Deliveries whose lease ended without a result.",
+        s.lease_expiries,
+    );
+    counter(
+        out,
+        "keel_redeliveries_total",
+        "Attempts delivered again after a lease ended.",
+        s.redeliveries,
+    );
+    gauge(
+        out,
+        "keel_timers_armed",
+        "Timers the engine waits on now.",
+        s.timers_armed,
+    );
+    histogram(
+        out,
+        "keel_timer_lag_seconds",
+        "Time from a timer's due time to the commit of its firing.",
+        &s.timer_lag_seconds,
+    );
+    gauge(
+        out,
+        "keel_outbox_backlog_rows",
+        "Outbox rows (child starts, cancellations, results to parents) not yet delivered.",
+        s.outbox_backlog,
+    );
+    counters(
+        out,
+        "keel_resilience_rejections_total",
+        "Attempt copies a resilience policy refused before they ran, by policy.",
+        "policy",
+        &s.rejections,
+    );
 }
 
 /// `GET /metrics`.
 pub(crate) async fn scrape(_: CanRead, state: web::Data<ServeState>) -> HttpResponse {
     let mut out = String::with_capacity(4096);
     if let Some(engine) = &state.engine {
-        let (runs, attempts) = engine.in_memory().await;
+        write_engine(&mut out, &engine.stats().await);
+    }
+    let store = state.store.clone();
+    if let Ok(Ok(parked)) = web::block(move || store.parked_count(PARKED_COUNT_MAX)).await {
         gauge(
             &mut out,
-            "keel_runs_cached",
-            "Runs whose machines the engine holds in memory.",
-            runs,
-        );
-        gauge(
-            &mut out,
-            "keel_attempts_supervised",
-            "Activity attempts the engine supervises now.",
-            attempts,
+            "keel_runs_parked",
+            &format!("Runs parked (code that diverged from their history, or panicked), counted up to {PARKED_COUNT_MAX}."),
+            parked,
         );
     }
     let health = state.store.health();

@@ -415,6 +415,7 @@ impl Shard {
             .is_some_and(|ms| now.0 >= started_at.0.saturating_add(ms));
         let cancel = a.task.cancel_requested;
         let deliveries = a.deliveries;
+        self.stats.lease_expiries += 1;
         self.actions.push_back(Action::StopAttempt { key, epoch });
         self.leave_running(key);
         if cancel {
@@ -428,6 +429,7 @@ impl Shard {
         } else if deliveries <= LEASE_REDELIVERIES_MAX {
             tracing::debug!(run_id = %key.run, step = key.step.0, epoch = epoch.0,
                 "lease ended; delivering the same attempt again");
+            self.stats.redeliveries += 1;
             self.attempts
                 .map
                 .get_mut(&key)
@@ -547,6 +549,7 @@ impl Shard {
             return;
         }
         tracing::debug!(run_id = %key.run, step = key.step.0, %policy, "attempt delayed by a resilience policy");
+        self.stats.rejected(&policy);
         self.leave_running(key);
         let a = self.attempts.map.get_mut(&key).expect("found");
         // The copy never ran: it does not count as a delivery.
@@ -714,6 +717,16 @@ impl Shard {
         };
         let input = input(&a.task, a.details.clone());
         let attempt = a.task.attempt;
+        self.stats.attempt_ended(match &input {
+            Input::ActivityCompleted { .. } => "completed",
+            Input::ActivityCancelled { .. } => "cancelled",
+            Input::ActivityFailed { failure, .. } => match failure.kind {
+                FailureKind::Timeout => "timed_out",
+                FailureKind::LeaseExpired => "lease_expired",
+                _ => "failed",
+            },
+            _ => "other",
+        });
         if matches!(a.state, State::Running { .. }) {
             self.attempts.running -= 1;
         }

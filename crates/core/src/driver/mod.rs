@@ -39,6 +39,7 @@ mod ownership;
 mod read;
 mod requests;
 mod run;
+mod stats;
 pub mod wire;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -60,6 +61,7 @@ pub use ownership::{
     SHARD_LEASE_RENEW_PERCENT, SHARD_LEASE_RETRY_MS,
 };
 pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX};
+pub use stats::{ShardStats, REJECTION_POLICIES_MAX, TIMER_LAG_BUCKETS_SECONDS};
 
 use attempts::Attempts;
 use due::{Due, DueQueue};
@@ -1072,6 +1074,8 @@ pub struct Shard {
     lease_check_at: Option<Timestamp>,
     /// The lease was lost: the shard does nothing more.
     lost: bool,
+    /// What this shard counted (see [`Shard::stats`]).
+    stats: ShardStats,
 }
 
 impl std::fmt::Debug for Shard {
@@ -1132,6 +1136,7 @@ impl Shard {
             renewing: false,
             lease_check_at: None,
             lost: false,
+            stats: ShardStats::default(),
         }
     }
 
@@ -1464,6 +1469,10 @@ impl Shard {
     }
 
     fn commit_done(&mut self, token: Token, result: Result<CommitAck, StoreError>) {
+        self.stats.commits += 1;
+        if result.is_err() {
+            self.stats.commits_failed += 1;
+        }
         if let Err(e @ StoreError::Fenced { .. }) = &result {
             // Another process owns the shard: nothing here is current.
             let reason = e.to_string();
@@ -1579,6 +1588,11 @@ impl Shard {
             // Committed, a duplicate, its run closed or parked (a resume
             // re-arms it from its row).
             _ => {
+                if let (Answer::Committed, Some(fire_at)) = (&answer, self.timers.get(&(run, step)))
+                {
+                    let lag_ms = self.now.0.saturating_sub(fire_at.0);
+                    self.stats.timer_lag_seconds.observe(lag_ms as f64 / 1000.0);
+                }
                 self.timers.remove(&(run, step));
             }
         }

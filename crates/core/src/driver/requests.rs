@@ -433,6 +433,7 @@ impl Shard {
                 }
                 let slot = self.slot(run);
                 slot.phase = Phase::Ready(Box::new(machine));
+                self.stats.input("start");
                 self.commit_run(run, events, Origin::Start(Box::new(job)), true);
                 // Operations that came before the start (a cancellation
                 // sent to a child not started yet) wait no more.

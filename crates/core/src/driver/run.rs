@@ -570,6 +570,11 @@ impl Shard {
         } else {
             machine.check(&input)
         };
+        match verdict {
+            Verdict::Accept => self.stats.input(input.kind()),
+            Verdict::Duplicate => self.stats.duplicates_dropped += 1,
+            _ => {}
+        }
         let dropped = match verdict {
             Verdict::Accept => None,
             Verdict::Duplicate => Some(match &input {
@@ -1216,6 +1221,7 @@ impl Shard {
                 && !self.updates.contains_key(&run);
             if idle {
                 self.forget(run);
+                self.stats.passivations += 1;
                 over -= 1;
             }
         }
