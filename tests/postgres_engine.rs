@@ -128,6 +128,20 @@ async fn concurrent_orders_complete_once_each() -> anyhow::Result<()> {
     let report = engine.store().verify()?;
     assert!(report.ok, "{:?}", report.violations);
     assert_eq!(report.runs, 40);
+    // The metrics count what happened: 40 starts, each charge failing
+    // once then completing, and the PostgreSQL writer timed each group
+    // it wrote.
+    let stats = engine.stats().await;
+    let s = &stats.shards;
+    assert_eq!(s.inputs.get("start"), Some(&40), "{s:?}");
+    assert_eq!(s.attempts.get("failed"), Some(&40), "{s:?}");
+    assert_eq!(s.attempts.get("completed"), Some(&40), "{s:?}");
+    let w = stats.writer.clone().expect("the PostgreSQL writer counts");
+    assert!(w.commits >= s.commits - s.commits_failed, "{w:?} {s:?}");
+    assert!(w.group_commits.count >= 1, "{w:?}");
+    assert!(w.group_commits.count <= w.commits + w.refused, "{w:?}");
+    assert_eq!(w.group_commits.count, w.write_seconds.count, "{w:?}");
+    assert_eq!(stats.commit_seconds.count, s.commits, "{stats:?}");
     engine.shutdown_blocking();
     Ok(())
 }

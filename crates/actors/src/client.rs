@@ -504,7 +504,15 @@ impl ClientCore {
         z ^ (z >> 31)
     }
 
+    /// Sends `request` to its shard and waits for the answer, following
+    /// the run and retrying as the driver says, in a `request` span.
     async fn call(&self, request: Request) -> Result<Answer, EngineError> {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!("request", kind = request.kind());
+        self.call_following(request).instrument(span).await
+    }
+
+    async fn call_following(&self, request: Request) -> Result<Answer, EngineError> {
         let mut tries = 0;
         let mut follows = 0;
         loop {

@@ -391,6 +391,23 @@ impl Request {
             Request::List { .. } => ShardId(0),
         }
     }
+
+    /// Its kind, as spans and logs name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Request::Start { .. } => "start",
+            Request::Signal { .. } => "signal",
+            Request::Cancel { .. } => "cancel",
+            Request::SendMessage { .. } => "send_message",
+            Request::Terminate { .. } => "terminate",
+            Request::Result { .. } => "result",
+            Request::Describe { .. } => "describe",
+            Request::Resume { .. } => "resume",
+            Request::Query { .. } => "query",
+            Request::Update { .. } => "update",
+            Request::List { .. } => "list",
+        }
+    }
 }
 
 /// Why a request was refused for good. Nothing was written.

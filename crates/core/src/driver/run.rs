@@ -470,7 +470,12 @@ impl Shard {
             }
             _ => None,
         };
-        match RunMachine::replay(&self.workflows, history) {
+        let replayed = {
+            let _span =
+                tracing::info_span!("replay", run_id = %run, events = history.len()).entered();
+            RunMachine::replay(&self.workflows, history)
+        };
+        match replayed {
             Ok(m) => {
                 if let Some(instance) = instance {
                     self.instance_open(run, instance);
