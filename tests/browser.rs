@@ -323,6 +323,13 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         "document.querySelector('#rows').innerText.includes('order-9')",
         "order-9",
     );
+    // Above the list, the whole store's counts, each a link to its filter.
+    b.wait_for(
+        "document.querySelector('#store-counts').innerText.includes('in the store') \
+         && document.querySelector('#store-counts a[href=\"/?status=completed\"]') \
+         && document.querySelector('#store-counts a[href=\"/?status=running\"]')",
+        "the store's counts by status",
+    );
     b.screenshot("ui-runs.png");
 
     // Filtered to running orders: only the one waiting for approval.

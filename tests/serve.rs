@@ -118,6 +118,16 @@ async fn an_order_started_over_http_waits_is_signalled_and_completes() {
     assert_eq!(outcome["status"], "completed", "{outcome}");
     assert_eq!(outcome["result"]["approved_by"], "ops-team", "{outcome}");
 
+    // The store-wide counts the page shows: one completed run, nothing
+    // open or parked, every status named.
+    let (status, counts) = call(&app, get("/api/v1/counts")).await;
+    assert_eq!(status, StatusCode::OK, "{counts}");
+    assert_eq!(counts["counts"]["completed"], 1, "{counts}");
+    assert_eq!(counts["counts"]["running"], 0, "{counts}");
+    assert_eq!(counts["counts"].as_object().unwrap().len(), 7, "{counts}");
+    assert_eq!(counts["parked"], 0, "{counts}");
+    assert_eq!(counts["limit"], 10_000, "{counts}");
+
     // The history pages; the pages join up to the whole history.
     let (status, first) = call(&app, get("/api/v1/runs/order-9/history?limit=3")).await;
     assert_eq!(status, StatusCode::OK, "{first}");

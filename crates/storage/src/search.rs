@@ -414,6 +414,27 @@ const BY_START: u8 = b'R';
 const BY_CLOSE: u8 = b'C';
 const BY_ATTRIBUTE: u8 = b'A';
 
+/// Runs in each status, counting at most `limit` per status: a scan of
+/// the status index's keys, so a count equal to `limit` reads "at least".
+pub fn count_by_status(
+    view: &dyn KvRead,
+    limit: usize,
+) -> crate::error::Result<Vec<(RunStatus, usize)>> {
+    let mut out = Vec::with_capacity(RunStatus::ALL.len());
+    for status in RunStatus::ALL {
+        let prefix = status_prefix(status, None);
+        let mut n = 0;
+        if limit > 0 {
+            view.scan(Cf::Index, &prefix, &prefix, &mut |_, _| {
+                n += 1;
+                n < limit
+            })?;
+        }
+        out.push((status, n));
+    }
+    Ok(out)
+}
+
 fn status_prefix(status: RunStatus, workflow_type: Option<&str>) -> Vec<u8> {
     match workflow_type {
         None => vec![BY_STATUS, status.code()],

@@ -19,7 +19,7 @@ use crate::keys::{self, Cf};
 use crate::kv::KvRead;
 use crate::search::{self, ListError, PageToken, RunFilter, RunPage};
 use crate::state::{
-    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, TaskEntry, TimerEntry,
+    DedupeEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, TaskEntry, TimerEntry,
 };
 use crate::verify::{self, VerifyReport};
 
@@ -334,6 +334,12 @@ pub trait Store: Send + Sync + 'static {
             RecordKind::Parked,
             &keys::parked_key(run),
         )
+    }
+
+    /// Runs in each status, counting at most `limit` per status (a count
+    /// equal to `limit` reads "at least").
+    fn count_by_status(&self, limit: usize) -> Result<Vec<(RunStatus, usize)>> {
+        crate::search::count_by_status(self.view(), limit)
     }
 
     /// How many runs are parked, counting at most `limit` (a bounded

@@ -313,3 +313,29 @@ fn the_index_moves_in_the_commit_that_moves_the_run() {
         assert!(store.verify().unwrap().ok);
     });
 }
+
+// Goal: `count_by_status` counts the index's runs of each status exactly,
+// and stops at its limit (a count at the limit reads "at least").
+// Method: the same 80 runs; counts compared with the run records scanned
+// directly, then again with a limit below the largest count.
+#[test]
+fn counts_by_status_match_the_run_records_up_to_the_limit() {
+    for_each_store(|store| {
+        let mut rng = Rng(0x5eed_1157);
+        populate(store, &mut rng);
+        let everything = all_runs(store);
+        let counted = store.count_by_status(1000).unwrap();
+        assert_eq!(counted.len(), RunStatus::ALL.len());
+        for (status, n) in &counted {
+            let want = everything.iter().filter(|m| m.status == *status).count();
+            assert_eq!(*n, want, "{status:?}");
+        }
+        assert_eq!(counted.iter().map(|(_, n)| n).sum::<usize>(), 80);
+        let most = counted.iter().map(|(_, n)| *n).max().unwrap();
+        assert!(most > 3, "{counted:?}");
+        for (status, n) in store.count_by_status(3).unwrap() {
+            let want = everything.iter().filter(|m| m.status == status).count();
+            assert_eq!(n, want.min(3), "{status:?}");
+        }
+    });
+}

@@ -290,6 +290,7 @@ pub(crate) fn scope() -> actix_web::Scope<
             }
         })
         .service(resource("/whoami").route(web::get().to(whoami)))
+        .service(resource("/counts").route(web::get().to(counts)))
         .service(
             resource("/runs")
                 .route(web::post().to(start))
@@ -306,6 +307,33 @@ pub(crate) fn scope() -> actix_web::Scope<
         .service(resource("/runs/{id}/terminate").route(web::post().to(terminate)))
         .service(resource("/runs/{id}/resume").route(web::post().to(resume)))
         .default_service(web::to(not_found))
+}
+
+/// Runs counted per status (and parked) at most by `GET /api/v1/counts`:
+/// each count is a scan of index keys, so this bounds a call's cost on a
+/// large store; a count at the limit reads "at least".
+pub(crate) const COUNT_RUNS_MAX: usize = 10_000;
+
+/// `GET /api/v1/counts`: runs in each status across the store, and the
+/// parked ones (the page's live counts).
+async fn counts(_: CanRead, state: web::Data<ServeState>) -> ApiResult {
+    let store = state.store.clone();
+    let (by_status, parked) = blocking(move || {
+        let internal = |e: keel_storage::Error| ApiError::internal(e.to_string());
+        let by_status = store.count_by_status(COUNT_RUNS_MAX).map_err(internal)?;
+        let parked = store.parked_count(COUNT_RUNS_MAX).map_err(internal)?;
+        Ok((by_status, parked))
+    })
+    .await?;
+    let counts: serde_json::Map<String, Value> = by_status
+        .into_iter()
+        .map(|(status, n)| (status.name().to_string(), json!(n)))
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "counts": counts,
+        "parked": parked,
+        "limit": COUNT_RUNS_MAX,
+    })))
 }
 
 /// `GET /api/v1/whoami`: what the caller's token allows (the page

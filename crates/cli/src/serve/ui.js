@@ -45,6 +45,7 @@ async function listPage() {
   const main = $("#main");
   main.innerHTML = `
     <h1>Runs</h1>
+    <div class="counts" id="store-counts" title="Runs in the whole store, by status"></div>
     <form class="filters" id="filters">
       <label>Status<select name="status"><option value="">any</option>${["running","completed","failed","cancelled","terminated","timed-out","continued-as-new"].map((s) => `<option>${s}</option>`).join("")}</select></label>
       <label>Type<input name="type" placeholder="demo.order" size="14"></label>
@@ -93,6 +94,16 @@ async function listPage() {
       $("#pageinfo").textContent = `updated ${new Date().toLocaleTimeString()}`;
     } catch (e) {
       $("#list-error").innerHTML = `<div class="error">${esc(e.message)}</div>`;
+    }
+    try {
+      // Store-wide, each count capped at `limit` (shown as "limit+").
+      const {body} = await api("/counts");
+      const n = (v) => v >= body.limit ? `${body.limit}+` : String(v);
+      const chips = Object.entries(body.counts).filter(([, v]) => v > 0).map(([s, v]) => `<a href="/?status=${encodeURIComponent(s)}">${badge(s)} ${n(v)}</a>`);
+      if (body.parked > 0) chips.push(`<span>${badge("running", true)} ${n(body.parked)}</span>`);
+      $("#store-counts").innerHTML = `<span>in the store</span>` + (chips.join("") || `<span>no runs yet</span>`);
+    } catch (e) {
+      $("#store-counts").innerHTML = "";
     }
   };
   await load();
