@@ -1349,6 +1349,9 @@ impl Shard {
         for (_, _, reply, _) in std::mem::take(&mut self.continuing).into_values() {
             waiting.push(reply);
         }
+        // No read is answered from here on (see `read_done`).
+        self.intent_reads = 0;
+        self.removed_while_reading.clear();
         for read in std::mem::take(&mut self.reads).into_values() {
             match read {
                 ReadFor::Resolve { reply, .. }
@@ -1516,17 +1519,25 @@ impl Shard {
     /// meanwhile is done (a child started, an attempt completed) and is
     /// skipped; one still in memory is merged with what memory knows.
     fn intents_read_back(&mut self, rows: Vec<keel_storage::Intent>) {
-        let stale = rows
-            .iter()
-            .filter(|r| self.removed_while_reading.contains(&r.key()))
-            .count();
-        if stale > 0 {
-            tracing::debug!(shard = %self.id, stale, "intent rows read back were removed meanwhile; skipped");
-        }
+        let mut stale = 0;
         for row in rows {
-            if !self.removed_while_reading.contains(&row.key()) {
+            let key = row.key();
+            // An outbox row memory drives is as new as any read of it (a
+            // live commit that rewrites it, a cancellation turned into a
+            // termination, replaces it when answered), and memory knows
+            // how far its delivery got.
+            let driven = match &key {
+                keel_storage::IntentKey::Outbox(k) => self.outbox.holds(k),
+                _ => false,
+            };
+            if driven || self.removed_while_reading.contains(&key) {
+                stale += 1;
+            } else {
                 self.intent(row, None);
             }
+        }
+        if stale > 0 {
+            tracing::debug!(shard = %self.id, stale, "intent rows read back were removed or are driven already; skipped");
         }
     }
 

@@ -57,6 +57,11 @@ impl Outbox {
     pub(super) fn len(&self) -> usize {
         self.rows.len()
     }
+
+    /// Whether a row with this key is in memory (being delivered).
+    pub(super) fn holds(&self, key: &[u8]) -> bool {
+        self.rows.contains_key(key)
+    }
 }
 
 /// The input that cancels a child per `policy`. A cancel request carries a
@@ -88,12 +93,6 @@ impl Shard {
             return; // broken on purpose: cancellations are never delivered
         }
         let key = msg.key();
-        if self.outbox.rows.contains_key(&key) {
-            // Written once per key: this is the row memory already drives
-            // (read back at recovery while its delivery went on), and
-            // memory knows how far that delivery got.
-            return;
-        }
         self.outbox.rows.insert(
             key.clone(),
             Row {
