@@ -19,6 +19,8 @@
 
 pub mod demo_app;
 pub mod inspect;
+#[cfg(feature = "otlp")]
+pub mod otlp;
 #[doc(hidden)]
 pub mod output;
 pub mod recover_cmd;
@@ -190,15 +192,69 @@ fn exit_code_of(e: &anyhow::Error) -> u8 {
     2
 }
 
-/// Sends `tracing` output (level from `KEEL_LOG`, default `warn`) to stderr.
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
+/// Keeps tracing's exporter running: hold it until the end of `main`
+/// (dropping it sends the spans still queued).
+#[must_use = "dropping the guard stops span export"]
+#[derive(Debug)]
+pub struct TracingGuard {
+    #[cfg(feature = "otlp")]
+    _otlp: Option<otlp::OtlpGuard>,
+}
+
+/// The variables that turn OTLP export on.
+#[cfg(not(feature = "otlp"))]
+const OTLP_ENDPOINT_VARS: [&str; 2] = [
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+];
+
+/// Installs the global `tracing` subscriber: log lines to stderr at
+/// `KEEL_LOG`'s level (default `default_level`), and, built with the
+/// `otlp` feature and `OTEL_EXPORTER_OTLP_ENDPOINT` set, spans exported
+/// over OTLP at `KEEL_OTLP_FILTER`'s level (default `info`, which holds
+/// keel's `request`, `commit`, `attempt` and `replay` spans). Does nothing
+/// if a subscriber is installed already. Errs on bad OTLP settings.
+pub fn setup_tracing(default_level: &str) -> anyhow::Result<TracingGuard> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer};
+
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .try_init();
+        .with_filter(
+            EnvFilter::try_from_env("KEEL_LOG").unwrap_or_else(|_| EnvFilter::new(default_level)),
+        );
+    #[cfg(feature = "otlp")]
+    {
+        let (export, guard) = match otlp::OtlpConfig::from_env()? {
+            Some(config) => {
+                let (layer, guard) = otlp::layer(config);
+                let filter = EnvFilter::try_from_env("KEEL_OTLP_FILTER")
+                    .unwrap_or_else(|_| EnvFilter::new("info"));
+                (Some(layer.with_filter(filter)), Some(guard))
+            }
+            None => (None, None),
+        };
+        let _ = tracing_subscriber::registry()
+            .with(log)
+            .with(export)
+            .try_init();
+        Ok(TracingGuard { _otlp: guard })
+    }
+    #[cfg(not(feature = "otlp"))]
+    {
+        let _ = tracing_subscriber::registry().with(log).try_init();
+        if let Some(var) = OTLP_ENDPOINT_VARS
+            .iter()
+            .find(|v| std::env::var_os(v).is_some_and(|s| !s.is_empty()))
+        {
+            tracing::warn!(
+                "{var} is set, but this keel was built without the `otlp` feature: \
+                 no spans are exported (build with `--features keel-cli/otlp`)"
+            );
+        }
+        Ok(TracingGuard {})
+    }
 }
 
 #[derive(Parser, Debug)]
@@ -219,6 +275,12 @@ struct ToolCli {
 /// `replay` checks. Call it from your binary's `main`.
 pub fn main_with(registry: WorkflowRegistry) -> ExitCode {
     let cli = ToolCli::parse();
-    init_tracing();
+    let _tracing = match setup_tracing("warn") {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("keel: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     run(cli.command, &registry)
 }

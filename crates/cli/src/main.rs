@@ -56,13 +56,13 @@ fn main() -> ExitCode {
         Command::Sim(_) => "error",
         _ => "warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KEEL_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let _tracing = match keel_cli::setup_tracing(default_level) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("keel: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::DemoWorker(args) => demo::worker(args),
