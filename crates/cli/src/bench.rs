@@ -16,6 +16,8 @@ use crate::output::{max_rss_mb, percentile, progress};
 mod bench_cluster;
 #[path = "bench_pg.rs"]
 mod bench_pg;
+#[path = "bench_serve.rs"]
+mod bench_serve;
 #[path = "bench_store.rs"]
 mod bench_store;
 
@@ -45,6 +47,9 @@ pub(crate) enum BenchCommand {
     /// creation to mid-commit); after each kill the directory must open,
     /// and after each round every workflow must complete exactly once.
     Torture(crate::bench_torture::TortureArgs),
+    /// `keel serve` over real HTTP: describe and list latency over a store
+    /// of N runs, and what a scraper of /metrics costs W1.
+    Serve(bench_serve::ServeBenchArgs),
 }
 
 pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -58,6 +63,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Replay(args) => keel_cli::replay_bench::replay(args),
         BenchCommand::Show(args) => keel_cli::replay_bench::show(args),
         BenchCommand::Torture(args) => crate::bench_torture::torture(args),
+        BenchCommand::Serve(args) => bench_serve::serve(args),
     }
 }
 
@@ -105,7 +111,7 @@ impl Activity for Noop {
     }
 }
 
-struct ThreeSteps;
+pub(crate) struct ThreeSteps;
 impl Workflow for ThreeSteps {
     const NAME: &'static str = "bench.w1";
     type Input = u32;

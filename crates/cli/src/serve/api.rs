@@ -561,9 +561,14 @@ async fn list(
     let runs = blocking(move || {
         runs.iter()
             .map(|m| {
-                let parked = store
-                    .parked(m.run_id)
-                    .map_err(|e| ApiError::internal(e.to_string()))?;
+                // Only an open run can be parked: the commit that ends a
+                // parked run (a termination) clears its marker.
+                let parked = match m.status {
+                    RunStatus::Running => store
+                        .parked(m.run_id)
+                        .map_err(|e| ApiError::internal(e.to_string()))?,
+                    _ => None,
+                };
                 Ok(inspect::run_json(m, parked.as_ref()))
             })
             .collect::<Result<Vec<Value>, ApiError>>()
