@@ -1,10 +1,13 @@
 //! Goal: the operator's page works in a real browser against a running
 //! `keel serve`: the run list shows the demo's orders and filters them,
 //! a run's page shows what it waits for, a waiting order signalled from
-//! its page completes, and a parked run is resumed from its page.
+//! its page completes, a parked run is resumed from its page, and a run
+//! parked by a code change shows the recorded and the new command side by
+//! side.
 //!
 //! Method: the demo's engine (plus one workflow that panics while a flag
-//! is set, to park a run) on a RocksDB directory, served by a real
+//! is set, to park a run, and one whose code changes between two engines
+//! on the same directory) on a RocksDB directory, served by a real
 //! actix-web server on a loopback port; headless Chromium (the
 //! distribution's package; `.ci/run` installs it and sets
 //! KEEL_REQUIRE_BROWSER=1, so a missing browser fails there instead of
@@ -48,6 +51,49 @@ impl Workflow for Toggle {
         }
         let b: u32 = ctx.wait_signal("go").await?;
         Ok(format!("went {a} and {b}"))
+    }
+}
+
+static CHANGED: AtomicBool = AtomicBool::new(false);
+
+#[derive(Default)]
+struct Stamp;
+impl keel::Activity for Stamp {
+    const NAME: &'static str = "ops.stamp";
+    type Input = u32;
+    type Output = u32;
+    async fn run(&self, _: keel::ActivityContext, n: u32) -> Result<u32, keel::ActivityError> {
+        Ok(n)
+    }
+}
+
+#[derive(Default)]
+struct Label;
+impl keel::Activity for Label {
+    const NAME: &'static str = "ops.label";
+    type Input = u32;
+    type Output = u32;
+    async fn run(&self, _: keel::ActivityContext, n: u32) -> Result<u32, keel::ActivityError> {
+        Ok(n)
+    }
+}
+
+/// Stamps, then waits for a signal; once `CHANGED` is set, its code
+/// labels where history recorded a stamp: a run of the old code replayed
+/// by the new one is parked for non-determinism.
+struct Route;
+impl Workflow for Route {
+    const NAME: &'static str = "ops.route";
+    type Input = ();
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<u32, WorkflowError> {
+        let n = if CHANGED.load(Ordering::SeqCst) {
+            ctx.activity::<Label>(7).await?
+        } else {
+            ctx.activity::<Stamp>(7).await?
+        };
+        let m: u32 = ctx.wait_signal("go").await?;
+        Ok(n + m)
     }
 }
 
@@ -254,15 +300,38 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let engine = Arc::new(
+    let builder = || {
         keel_cli::demo_app::engine_builder()
             .register_workflow::<Toggle>()
+            .register_workflow::<Route>()
+            .register_activity::<Stamp>()
+            .register_activity::<Label>()
             .data_dir(dir.path())
-            .build()
-            .unwrap(),
-    );
-    let client = engine.client();
+    };
     let rt = tokio::runtime::Runtime::new().unwrap();
+    // The old code stamps route-1 and leaves it waiting; the engine that
+    // serves runs the new code.
+    rt.block_on(async {
+        let old = builder().build().unwrap();
+        let c = old.client();
+        c.start::<Route>("route-1", &()).await.unwrap();
+        let deadline = Instant::now() + Duration::from_millis(PAGE_WAIT_MS_MAX);
+        while !c
+            .describe("route-1")
+            .await
+            .unwrap()
+            .signal_waits
+            .iter()
+            .any(|(n, _)| n == "go")
+        {
+            assert!(Instant::now() < deadline, "route-1 never waited");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        old.shutdown().await;
+    });
+    CHANGED.store(true, Ordering::SeqCst);
+    let engine = Arc::new(builder().build().unwrap());
+    let client = engine.client();
 
     // Twelve orders; the tenth is large and waits for approval.
     rt.block_on(async {
@@ -290,6 +359,18 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
             .await
             .unwrap_err();
         assert!(matches!(err, keel::EngineError::Parked { .. }), "{err}");
+        // The signal makes the new code replay route-1: parked.
+        let _ = client.signal("route-1", "go", &1u32, Some("go-r1")).await;
+        let deadline = Instant::now() + Duration::from_millis(PAGE_WAIT_MS_MAX);
+        loop {
+            let d = client.describe("route-1").await.unwrap();
+            if let Some(p) = d.parked {
+                assert_eq!(p.kind, "non_determinism", "{p:?}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "route-1 was never parked");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     });
 
     let state = ServeState::new(engine.clone(), &ServeConfig::default()).unwrap();
@@ -393,12 +474,28 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         "the parked run's reason",
     );
     b.screenshot("ui-run-parked.png");
+    // A panic is no divergence: this build replays the history.
+    b.wait_for(
+        "document.querySelector('#divergence').innerText.includes('replays all')",
+        "the panicked run's history replays against this build",
+    );
     BROKEN.store(false, Ordering::SeqCst);
     b.eval("document.querySelector('#resume').click()");
     b.wait_for(
         "document.body.innerText.includes('Resumed')",
         "the resume answer",
     );
+    // The run parked by the code change: the recorded and the new
+    // command side by side.
+    b.open(&format!("{base}/runs/route-1"));
+    b.wait_for(
+        "document.querySelector('table.side') \
+         && document.querySelector('table.side td.recorded').innerText.includes('ops.stamp') \
+         && document.querySelector('table.side td.issued').innerText.includes('ops.label')",
+        "route-1's recorded and new commands side by side",
+    );
+    b.screenshot("ui-run-diverged.png");
+    b.open(&format!("{base}/runs/toggle-1"));
     b.wait_for("!document.querySelector('.parked')", "the parked box gone");
     // The engine agrees: the run goes on; the refused signal, sent again,
     // and the next complete it.

@@ -150,6 +150,17 @@ async fn an_order_started_over_http_waits_is_signalled_and_completes() {
     let bytes = res.into_body().try_into_bytes().unwrap();
     let bundle = keel::Bundle::decode(&bytes).expect("a valid bundle");
     assert_eq!(bundle.events.len() as u64, total);
+
+    // This build's code replays the history as recorded (what the page
+    // shows beside a parked run); an unknown run is a 404.
+    let (status, replay) = call(&app, get("/api/v1/runs/order-9/replay")).await;
+    assert_eq!(status, StatusCode::OK, "{replay}");
+    assert_eq!(replay["result"], "ok", "{replay}");
+    assert_eq!(replay["events"], total, "{replay}");
+    assert_eq!(replay["status"], "completed", "{replay}");
+    assert_eq!(replay["run_id"], run_id.as_str(), "{replay}");
+    let (status, missing) = call(&app, get("/api/v1/runs/no-such-order/replay")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{missing}");
 }
 
 #[actix_web::test]
@@ -531,6 +542,22 @@ async fn every_route_the_openapi_document_lists_is_served() {
             let (_, body) = call(&app, req).await;
             assert_ne!(body["error"]["code"], "no_route", "{method} {uri}: {body}");
         }
+    }
+    // And the other way: every resource the API's code mounts is in the
+    // document (read from the source the server is built from).
+    let source = include_str!("../crates/cli/src/serve/api.rs");
+    let mounted: Vec<&str> = source
+        .split("resource(\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .filter(|p| p.starts_with('/'))
+        .collect();
+    assert!(mounted.len() >= 12, "{mounted:?}");
+    for path in mounted {
+        assert!(
+            paths.contains_key(path),
+            "{path} is served but not documented"
+        );
     }
     let res = test::call_service(&app, get("/api/openapi.json").to_request()).await;
     assert_eq!(res.status(), StatusCode::OK);

@@ -611,6 +611,12 @@ impl Engine {
         })
     }
 
+    /// The workflows this engine runs: the code a replay of its histories
+    /// is checked against (`keel::Replayer::new(engine.workflows().clone())`).
+    pub fn workflows(&self) -> &WorkflowRegistry {
+        &self.workflows
+    }
+
     /// A client for this engine.
     pub fn client(&self) -> Client {
         Client {

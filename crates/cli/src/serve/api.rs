@@ -300,6 +300,7 @@ pub(crate) fn scope() -> actix_web::Scope<
         .service(resource("/runs/{id}/history").route(web::get().to(history)))
         .service(resource("/runs/{id}/result").route(web::get().to(result)))
         .service(resource("/runs/{id}/export").route(web::get().to(export)))
+        .service(resource("/runs/{id}/replay").route(web::get().to(replay)))
         .service(resource("/runs/{id}/signal").route(web::post().to(signal)))
         .service(resource("/runs/{id}/query").route(web::post().to(query)))
         .service(resource("/runs/{id}/update").route(web::post().to(update)))
@@ -788,6 +789,30 @@ async fn export(_: CanRead, state: web::Data<ServeState>, path: web::Path<String
             format!("attachment; filename=\"{run}.keel-bundle\""),
         ))
         .body(bytes))
+}
+
+// ------------------------------------------------------------ replay
+
+/// Replays the run's history against this build's workflows (read only):
+/// where a parked run's history and the code part ways.
+async fn replay(_: CanRead, state: web::Data<ServeState>, path: web::Path<String>) -> ApiResult {
+    let meta = meta_of(&state, &path.into_inner()).await?;
+    let Some(engine) = state.engine.clone() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_engine",
+            "this server has no engine whose code could replay the run",
+        ));
+    };
+    let store = state.store.clone();
+    let report = blocking(move || {
+        Ok(keel::Replayer::new(engine.workflows().clone()).replay_meta(store.as_ref(), &meta))
+    })
+    .await?;
+    let mut v = serde_json::to_value(&report).map_err(|e| ApiError::internal(e.to_string()))?;
+    v["run_id"] = json!(report.run_id.to_string());
+    v["status"] = json!(report.status.name());
+    Ok(HttpResponse::Ok().json(v))
 }
 
 // ------------------------------------------------------------ signal, query, update

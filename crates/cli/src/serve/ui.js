@@ -111,6 +111,30 @@ async function listPage() {
 }
 
 // ------------------------------------------------------------------ run
+// A parked run's history replayed against this build: where the recorded
+// and the new command part ways, side by side.
+async function showDivergence(target) {
+  const box = $("#divergence");
+  try {
+    const r = (await api(target + "/replay")).body;
+    if (!document.body.contains(box)) return;
+    if (r.result === "diverged") {
+      box.className = "divergence";
+      box.innerHTML = `<table class="side"><thead><tr><th>Step ${esc(r.step)}: recorded in the history</th><th>Issued by this build's code</th></tr></thead>
+        <tbody><tr><td class="mono recorded">${esc(r.recorded)}</td><td class="mono issued">${esc(r.issued)}</td></tr></tbody></table>
+        <p class="note">Deploy code that issues the recorded command at this step (or branch on a version marker), then resume.</p>`;
+    } else if (r.result === "ok") {
+      box.className = "divergence note";
+      box.textContent = `This build replays all ${r.events} events as recorded: resuming re-checks the run and lets it go on.`;
+    } else {
+      box.className = "divergence note";
+      box.textContent = `Replay against this build: ${r.kind}${r.step != null ? " at step " + r.step : ""}: ${r.message}`;
+    }
+  } catch (e) {
+    box.textContent = "Could not replay: " + e.message;
+  }
+}
+
 const kindClass = (k) => /Completed|Fired|Delivered|Received/.test(k) ? "k-done" : /Failed|TimedOut|Terminated|Cancel/.test(k) ? "k-fail" : /Timer|Signal/.test(k) ? "k-wait" : "";
 
 async function runPage(id) {
@@ -128,7 +152,7 @@ async function runPage(id) {
     <p><a href="/">← All runs</a></p>
     <h1>${esc(d.instance_id)} ${badge(d.status, d.parked)}</h1>
     <div id="action-result"></div>
-    ${d.parked ? `<div class="panel parked"><strong>Parked: ${esc(d.parked.kind)}</strong> since ${when(d.parked.at)}<pre class="mono" style="white-space:pre-wrap">${esc(d.parked.reason)}</pre><button id="resume" ${ro}>Resume (re-check against this build's code)</button></div>` : ""}
+    ${d.parked ? `<div class="panel parked"><strong>Parked: ${esc(d.parked.kind)}</strong> since ${when(d.parked.at)}<pre class="mono" style="white-space:pre-wrap">${esc(d.parked.reason)}</pre><div id="divergence" class="note">Replaying the history against this build…</div><button id="resume" ${ro}>Resume (re-check against this build's code)</button></div>` : ""}
     <div class="grid">
       <div class="panel"><dl>
         <dt>Run</dt><dd class="mono">${esc(d.run_id)}</dd>
@@ -176,6 +200,7 @@ async function runPage(id) {
     catch (e) { report(e.message, true); }
   };
   const target = "/runs/" + encodeURIComponent(d.run_id);
+  if ($("#divergence")) showDivergence(target);
   if ($("#resume")) $("#resume").onclick = async () => {
     try { const {body} = await api(target + "/resume", {method: "POST", body: {}}); report(body.fits ? "Resumed: the history replays against this build." : "Still parked: " + body.reason, !body.fits); setTimeout(() => runPage(id), 600); }
     catch (e) { report(e.message, true); }
