@@ -1,9 +1,9 @@
 //! Goal: the operator's page works in a real browser against a running
 //! `keel serve`: the run list shows the demo's orders and filters them,
 //! a run's page shows what it waits for, a waiting order signalled from
-//! its page completes, a parked run is resumed from its page, and a run
+//! its page completes, a parked run is resumed from its page, a run
 //! parked by a code change shows the recorded and the new command side by
-//! side.
+//! side, and a schedule is found, read and paused from its page.
 //!
 //! Method: the demo's engine (plus one workflow that panics while a flag
 //! is set, to park a run, and one whose code changes between two engines
@@ -94,6 +94,17 @@ impl Workflow for Route {
         };
         let m: u32 = ctx.wait_signal("go").await?;
         Ok(n + m)
+    }
+}
+
+/// What the test's schedule starts: done at once.
+struct Ping;
+impl Workflow for Ping {
+    const NAME: &'static str = "ops.ping";
+    type Input = ();
+    type Output = ();
+    async fn run(_: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        Ok(())
     }
 }
 
@@ -304,6 +315,7 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         keel_cli::demo_app::engine_builder()
             .register_workflow::<Toggle>()
             .register_workflow::<Route>()
+            .register_workflow::<Ping>()
             .register_activity::<Stamp>()
             .register_activity::<Label>()
             .data_dir(dir.path())
@@ -359,6 +371,18 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
             .await
             .unwrap_err();
         assert!(matches!(err, keel::EngineError::Parked { .. }), "{err}");
+        // A schedule pinging every second.
+        client
+            .schedules()
+            .create(
+                "ping",
+                keel::NewSchedule::new(
+                    keel::ScheduleSpec::every(Duration::from_secs(1)),
+                    keel::ScheduleAction::start::<Ping>(&()).unwrap(),
+                ),
+            )
+            .await
+            .unwrap();
         // The signal makes the new code replay route-1: parked.
         let _ = client.signal("route-1", "go", &1u32, Some("go-r1")).await;
         let deadline = Instant::now() + Duration::from_millis(PAGE_WAIT_MS_MAX);
@@ -495,6 +519,40 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         "route-1's recorded and new commands side by side",
     );
     b.screenshot("ui-run-diverged.png");
+
+    // The schedule: listed, its page shows its calendar, next times and
+    // triggers, and it is paused from there.
+    b.open(&format!("{base}/schedules"));
+    b.wait_for(
+        "document.querySelector('#schedule-rows') && document.querySelector('#schedule-rows').innerText.includes('ping') \
+         && document.querySelector('#schedule-rows').innerText.includes('every 1 s')",
+        "the schedule in the list",
+    );
+    b.eval("document.querySelector('#schedule-rows a').click()");
+    b.wait_for(
+        "location.pathname === '/schedules/ping'",
+        "the schedule's page",
+    );
+    b.wait_for(
+        "document.querySelector('#next-times') && document.querySelector('#next-times').innerText.match(/\\d/) \
+         && document.querySelector('#triggers').innerText.includes('completed')",
+        "its next times and a completed trigger",
+    );
+    b.screenshot("ui-schedule.png");
+    b.eval(
+        "(() => { const f = document.querySelector('#pause-form'); \
+         f.elements.note.value = 'maintenance window'; f.requestSubmit(); })()",
+    );
+    b.wait_for(
+        "document.querySelector('h1 .badge').innerText === 'paused' \
+         && document.body.innerText.includes('maintenance window')",
+        "the schedule paused, with its note",
+    );
+    rt.block_on(async {
+        let d = client.schedules().describe("ping").await.unwrap();
+        assert!(d.paused, "{d:?}");
+        assert_eq!(d.note, "maintenance window");
+    });
     b.open(&format!("{base}/runs/toggle-1"));
     b.wait_for("!document.querySelector('.parked')", "the parked box gone");
     // The engine agrees: the run goes on; the refused signal, sent again,

@@ -16,7 +16,9 @@ use actix_web::body::MessageBody;
 use actix_web::dev::{Service, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::{test, App};
-use keel_cli::serve::{configure, ConfigError, ServeConfig, ServeState, OPENAPI_JSON};
+use keel_cli::serve::{
+    configure, ConfigError, ServeConfig, ServeState, OPENAPI_JSON, REASON_BYTES_MAX,
+};
 use serde_json::{json, Value};
 
 const FULL: &str = "operator-token-0123456789";
@@ -640,4 +642,155 @@ async fn the_cli_drives_a_running_server() {
     .unwrap();
     assert_eq!(receipt.approved_by.as_deref(), Some("cli"));
     handle.stop(true).await;
+}
+
+/// Goal: cancel and terminate over HTTP reach real runs (a waiting order
+/// records the cancel request, the same command again changes nothing,
+/// another order is terminated at once); schedules are listed, described,
+/// paused and unpaused, with 404 for an unknown one, 400 for a note too
+/// long and 403 for a viewer. Method: the demo's engine, one schedule
+/// created through the engine's client, calls through the API.
+#[actix_web::test]
+async fn runs_close_and_schedules_pause_over_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine(dir.path());
+    engine
+        .client()
+        .schedules()
+        .create(
+            "hourly-order",
+            keel::NewSchedule::new(
+                keel::ScheduleSpec::every(Duration::from_secs(3600)),
+                keel::ScheduleAction::start::<keel_cli::demo_app::ProcessOrder>(
+                    &keel_cli::demo_app::order(1),
+                )
+                .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    let config = ServeConfig {
+        token: Some(FULL.into()),
+        read_token: Some(READ.into()),
+        ..ServeConfig::default()
+    };
+    let state = ServeState::new(engine, &config).unwrap();
+    let app = test::init_service(App::new().configure(configure(state))).await;
+    let auth = |t: &str| ("Authorization", format!("Bearer {t}"));
+
+    // Two large orders wait for their approval.
+    for id in [1, 2] {
+        let start = json!({"workflow_type": "demo.order", "instance_id": format!("big-{id}"),
+            "input": large_order(id), "command_id": format!("start-big-{id}")});
+        let (status, body) =
+            call(&app, post("/api/v1/runs", start).insert_header(auth(FULL))).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+    }
+    let cancel = json!({"reason": "customer asked", "command_id": "cancel-big-1"});
+    let (status, body) = call(
+        &app,
+        post("/api/v1/runs/big-1/cancel", cancel.clone()).insert_header(auth(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, again) = call(
+        &app,
+        post("/api/v1/runs/big-1/cancel", cancel).insert_header(auth(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "the same command again: {again}");
+    // Cancellation is cooperative: the order, which does not look for
+    // it, stays open with the request recorded.
+    let (status, d) = call(&app, get("/api/v1/runs/big-1").insert_header(auth(READ))).await;
+    assert_eq!(status, StatusCode::OK, "{d}");
+    assert_eq!(d["cancel_requested"], true, "{d}");
+    assert_eq!(d["status"], "running", "{d}");
+
+    let terminate = json!({"reason": "stuck", "command_id": "terminate-big-2"});
+    let (status, body) = call(
+        &app,
+        post("/api/v1/runs/big-2/terminate", terminate).insert_header(auth(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, d) = call(&app, get("/api/v1/runs/big-2").insert_header(auth(READ))).await;
+    assert_eq!(d["status"], "terminated", "{d}");
+    assert_eq!(d["outcome"]["reason"], "stuck", "{d}");
+
+    // Schedules.
+    let (status, list) = call(&app, get("/api/v1/schedules").insert_header(auth(READ))).await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    let rows = list["schedules"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{list}");
+    assert_eq!(rows[0]["id"], "hourly-order");
+    assert_eq!(rows[0]["summary"]["workflow_type"], "demo.order", "{list}");
+    assert_eq!(rows[0]["summary"]["paused"], false, "{list}");
+    let (status, d) = call(
+        &app,
+        get("/api/v1/schedules/hourly-order").insert_header(auth(READ)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{d}");
+    assert_eq!(d["spec"]["intervals"][0]["every_ms"], 3_600_000, "{d}");
+    assert_eq!(d["next"].as_array().unwrap().len(), 5, "{d}");
+    assert_eq!(d["instance_id"], "keel.schedule/hourly-order", "{d}");
+
+    let note = json!({"note": "inventory count"});
+    let (status, body) = call(
+        &app,
+        post("/api/v1/schedules/hourly-order/pause", note.clone()).insert_header(auth(READ)),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::FORBIDDEN,
+        "a viewer cannot pause: {body}"
+    );
+    let long = json!({"note": "x".repeat(REASON_BYTES_MAX + 1)});
+    let (status, body) = call(
+        &app,
+        post("/api/v1/schedules/hourly-order/pause", long).insert_header(auth(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["field"], "note", "{body}");
+    let (status, body) = call(
+        &app,
+        post("/api/v1/schedules/hourly-order/pause", note).insert_header(auth(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, d) = call(
+        &app,
+        get("/api/v1/schedules/hourly-order").insert_header(auth(READ)),
+    )
+    .await;
+    assert_eq!(
+        (d["paused"].clone(), d["note"].clone()),
+        (json!(true), json!("inventory count")),
+        "{d}"
+    );
+    assert_eq!(
+        d["next"].as_array().unwrap().len(),
+        0,
+        "no next times while paused: {d}"
+    );
+    let (status, body) = call(
+        &app,
+        post("/api/v1/schedules/hourly-order/unpause", json!({})).insert_header(auth(FULL)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, d) = call(
+        &app,
+        get("/api/v1/schedules/hourly-order").insert_header(auth(READ)),
+    )
+    .await;
+    assert_eq!(d["paused"], false, "{d}");
+    let (status, body) = call(
+        &app,
+        get("/api/v1/schedules/no-such").insert_header(auth(READ)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
 }

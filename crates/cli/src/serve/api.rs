@@ -307,6 +307,10 @@ pub(crate) fn scope() -> actix_web::Scope<
         .service(resource("/runs/{id}/cancel").route(web::post().to(cancel)))
         .service(resource("/runs/{id}/terminate").route(web::post().to(terminate)))
         .service(resource("/runs/{id}/resume").route(web::post().to(resume)))
+        .service(resource("/schedules").route(web::get().to(schedules)))
+        .service(resource("/schedules/{id}").route(web::get().to(schedule)))
+        .service(resource("/schedules/{id}/pause").route(web::post().to(schedule_pause)))
+        .service(resource("/schedules/{id}/unpause").route(web::post().to(schedule_unpause)))
         .default_service(web::to(not_found))
 }
 
@@ -789,6 +793,105 @@ async fn export(_: CanRead, state: web::Data<ServeState>, path: web::Path<String
             format!("attachment; filename=\"{run}.keel-bundle\""),
         ))
         .body(bytes))
+}
+
+// ------------------------------------------------------------ schedules
+
+/// `GET /api/v1/schedules`: every schedule (up to 10,000, the engine's
+/// `SCHEDULES_LIST_MAX`) with the summary its run keeps.
+async fn schedules(_: CanRead, state: web::Data<ServeState>) -> ApiResult {
+    let list = state
+        .client
+        .schedules()
+        .list()
+        .await
+        .map_err(ApiError::engine)?;
+    let rows: Vec<Value> = list
+        .iter()
+        .map(|s| {
+            json!({
+                "id": s.id,
+                "run_id": s.run_id.to_string(),
+                "instance_id": keel::schedule::schedule_instance(&s.id).as_str(),
+                "summary": s.memo,
+            })
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({ "schedules": rows })))
+}
+
+/// `GET /api/v1/schedules/{id}`: its calendar, policies, open runs,
+/// waiting triggers, next times, newest triggers and counters.
+async fn schedule(_: CanRead, state: web::Data<ServeState>, path: web::Path<String>) -> ApiResult {
+    let sid = path.into_inner();
+    id("id", &sid)?;
+    let d = state
+        .client
+        .schedules()
+        .describe(&sid)
+        .await
+        .map_err(ApiError::engine)?;
+    let mut v = serde_json::to_value(&d).map_err(|e| ApiError::internal(e.to_string()))?;
+    v["instance_id"] = json!(keel::schedule::schedule_instance(&sid).as_str());
+    Ok(HttpResponse::Ok().json(v))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoteBody {
+    #[serde(default)]
+    note: String,
+}
+
+/// `POST /api/v1/schedules/{id}/pause`: calendar triggers are skipped
+/// until unpaused (idempotent: pausing a paused schedule changes nothing
+/// but its note).
+async fn schedule_pause(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<NoteBody>,
+) -> ApiResult {
+    let sid = path.into_inner();
+    id("id", &sid)?;
+    note(&body.note)?;
+    state
+        .client
+        .schedules()
+        .pause(&sid, &body.note)
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"id": sid, "paused": true})))
+}
+
+/// `POST /api/v1/schedules/{id}/unpause`: calendar triggers start again
+/// from now on.
+async fn schedule_unpause(
+    _: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Json<NoteBody>,
+) -> ApiResult {
+    let sid = path.into_inner();
+    id("id", &sid)?;
+    note(&body.note)?;
+    state
+        .client
+        .schedules()
+        .unpause(&sid, &body.note)
+        .await
+        .map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"id": sid, "paused": false})))
+}
+
+fn note(value: &str) -> Result<(), ApiError> {
+    if value.len() > REASON_BYTES_MAX {
+        return Err(ApiError::bad(
+            "note",
+            format!("{} bytes; at most {REASON_BYTES_MAX}", value.len()),
+        ));
+    }
+    Ok(())
 }
 
 // ------------------------------------------------------------ replay

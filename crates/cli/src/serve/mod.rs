@@ -185,6 +185,8 @@ pub fn configure(state: ServeState) -> impl FnOnce(&mut web::ServiceConfig) {
             .default_service(web::to(api::not_found))
             .route("/", web::get().to(ui))
             .route("/runs/{id}", web::get().to(ui))
+            .route("/schedules", web::get().to(ui))
+            .route("/schedules/{id}", web::get().to(ui))
             .route("/ui.js", web::get().to(ui_js))
             .route(OPENAPI_PATH, web::get().to(openapi))
             .route("/healthz", web::get().to(api::healthz))

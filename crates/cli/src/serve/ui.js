@@ -110,6 +110,87 @@ async function listPage() {
   const timer = setInterval(() => { if (!document.body.contains(form)) return clearInterval(timer); if (form.elements.live.checked) load(); }, 3000);
 }
 
+// ------------------------------------------------------------------ schedules
+const span = (ms) => ms % 86400000 === 0 ? `${ms / 86400000} d` : ms % 3600000 === 0 ? `${ms / 3600000} h` : ms % 60000 === 0 ? `${ms / 60000} min` : ms % 1000 === 0 ? `${ms / 1000} s` : `${ms} ms`;
+const calendar = (spec) => [...(spec.intervals || []).map((i) => `every ${span(i.every_ms)}${i.offset_ms ? " + " + span(i.offset_ms) : ""}`), ...(spec.cron || []).map((c) => `cron ${c}`)].join("; ") + (spec.time_zone ? ` (${spec.time_zone})` : "");
+const outcomeText = (o) => typeof o === "string" ? o.toLowerCase() : Object.entries(o || {}).map(([k, v]) => `${k.toLowerCase()}: ${v}`).join("");
+const scheduleBadge = (paused) => paused ? `<span class="badge s-paused">paused</span>` : `<span class="badge s-running">active</span>`;
+const runLink = (instance) => `<a href="/runs/${encodeURIComponent(instance)}">${esc(instance)}</a>`;
+
+async function schedulesPage() {
+  const main = $("#main");
+  main.innerHTML = `<h1>Schedules</h1><div id="schedules" class="note">Loading…</div>`;
+  try {
+    const {body} = await api("/schedules");
+    const rows = body.schedules.map((s) => {
+      const m = s.summary || {};
+      const counts = m.counts ? `${m.counts.started} started, ${m.counts.completed} completed, ${m.counts.failed} failed, ${m.counts.skipped} skipped, ${m.counts.missed} missed` : "–";
+      return `<tr><td><a href="/schedules/${encodeURIComponent(s.id)}">${esc(s.id)}</a></td><td>${esc(m.workflow_type || "–")}</td>
+        <td class="mono">${m.spec ? esc(calendar(m.spec)) : "–"}</td><td>${scheduleBadge(m.paused)}</td>
+        <td>${m.last ? `${when(m.last.nominal)}: ${esc(outcomeText(m.last.outcome))}` : "–"}</td><td>${counts}</td></tr>`;
+    });
+    const box = $("#schedules");
+    box.className = "";
+    box.innerHTML = `<table><thead><tr><th>Schedule</th><th>Starts</th><th>Calendar</th><th>State</th><th>Last trigger</th><th>Counts</th></tr></thead>
+      <tbody id="schedule-rows">${rows.join("") || `<tr><td colspan="6" class="note">No schedules.</td></tr>`}</tbody></table>`;
+  } catch (e) {
+    $("#schedules").innerHTML = `<div class="error">${esc(e.message)}</div>`;
+  }
+}
+
+async function schedulePage(id) {
+  const main = $("#main");
+  let d;
+  try {
+    d = (await api("/schedules/" + encodeURIComponent(id))).body;
+  } catch (e) {
+    main.innerHTML = `<h1>Schedule</h1><div class="error">${esc(e.message)}</div><p><a href="/schedules">All schedules</a></p>`;
+    return;
+  }
+  const ro = access !== "write" ? "disabled title='needs the operator token'" : "";
+  const verb = d.paused ? "unpause" : "pause";
+  main.innerHTML = `
+    <p><a href="/schedules">← All schedules</a></p>
+    <h1>${esc(d.id)} ${scheduleBadge(d.paused)}</h1>
+    <div id="action-result"></div>
+    <div class="grid">
+      <div class="panel"><dl>
+        <dt>Starts</dt><dd>${esc(d.workflow_type)}</dd>
+        <dt>Calendar</dt><dd class="mono">${esc(calendar(d.spec))}</dd>
+        <dt>Window</dt><dd>${d.spec.start_at ? when(d.spec.start_at) : "–"} to ${d.spec.end_at ? when(d.spec.end_at) : "–"}</dd>
+        <dt>Jitter</dt><dd>${d.spec.jitter_ms ? "up to " + span(d.spec.jitter_ms) : "–"}</dd>
+        <dt>Overlap</dt><dd>${esc(d.policies.overlap)}</dd>
+        <dt>Catch-up</dt><dd>${span(d.policies.catchup_window_ms)}</dd>
+        <dt>Its own run</dt><dd>${runLink(d.instance_id)}</dd>
+      </dl></div>
+      <div class="panel"><dl>
+        <dt>Next</dt><dd id="next-times">${(d.next || []).map(when).join("<br>") || (d.paused ? "– (paused)" : "–")}</dd>
+        <dt>Open runs</dt><dd>${(d.running || []).map(runLink).join("<br>") || "–"}</dd>
+        <dt>Waiting</dt><dd>${(d.pending || []).map((p) => `${when(p.nominal)} (${esc(p.overlap)})`).join("<br>") || "–"}</dd>
+        <dt>Counts</dt><dd>${Object.entries(d.counts || {}).map(([k, v]) => `${esc(k.replace("_", " "))} ${v}`).join(", ")}</dd>
+        <dt>Note</dt><dd>${esc(d.note) || "–"}</dd>
+      </dl></div>
+      <div class="panel actions"><form id="pause-form"><strong>${d.paused ? "Unpause" : "Pause"} calendar triggers</strong>
+        <input name="note" placeholder="note: why" maxlength="4096">
+        <button ${ro}>${d.paused ? "Unpause" : "Pause"}</button></form></div>
+    </div>
+    <h2>Recent triggers</h2>
+    <table><thead><tr><th>Time</th><th>Started</th><th>Instance</th><th>Outcome</th><th>By</th></tr></thead>
+      <tbody id="triggers">${(d.recent || []).slice().reverse().map((t) => `<tr><td>${when(t.nominal)}</td><td>${when(t.started_at)}</td>
+        <td>${t.started_at ? runLink(t.instance) : esc(t.instance)}</td><td>${esc(outcomeText(t.outcome))}</td><td>${t.manual ? "a person" : "the calendar"}</td></tr>`).join("")
+        || `<tr><td colspan="5" class="note">None yet.</td></tr>`}</tbody></table>`;
+  $("#pause-form").onsubmit = async (ev) => {
+    ev.preventDefault();
+    try {
+      await api(`/schedules/${encodeURIComponent(d.id)}/${verb}`, {method: "POST", body: {note: ev.target.elements.note.value}});
+      $("#action-result").innerHTML = `<div class="panel">${verb === "pause" ? "Paused" : "Unpaused"}.</div>`;
+      setTimeout(() => schedulePage(id), 400);
+    } catch (e) {
+      $("#action-result").innerHTML = `<div class="error">${esc(e.message)}</div>`;
+    }
+  };
+}
+
 // ------------------------------------------------------------------ run
 // A parked run's history replayed against this build: where the recorded
 // and the new command part ways, side by side.
@@ -250,7 +331,10 @@ function table(heads, rows) {
 async function route() {
   await whoami();
   const m = location.pathname.match(/^\/runs\/(.+)$/);
+  const s = location.pathname.match(/^\/schedules\/(.+)$/);
   if (m) await runPage(decodeURIComponent(m[1]));
+  else if (s) await schedulePage(decodeURIComponent(s[1]));
+  else if (location.pathname === "/schedules") await schedulesPage();
   else await listPage();
 }
 window.addEventListener("popstate", route);
