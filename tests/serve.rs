@@ -443,6 +443,7 @@ async fn metrics_are_prometheus_text_counting_what_was_served() {
         "keel_inputs_total{kind=\"start\"} 2",
         "keel_duplicates_dropped_total 1",
         "keel_runs_parked 0",
+        "keel_runs_open 0",
         "keel_lease_expiries_total 0",
         "# TYPE keel_commit_duration_seconds histogram",
         "# TYPE keel_store_write_sync_duration_seconds histogram",

@@ -420,19 +420,27 @@ pub fn count_by_status(
     view: &dyn KvRead,
     limit: usize,
 ) -> crate::error::Result<Vec<(RunStatus, usize)>> {
-    let mut out = Vec::with_capacity(RunStatus::ALL.len());
-    for status in RunStatus::ALL {
-        let prefix = status_prefix(status, None);
-        let mut n = 0;
-        if limit > 0 {
-            view.scan(Cf::Index, &prefix, &prefix, &mut |_, _| {
-                n += 1;
-                n < limit
-            })?;
-        }
-        out.push((status, n));
+    RunStatus::ALL
+        .into_iter()
+        .map(|status| Ok((status, count_status(view, status, limit)?)))
+        .collect()
+}
+
+/// Runs in `status`, counting at most `limit` (one bounded index scan).
+pub fn count_status(
+    view: &dyn KvRead,
+    status: RunStatus,
+    limit: usize,
+) -> crate::error::Result<usize> {
+    let prefix = status_prefix(status, None);
+    let mut n = 0;
+    if limit > 0 {
+        view.scan(Cf::Index, &prefix, &prefix, &mut |_, _| {
+            n += 1;
+            n < limit
+        })?;
     }
-    Ok(out)
+    Ok(n)
 }
 
 fn status_prefix(status: RunStatus, workflow_type: Option<&str>) -> Vec<u8> {

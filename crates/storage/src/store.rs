@@ -342,6 +342,12 @@ pub trait Store: Send + Sync + 'static {
         crate::search::count_by_status(self.view(), limit)
     }
 
+    /// Runs in `status`, counting at most `limit` (a count equal to
+    /// `limit` reads "at least").
+    fn count_status(&self, status: RunStatus, limit: usize) -> Result<usize> {
+        crate::search::count_status(self.view(), status, limit)
+    }
+
     /// How many runs are parked, counting at most `limit` (a bounded
     /// scan of the park markers: a number past it reads "at least").
     fn parked_count(&self, limit: usize) -> Result<usize> {

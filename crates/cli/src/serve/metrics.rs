@@ -26,6 +26,10 @@ const LATENCY_BUCKETS_SECONDS: [f64; 14] = [
 /// mass of parked runs).
 pub(super) const PARKED_COUNT_MAX: usize = 10_000;
 
+/// Open runs counted at most per scrape; past it `keel_runs_open` reads
+/// "at least this many".
+pub(super) const OPEN_COUNT_MAX: usize = 10_000;
+
 /// Most distinct (method, route, status) series kept; later ones are
 /// counted under route `other` so a scan of odd URLs cannot grow memory.
 const REQUEST_SERIES_MAX: usize = 512;
@@ -269,7 +273,20 @@ pub(crate) async fn scrape(_: CanRead, state: web::Data<ServeState>) -> HttpResp
         write_engine(&mut out, &engine.stats().await);
     }
     let store = state.store.clone();
-    if let Ok(Ok(parked)) = web::block(move || store.parked_count(PARKED_COUNT_MAX)).await {
+    let counted = web::block(move || {
+        Ok::<_, keel_storage::Error>((
+            store.count_status(keel_storage::RunStatus::Running, OPEN_COUNT_MAX)?,
+            store.parked_count(PARKED_COUNT_MAX)?,
+        ))
+    })
+    .await;
+    if let Ok(Ok((open, parked))) = counted {
+        gauge(
+            &mut out,
+            "keel_runs_open",
+            &format!("Runs open in the whole store (every shard and process), counted up to {OPEN_COUNT_MAX}."),
+            open,
+        );
         gauge(
             &mut out,
             "keel_runs_parked",
