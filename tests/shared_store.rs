@@ -236,3 +236,134 @@ async fn two_engine_processes_share_a_postgres_database() -> anyhow::Result<()> 
     let _ = PgStore::drop_schema(&options);
     result
 }
+
+/// `keel serve` hosted by one of two processes answers for the runs of
+/// both: orders started over its HTTP API land on every shard, each is
+/// described (its wait read from whichever process runs it), signalled and
+/// awaited over HTTP; the list and the counts hold the whole store, and
+/// `/metrics` reports the store's open runs and this process's shards.
+async fn serve_across_processes(a: Engine, b: Engine, store: Arc<dyn Store>) -> anyhow::Result<()> {
+    use actix_web::body::MessageBody;
+    use actix_web::test;
+    use serde_json::{json, Value};
+
+    wait_for_split(&[&a, &b]);
+    let b = Arc::new(b);
+    let state = keel_cli::serve::ServeState::new(b.clone(), &Default::default())?;
+    let app =
+        test::init_service(actix_web::App::new().configure(keel_cli::serve::configure(state)))
+            .await;
+    let call = |req: test::TestRequest| {
+        let app = &app;
+        async move {
+            let res = test::call_service(app, req.to_request()).await;
+            let status = res.status().as_u16();
+            let bytes = res.into_body().try_into_bytes().unwrap_or_default();
+            (
+                status,
+                serde_json::from_slice::<Value>(&bytes).unwrap_or(Value::Null),
+            )
+        }
+    };
+    // Sixteen runs over four shards split between the two processes:
+    // some land on the other process's shards.
+    const ORDERS: u64 = 16;
+    for i in 0..ORDERS {
+        let body = json!({"workflow_type": "order", "instance_id": format!("web-{i}"),
+            "input": i, "command_id": format!("start-web-{i}")});
+        let (status, started) =
+            call(test::TestRequest::post().uri("/api/v1/runs").set_json(body)).await;
+        assert_eq!(status, 201, "{started}");
+    }
+    for i in 0..ORDERS {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, d) =
+                call(test::TestRequest::get().uri(&format!("/api/v1/runs/web-{i}"))).await;
+            assert_eq!(status, 200, "{d}");
+            if d["signal_waits"].to_string().contains("approve") {
+                break;
+            }
+            assert!(Instant::now() < until, "web-{i} never waited: {d}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let signal =
+            json!({"name": "approve", "payload": "web", "command_id": format!("ok-web-{i}")});
+        let (status, body) = call(
+            test::TestRequest::post()
+                .uri(&format!("/api/v1/runs/web-{i}/signal"))
+                .set_json(signal),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    for i in 0..ORDERS {
+        let (status, done) = call(
+            test::TestRequest::get().uri(&format!("/api/v1/runs/web-{i}/result?wait_ms=20000")),
+        )
+        .await;
+        assert_eq!(status, 200, "{done}");
+        assert_eq!(done["status"], "completed", "{done}");
+        assert_eq!(done["result"], format!("{} approved by web", i * 10 + 1));
+    }
+    let (_, page) = call(test::TestRequest::get().uri("/api/v1/runs?page_size=100")).await;
+    assert_eq!(
+        page["runs"].as_array().map(Vec::len),
+        Some(2 * ORDERS as usize),
+        "one order and one line each: {page}"
+    );
+    let (_, counts) = call(test::TestRequest::get().uri("/api/v1/counts")).await;
+    assert_eq!(counts["counts"]["completed"], 2 * ORDERS, "{counts}");
+    let res = test::call_service(&app, test::TestRequest::get().uri("/metrics").to_request()).await;
+    let text = String::from_utf8(res.into_body().try_into_bytes().unwrap().to_vec())?;
+    assert!(text.contains("keel_runs_open 0"), "{text}");
+    let owned = b.shards_here().len();
+    assert!(
+        text.contains(&format!("keel_shards_owned {owned}")),
+        "this process's {owned} shards: {text}"
+    );
+    drop(app);
+    a.shutdown().await;
+    if let Ok(b) = Arc::try_unwrap(b) {
+        b.shutdown().await;
+    }
+    let report = store.verify()?;
+    assert!(report.ok, "{:?}", report.violations);
+    Ok(())
+}
+
+#[actix_web::test]
+async fn keel_serve_on_one_of_two_processes_sharing_a_store() -> anyhow::Result<()> {
+    let store: Arc<dyn Store> = Arc::new(MemStore::shared_by_processes(Durability::Sync));
+    let a = engine(store.clone(), Some(Price::default()))?;
+    let b = engine(store.clone(), None)?;
+    serve_across_processes(a, b, store).await
+}
+
+#[actix_web::test]
+async fn keel_serve_on_one_of_two_processes_sharing_a_postgres_database() -> anyhow::Result<()> {
+    let url = match std::env::var("KEEL_TEST_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => {
+            assert!(
+                std::env::var("KEEL_REQUIRE_POSTGRES").as_deref() != Ok("1"),
+                "KEEL_REQUIRE_POSTGRES=1 but KEEL_TEST_POSTGRES_URL is not set"
+            );
+            eprintln!("KEEL_TEST_POSTGRES_URL is not set: skipping");
+            return Ok(());
+        }
+    };
+    let options = PgOptions::new(url)
+        .schema(format!("served{}", std::process::id()))
+        .sharded();
+    let open =
+        || -> anyhow::Result<Arc<dyn Store>> { Ok(Arc::new(PgStore::open(options.clone())?)) };
+    let result = async {
+        let a = engine(open()?, Some(Price::default()))?;
+        let b = engine(open()?, None)?;
+        serve_across_processes(a, b, open()?).await
+    }
+    .await;
+    let _ = PgStore::drop_schema(&options);
+    result
+}

@@ -233,6 +233,12 @@ pub struct ServeArgs {
     /// A bearer token that may only read (default: KEEL_SERVE_READ_TOKEN).
     #[arg(long)]
     pub read_token: Option<String>,
+    /// With a PostgreSQL store: run as one of several engine processes
+    /// sharing the database, over this many shards (every process must
+    /// use the same number; `keel demo --processes` uses 12). Without it
+    /// the engine holds the whole database alone.
+    #[arg(long, value_name = "N")]
+    pub shards: Option<usize>,
 }
 
 /// Runs `keel serve`: builds the engine from `builder` on `--data` and
@@ -250,9 +256,22 @@ pub fn run(args: ServeArgs, builder: keel::EngineBuilder) -> anyhow::Result<()> 
     // Refused before the store is opened: a bad configuration touches
     // no data.
     config.check()?;
-    let builder = match crate::output::postgres_of(&args.data) {
-        Some(options) => builder.postgres_options(options),
-        None => builder.data_dir(&args.data),
+    let builder = match (crate::output::postgres_of(&args.data), args.shards) {
+        (Some(options), Some(shards)) => {
+            anyhow::ensure!(shards > 0, "--shards must be at least 1");
+            builder
+                .postgres_options(options.sharded())
+                .config(keel::EngineConfig {
+                    shards,
+                    ..keel::EngineConfig::default()
+                })
+        }
+        (Some(options), None) => builder.postgres_options(options),
+        (None, Some(_)) => anyhow::bail!(
+            "--shards shares a PostgreSQL database between engine processes; \
+             a data directory is opened by one process"
+        ),
+        (None, None) => builder.data_dir(&args.data),
     };
     let engine = builder
         .build()
