@@ -32,7 +32,7 @@ use crate::client::{Client, ClientCore, EngineError};
 use crate::cluster::{ClusterHandle, Member};
 use crate::readers::{ReadQueue, Readers};
 use crate::routes::{Local, RelayLink, Report, Routes, Wire};
-use crate::shard::{Counts, Feed, ShardActor, Stats, Stop};
+use crate::shard::{Feed, ShardActor, Stats, Stop};
 
 /// How long a shutdown waits for activity code to reach an await point.
 pub const ACTIVITY_SHUTDOWN_MS: u64 = 2_000;
@@ -661,20 +661,6 @@ impl Engine {
             stats.writer = h.store.writer_stats();
         }
         stats
-    }
-
-    /// Runs and attempts the shards hold in memory now.
-    pub async fn in_memory(&self) -> (usize, usize) {
-        let mut total = (0, 0);
-        {
-            for s in self.local_shards() {
-                if let Ok((r, a)) = s.send(Counts).await {
-                    total.0 += r;
-                    total.1 += a;
-                }
-            }
-        }
-        total
     }
 
     /// Stops: every waiting call (a `result()` too) ends with

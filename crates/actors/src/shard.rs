@@ -37,11 +37,6 @@ pub(crate) struct Stop;
 #[rtype(result = "()")]
 pub(crate) struct Release;
 
-/// What the shard holds in memory, for tests and benches.
-#[derive(Message)]
-#[rtype(result = "(usize, usize)")]
-pub(crate) struct Counts;
-
 /// What the shard's driver counted and holds (for `/metrics`).
 #[derive(Message)]
 #[rtype(result = "keel_core::driver::ShardStats")]
@@ -242,16 +237,5 @@ impl Handler<Stats> for ShardActor {
 
     fn handle(&mut self, _: Stats, _: &mut Self::Context) -> Self::Result {
         MessageResult(self.driver.stats())
-    }
-}
-
-impl Handler<Counts> for ShardActor {
-    type Result = MessageResult<Counts>;
-
-    fn handle(&mut self, _: Counts, _: &mut Self::Context) -> Self::Result {
-        MessageResult((
-            self.driver.runs_in_memory(),
-            self.driver.attempts_supervised(),
-        ))
     }
 }

@@ -4,13 +4,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use actix_web::{web, HttpResponse};
 
-use keel::storage::stats::HistogramSnapshot;
+use keel::storage::stats::{Histogram, HistogramSnapshot};
 use keel::EngineStats;
 
 use super::auth::CanRead;
@@ -35,12 +34,19 @@ pub(super) const OPEN_COUNT_MAX: usize = 10_000;
 const REQUEST_SERIES_MAX: usize = 512;
 
 /// What the server counts itself.
-#[derive(Default, Debug)]
+#[derive(Debug)]
 pub struct Metrics {
     requests: Mutex<BTreeMap<(String, String, u16), u64>>,
-    latency_buckets: [AtomicU64; LATENCY_BUCKETS_SECONDS.len()],
-    latency_count: AtomicU64,
-    latency_sum_micros: AtomicU64,
+    latency: Histogram<{ LATENCY_BUCKETS_SECONDS.len() }>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::default(),
+            latency: Histogram::new(&LATENCY_BUCKETS_SECONDS),
+        }
+    }
 }
 
 impl Metrics {
@@ -63,15 +69,7 @@ impl Metrics {
                 *requests.entry(key).or_default() += 1;
             }
         }
-        let secs = took.as_secs_f64();
-        for (bound, bucket) in LATENCY_BUCKETS_SECONDS.iter().zip(&self.latency_buckets) {
-            if secs <= *bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        self.latency_count.fetch_add(1, Ordering::Relaxed);
-        self.latency_sum_micros
-            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        self.latency.observe_duration(took);
     }
 
     /// The server's own series, in the text format.
@@ -90,26 +88,12 @@ impl Metrics {
             );
         }
         drop(requests);
-        out.push_str("# HELP keel_api_request_duration_seconds Time to answer an API request.\n");
-        out.push_str("# TYPE keel_api_request_duration_seconds histogram\n");
-        for (bound, bucket) in LATENCY_BUCKETS_SECONDS.iter().zip(&self.latency_buckets) {
-            let _ = writeln!(
-                out,
-                "keel_api_request_duration_seconds_bucket{{le=\"{bound}\"}} {}",
-                bucket.load(Ordering::Relaxed)
-            );
-        }
-        let count = self.latency_count.load(Ordering::Relaxed);
-        let _ = writeln!(
+        histogram(
             out,
-            "keel_api_request_duration_seconds_bucket{{le=\"+Inf\"}} {count}"
+            "keel_api_request_duration_seconds",
+            "Time to answer an API request.",
+            &self.latency.snapshot(),
         );
-        let _ = writeln!(
-            out,
-            "keel_api_request_duration_seconds_sum {}",
-            self.latency_sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(out, "keel_api_request_duration_seconds_count {count}");
     }
 }
 
