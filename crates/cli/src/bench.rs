@@ -143,6 +143,48 @@ struct W1Report {
     server: Option<bench_pg::ServerLoad>,
     /// With `--kill-one`: how the killed process's shards moved.
     takeover: Option<bench_cluster::Takeover>,
+    /// What the store's writer did (one-process runs): how commits were
+    /// grouped and how long each group's write and sync took.
+    writer: Option<WriterLoad>,
+}
+
+/// The store writer's work during a run, from the engine's own counters.
+#[derive(Serialize)]
+struct WriterLoad {
+    commits: u64,
+    commits_per_workflow: f64,
+    groups: u64,
+    groups_per_s: f64,
+    commits_per_group: f64,
+    /// Mean time to write and sync one group.
+    write_sync_ms_mean: f64,
+    /// Share of the wall time the writer spent writing and syncing: near
+    /// 100 % the sync is the bottleneck (and groups should grow), well
+    /// below it the work reaches the writer too slowly to fill groups.
+    writer_busy_percent: f64,
+    /// Mean time from a shard asking for a commit to its answer.
+    commit_ms_mean: f64,
+}
+
+impl WriterLoad {
+    fn of(stats: &keel::EngineStats, workflows: u64, wall_s: f64) -> Option<WriterLoad> {
+        let w = stats.writer.as_ref()?;
+        let groups = w.group_commits.count;
+        let per = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        Some(WriterLoad {
+            commits: w.commits,
+            commits_per_workflow: per(w.commits as f64, workflows as f64),
+            groups,
+            groups_per_s: per(groups as f64, wall_s),
+            commits_per_group: per(w.group_commits.sum, groups as f64),
+            write_sync_ms_mean: per(w.write_seconds.sum * 1000.0, w.write_seconds.count as f64),
+            writer_busy_percent: per(w.write_seconds.sum * 100.0, wall_s),
+            commit_ms_mean: per(
+                stats.commit_seconds.sum * 1000.0,
+                stats.commit_seconds.count as f64,
+            ),
+        })
+    }
 }
 
 fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
@@ -212,6 +254,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     })?;
     let wall = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
+    let writer = WriterLoad::of(&rt.block_on(engine.stats()), args.workflows, wall);
     let server = match (&postgres, before) {
         (Some(options), Some(before)) => {
             // The statistics views lag by up to a second.
@@ -249,6 +292,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         processes: 1,
         server,
         takeover: None,
+        writer,
     };
     engine.shutdown_blocking();
     if let Some(options) = &postgres {
@@ -300,6 +344,7 @@ fn w1_cluster(args: W1Args) -> anyhow::Result<ExitCode> {
         processes: args.processes,
         server: Some(run.server),
         takeover: run.takeover,
+        writer: None,
     };
     print_w1(&report, args.json)
 }
@@ -313,6 +358,13 @@ fn print_w1(report: &W1Report, json: bool) -> anyhow::Result<ExitCode> {
             report.workload, report.workflows, report.wall_s, report.workflows_per_s, report.events_per_s,
             report.p50_ms, report.p99_ms, report.max_rss_mb
         );
+        if let Some(w) = &report.writer {
+            println!(
+                "store writer: {} commits ({:.1} per workflow) in {} groups ({:.0}/s, {:.1} commits each); write+sync {:.2} ms per group, busy {:.0} % of the run; commit answered in {:.2} ms on average",
+                w.commits, w.commits_per_workflow, w.groups, w.groups_per_s, w.commits_per_group,
+                w.write_sync_ms_mean, w.writer_busy_percent, w.commit_ms_mean
+            );
+        }
         if let Some(s) = &report.server {
             println!(
                 "postgres: {:.0} WAL flushes/s, {:.0} WAL writes/s, {:.0} transactions/s, server CPU {:.2} cores",
