@@ -339,6 +339,10 @@ async fn tokens_let_exactly_the_right_callers_in() {
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     let (status, _) = call(&app, get("/metrics")).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // The health probe alone needs no token, and says only the state.
+    let (status, health) = call(&app, get("/healthz")).await;
+    assert_eq!(status, StatusCode::OK, "{health}");
+    assert_eq!(health, json!({"store": "healthy"}));
 
     let (status, body) = call(
         &app,

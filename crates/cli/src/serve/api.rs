@@ -248,10 +248,20 @@ pub(crate) async fn not_found(req: HttpRequest) -> ApiResult {
     ))
 }
 
-/// `GET /healthz`: 200 while the store takes commits, 503 otherwise.
+/// `GET /healthz`: 200 while the store takes commits, 503 otherwise. It
+/// needs no token (load balancers and orchestrators probe it), so it says
+/// only the state and the kind of fault, never the storage's message.
 pub(crate) async fn healthz(state: web::Data<ServeState>) -> HttpResponse {
     let health = state.store.health();
-    let body = json!({"store": health.to_string()});
+    let body = match &health {
+        keel_storage::StoreHealth::Healthy => json!({"store": "healthy"}),
+        keel_storage::StoreHealth::Stopped { fault, .. } => {
+            json!({"store": "stopped", "fault": fault.to_string()})
+        }
+        keel_storage::StoreHealth::Failed { fault, .. } => {
+            json!({"store": "failed", "fault": fault.to_string()})
+        }
+    };
     if health.is_healthy() {
         HttpResponse::Ok().json(body)
     } else {
