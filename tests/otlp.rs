@@ -175,6 +175,10 @@ async fn the_engines_spans_reach_a_collector_over_otlp() -> anyhow::Result<()> {
     assert_eq!(c.result::<Parcel>("p-1").await?, "42 shipped by ops");
     engine.shutdown().await;
     guard.flush();
+    // Dropping the guard sends the rest and joins the exporter: every body
+    // is in before the counts are compared.
+    let stats = guard.stats();
+    drop(guard);
 
     let bodies = collector.bodies.lock().unwrap().clone();
     assert!(!bodies.is_empty(), "the collector received nothing");
@@ -193,10 +197,7 @@ async fn the_engines_spans_reach_a_collector_over_otlp() -> anyhow::Result<()> {
         }
     }
     assert_eq!(
-        guard
-            .stats()
-            .exported
-            .load(std::sync::atomic::Ordering::Relaxed),
+        stats.exported.load(std::sync::atomic::Ordering::Relaxed),
         spans.len() as u64,
         "the exporter counts what the collector received"
     );
@@ -257,21 +258,22 @@ async fn the_engines_spans_reach_a_collector_over_otlp() -> anyhow::Result<()> {
         .find(|s| attribute(s, "run_id").map(|v| &v["stringValue"]) == Some(&run_id))
         .expect("the replay of the waiting run after the restart");
     assert!(attribute(replay, "events").is_some());
-    drop(guard);
     Ok(())
 }
 
 #[test]
-fn a_collector_that_is_down_loses_spans_but_never_blocks() {
-    // Nothing listens on this port: every request is refused at once.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", closed.local_addr().unwrap());
-    drop(closed);
+fn a_collector_that_never_answers_costs_spans_never_blocks() {
+    // A collector that takes connections and never answers: each export
+    // request hangs until its timeout. Spans made meanwhile must be
+    // dropped at the full queue, not wait for room.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
     let config =
         OtlpConfig::from_vars(|name| (name == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| url.clone()))
             .unwrap()
             .unwrap();
     let (layer, guard) = otlp::layer(config);
+    let stats = guard.stats();
     let total = OTLP_QUEUE_SPANS_MAX as u64 * 2;
     let subscriber = tracing_subscriber::registry().with(layer.with_filter(LevelFilter::INFO));
     tracing::subscriber::with_default(subscriber, || {
@@ -279,19 +281,22 @@ fn a_collector_that_is_down_loses_spans_but_never_blocks() {
             let _span = tracing::info_span!("burst", i).entered();
         }
     });
-    let stats = guard.stats();
-    // Dropping the guard sends what is queued (every request refused)
-    // and stops the exporter.
-    drop(guard);
     let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(
-        load(&stats.exported),
-        0,
-        "nothing can be exported to a closed port"
+    // Twice the queue was made while the exporter hangs on its first
+    // request: at least the overflow was dropped, not waited for.
+    assert!(
+        load(&stats.dropped) >= total - OTLP_QUEUE_SPANS_MAX as u64 - 1_024,
+        "dropped {} of {total}",
+        load(&stats.dropped)
     );
+    // Dropping the guard gives the exporter one timeout to send the rest,
+    // then it drops what is left and stops.
+    drop(guard);
+    assert_eq!(load(&stats.exported), 0, "nothing was answered");
     assert_eq!(
         load(&stats.dropped) + load(&stats.failed),
         total,
-        "every span is either dropped at a full queue or lost with its batch"
+        "every span is either dropped or lost with its batch"
     );
+    drop(silent);
 }

@@ -287,6 +287,13 @@ async fn serve_across_processes(a: Engine, b: Engine, store: Arc<dyn Store>) -> 
             assert!(Instant::now() < until, "web-{i} never waited: {d}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+    // Every order waits (its line closed): the whole store's open runs.
+    let res = test::call_service(&app, test::TestRequest::get().uri("/metrics").to_request()).await;
+    let text = String::from_utf8(res.into_body().try_into_bytes().unwrap().to_vec())?;
+    let open = format!("keel_runs_open {ORDERS}");
+    assert!(text.lines().any(|l| l == open), "{open}: {text}");
+    for i in 0..ORDERS {
         let signal =
             json!({"name": "approve", "payload": "web", "command_id": format!("ok-web-{i}")});
         let (status, body) = call(
@@ -316,12 +323,9 @@ async fn serve_across_processes(a: Engine, b: Engine, store: Arc<dyn Store>) -> 
     assert_eq!(counts["counts"]["completed"], 2 * ORDERS, "{counts}");
     let res = test::call_service(&app, test::TestRequest::get().uri("/metrics").to_request()).await;
     let text = String::from_utf8(res.into_body().try_into_bytes().unwrap().to_vec())?;
-    assert!(text.contains("keel_runs_open 0"), "{text}");
-    let owned = b.shards_here().len();
-    assert!(
-        text.contains(&format!("keel_shards_owned {owned}")),
-        "this process's {owned} shards: {text}"
-    );
+    assert!(text.lines().any(|l| l == "keel_runs_open 0"), "{text}");
+    let owned = format!("keel_shards_owned {}", b.shards_here().len());
+    assert!(text.lines().any(|l| l == owned), "{owned}: {text}");
     drop(app);
     a.shutdown().await;
     if let Ok(b) = Arc::try_unwrap(b) {

@@ -157,6 +157,13 @@ impl EngineBuilder {
         self
     }
 
+    /// Sets only the shard count of the configuration (processes sharing
+    /// a store must all use the same count).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.config.shards = shards;
+        self
+    }
+
     /// Registers workflow `W`.
     pub fn register_workflow<W: Workflow>(mut self) -> Self {
         self.workflows.register::<W>();

@@ -9,7 +9,8 @@
 //! a filtered list page (default and largest page size), a walk of every
 //! page of the filter, and the store-wide counts. Last, W1 runs in rounds
 //! alternating without and with a scraper that fetches `/metrics` every
-//! second, and the median throughputs are compared.
+//! second (in ABBA order, as the store grows), and the median
+//! throughputs are compared.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -246,40 +247,43 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
     let (mut without, mut with) = (Vec::new(), Vec::new());
     let scrapes = Arc::new(AtomicU64::new(0));
     for round in 0..args.rounds {
-        without.push(w1_round(
-            &rt,
-            &client,
-            &format!("plain-{round}"),
-            args.workflows,
-            args.concurrency,
-        )?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let scraper = {
-            let (stop, scrapes, agent) = (stop.clone(), scrapes.clone(), agent.clone());
-            let url = format!("{base}/metrics");
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let t0 = Instant::now();
-                    if let Ok(r) = agent.get(&url).call() {
-                        let _ = r.into_string();
-                        scrapes.fetch_add(1, Ordering::Relaxed);
-                    }
-                    let next = t0 + Duration::from_millis(SCRAPE_INTERVAL_MS);
-                    while Instant::now() < next && !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-            })
+        // ABBA: the store grows as rounds run, so the order alternates.
+        let order = if round % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
         };
-        with.push(w1_round(
-            &rt,
-            &client,
-            &format!("scraped-{round}"),
-            args.workflows,
-            args.concurrency,
-        )?);
-        stop.store(true, Ordering::Relaxed);
-        let _ = scraper.join();
+        for scraped in order {
+            let stop = Arc::new(AtomicBool::new(false));
+            let scraper = scraped.then(|| {
+                let (stop, scrapes, agent) = (stop.clone(), scrapes.clone(), agent.clone());
+                let url = format!("{base}/metrics");
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let t0 = Instant::now();
+                        if let Ok(r) = agent.get(&url).call() {
+                            let _ = r.into_string();
+                            scrapes.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let next = t0 + Duration::from_millis(SCRAPE_INTERVAL_MS);
+                        while Instant::now() < next && !stop.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                    }
+                })
+            });
+            let name = format!("{}-{round}", if scraped { "scraped" } else { "plain" });
+            let rate = w1_round(&rt, &client, &name, args.workflows, args.concurrency)?;
+            stop.store(true, Ordering::Relaxed);
+            if let Some(s) = scraper {
+                let _ = s.join();
+            }
+            if scraped {
+                with.push(rate);
+            } else {
+                without.push(rate);
+            }
+        }
     }
     let median = |v: &[f64]| {
         let mut s = v.to_vec();

@@ -158,6 +158,9 @@ pub struct OtlpStats {
     pub dropped: AtomicU64,
     /// Spans lost because a request failed.
     pub failed: AtomicU64,
+    /// Set by the guard's drop: the exporter sends what it can within one
+    /// export timeout and stops, whatever the queue holds.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 enum Msg {
@@ -253,7 +256,9 @@ impl OtlpGuard {
 
 impl Drop for OtlpGuard {
     fn drop(&mut self) {
-        let _ = self.tx.send(Msg::Stop);
+        self.stats.stopping.store(true, Ordering::Release);
+        // Wakes the exporter if it waits; a full queue wakes it anyway.
+        let _ = self.tx.try_send(Msg::Stop);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -358,7 +363,7 @@ where
             attributes: &mut attributes,
             message: &mut message,
         });
-        let name = message.unwrap_or_else(|| event.metadata().name().to_string());
+        let name = cut(message.as_deref().unwrap_or(event.metadata().name())).to_string();
         if level == Level::ERROR && open.error.is_none() {
             open.error = Some(name.clone());
         }
@@ -415,11 +420,17 @@ fn attr(key: &str, value: Value) -> Value {
 }
 
 fn string_value(s: &str) -> Value {
+    json!({"stringValue": cut(s)})
+}
+
+/// `s` cut to at most [`OTLP_ATTRIBUTE_BYTES_MAX`] bytes, on a character
+/// boundary.
+fn cut(s: &str) -> &str {
     let mut end = s.len().min(OTLP_ATTRIBUTE_BYTES_MAX);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    json!({"stringValue": &s[..end]})
+    &s[..end]
 }
 
 /// Records fields as OTLP attributes (a field recorded again replaces
@@ -448,7 +459,16 @@ impl Visit for Attrs<'_> {
         }
     }
     fn record_f64(&mut self, field: &Field, value: f64) {
-        self.put(field, json!({"doubleValue": value}));
+        // JSON has no NaN or infinities; the protobuf JSON mapping spells
+        // them as strings.
+        let v = if value.is_nan() {
+            json!("NaN")
+        } else if value.is_infinite() {
+            json!(if value > 0.0 { "Infinity" } else { "-Infinity" })
+        } else {
+            json!(value)
+        };
+        self.put(field, json!({ "doubleValue": v }));
     }
     fn record_bool(&mut self, field: &Field, value: bool) {
         self.put(field, json!({"boolValue": value}));
@@ -533,6 +553,10 @@ impl Exporter {
         let interval = Duration::from_millis(OTLP_FLUSH_INTERVAL_MS);
         let mut deadline = Instant::now() + interval;
         loop {
+            if self.stats.stopping.load(Ordering::Acquire) {
+                self.finish(&rx);
+                return;
+            }
             let wait = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {
                 Ok(Msg::Span(span)) => {
@@ -546,16 +570,7 @@ impl Exporter {
                     let _ = ack.send(());
                 }
                 Ok(Msg::Stop) | Err(RecvTimeoutError::Disconnected) => {
-                    // Whatever is still queued, then stop.
-                    while let Ok(msg) = rx.try_recv() {
-                        if let Msg::Span(span) = msg {
-                            self.batch.push(*span);
-                            if self.batch.len() >= OTLP_BATCH_SPANS_MAX {
-                                self.send();
-                            }
-                        }
-                    }
-                    self.send();
+                    self.finish(&rx);
                     return;
                 }
                 Err(RecvTimeoutError::Timeout) => {
@@ -563,6 +578,37 @@ impl Exporter {
                     deadline = Instant::now() + interval;
                 }
             }
+        }
+    }
+
+    /// Sends what is still queued, for at most one export timeout; what is
+    /// left then is dropped (and counted), so a collector that does not
+    /// answer cannot hold the process's exit.
+    fn finish(&mut self, rx: &Receiver<Msg>) {
+        let until = Instant::now() + Duration::from_millis(OTLP_EXPORT_TIMEOUT_MS);
+        while let Ok(msg) = rx.try_recv() {
+            match msg {
+                Msg::Span(span) if Instant::now() < until => {
+                    self.batch.push(*span);
+                    if self.batch.len() >= OTLP_BATCH_SPANS_MAX {
+                        self.send();
+                    }
+                }
+                Msg::Span(_) => {
+                    self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                Msg::Flush(ack) => {
+                    let _ = ack.send(());
+                }
+                Msg::Stop => {}
+            }
+        }
+        if Instant::now() < until {
+            self.send();
+        } else {
+            let left = self.batch.len() as u64;
+            self.stats.dropped.fetch_add(left, Ordering::Relaxed);
+            self.batch.clear();
         }
     }
 

@@ -388,10 +388,15 @@ fn id(field: &str, value: &str) -> Result<(), ApiError> {
 }
 
 fn reason(value: &str) -> Result<(), ApiError> {
-    if value.len() > REASON_BYTES_MAX {
+    text_len("reason", value, REASON_BYTES_MAX)
+}
+
+/// A free text of at most `max` bytes.
+fn text_len(field: &str, value: &str, max: usize) -> Result<(), ApiError> {
+    if value.len() > max {
         return Err(ApiError::bad(
-            "reason",
-            format!("{} bytes; at most {REASON_BYTES_MAX}", value.len()),
+            field,
+            format!("{} bytes; at most {max}", value.len()),
         ));
     }
     Ok(())
@@ -574,15 +579,20 @@ async fn list(
     let store = state.store.clone();
     let runs = page.runs;
     let runs = blocking(move || {
+        // Park markers are rare: one seek tells whether the store holds
+        // any before each listed run's marker is read.
+        let any_parked = store
+            .parked_count(1)
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            > 0;
         runs.iter()
             .map(|m| {
-                // Only an open run can be parked: the commit that ends a
-                // parked run (a termination) clears its marker.
-                let parked = match m.status {
-                    RunStatus::Running => store
+                let parked = if any_parked {
+                    store
                         .parked(m.run_id)
-                        .map_err(|e| ApiError::internal(e.to_string()))?,
-                    _ => None,
+                        .map_err(|e| ApiError::internal(e.to_string()))?
+                } else {
+                    None
                 };
                 Ok(inspect::run_json(m, parked.as_ref()))
             })
@@ -846,7 +856,7 @@ async fn schedule(_: CanRead, state: web::Data<ServeState>, path: web::Path<Stri
     Ok(HttpResponse::Ok().json(v))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct NoteBody {
     #[serde(default)]
@@ -855,61 +865,99 @@ struct NoteBody {
 
 /// `POST /api/v1/schedules/{id}/pause`: calendar triggers are skipped
 /// until unpaused (idempotent: pausing a paused schedule changes nothing
-/// but its note).
+/// but its note). The body (`{"note": ...}`) is optional.
 async fn schedule_pause(
-    _: CanWrite,
+    w: CanWrite,
     state: web::Data<ServeState>,
     path: web::Path<String>,
-    body: web::Json<NoteBody>,
+    body: web::Bytes,
 ) -> ApiResult {
-    let sid = path.into_inner();
-    id("id", &sid)?;
-    note(&body.note)?;
-    state
-        .client
-        .schedules()
-        .pause(&sid, &body.note)
-        .await
-        .map_err(ApiError::engine)?;
-    Ok(HttpResponse::Ok().json(json!({"id": sid, "paused": true})))
+    set_paused(w, state, path, body, true).await
 }
 
 /// `POST /api/v1/schedules/{id}/unpause`: calendar triggers start again
 /// from now on.
 async fn schedule_unpause(
+    w: CanWrite,
+    state: web::Data<ServeState>,
+    path: web::Path<String>,
+    body: web::Bytes,
+) -> ApiResult {
+    set_paused(w, state, path, body, false).await
+}
+
+async fn set_paused(
     _: CanWrite,
     state: web::Data<ServeState>,
     path: web::Path<String>,
-    body: web::Json<NoteBody>,
+    body: web::Bytes,
+    paused: bool,
 ) -> ApiResult {
     let sid = path.into_inner();
     id("id", &sid)?;
-    note(&body.note)?;
-    state
-        .client
-        .schedules()
-        .unpause(&sid, &body.note)
-        .await
-        .map_err(ApiError::engine)?;
-    Ok(HttpResponse::Ok().json(json!({"id": sid, "paused": false})))
+    let body: NoteBody = optional_json(&body)?;
+    text_len("note", &body.note, keel::schedule::SCHEDULE_NOTE_BYTES_MAX)?;
+    let schedules = state.client.schedules();
+    let done = if paused {
+        schedules.pause(&sid, &body.note).await
+    } else {
+        schedules.unpause(&sid, &body.note).await
+    };
+    done.map_err(ApiError::engine)?;
+    Ok(HttpResponse::Ok().json(json!({"id": sid, "paused": paused})))
 }
 
-fn note(value: &str) -> Result<(), ApiError> {
-    if value.len() > REASON_BYTES_MAX {
-        return Err(ApiError::bad(
-            "note",
-            format!("{} bytes; at most {REASON_BYTES_MAX}", value.len()),
-        ));
+/// A JSON body that may be left out (empty or only whitespace).
+fn optional_json<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
     }
-    Ok(())
+    serde_json::from_slice(body).map_err(|e| {
+        let message = e.to_string();
+        let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_json", &message);
+        err.field = field_of(&message);
+        err
+    })
 }
 
 // ------------------------------------------------------------ replay
+
+/// Replays the API runs at once; more are answered 503.
+pub const REPLAYS_AT_ONCE_MAX: usize = 2;
+
+/// One of the [`REPLAYS_AT_ONCE_MAX`] replay slots, given back on drop.
+struct ReplaySlot(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl ReplaySlot {
+    fn take(running: &std::sync::Arc<std::sync::atomic::AtomicUsize>) -> Option<Self> {
+        use std::sync::atomic::Ordering;
+        if running.fetch_add(1, Ordering::AcqRel) >= REPLAYS_AT_ONCE_MAX {
+            running.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(ReplaySlot(running.clone()))
+    }
+}
+
+impl Drop for ReplaySlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
 
 /// Replays the run's history against this build's workflows (read only):
 /// where a parked run's history and the code part ways.
 async fn replay(_: CanRead, state: web::Data<ServeState>, path: web::Path<String>) -> ApiResult {
     let meta = meta_of(&state, &path.into_inner()).await?;
+    // A replay runs workflow code over a whole history: a few at a time,
+    // so readers cannot take the server's blocking threads.
+    let slot = ReplaySlot::take(&state.replays).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "replays_busy",
+            format!("{REPLAYS_AT_ONCE_MAX} replays are running; try again"),
+        )
+    })?;
     let Some(engine) = state.engine.clone() else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -919,6 +967,8 @@ async fn replay(_: CanRead, state: web::Data<ServeState>, path: web::Path<String
     };
     let store = state.store.clone();
     let report = blocking(move || {
+        // Held until the replay ends, even if the caller went away.
+        let _slot = slot;
         Ok(keel::Replayer::new(engine.workflows().clone()).replay_meta(store.as_ref(), &meta))
     })
     .await?;
@@ -1065,7 +1115,7 @@ async fn close(
     }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct ResumeBody {
     /// Accepted for uniformity; a resume needs none to be repeated safely
@@ -1083,16 +1133,9 @@ async fn resume(
     let target = path.into_inner();
     id("id", &target)?;
     // The body is optional, but one that is sent is checked like any other.
-    if !body.iter().all(u8::is_ascii_whitespace) {
-        let parsed: ResumeBody = serde_json::from_slice(&body).map_err(|e| {
-            let message = e.to_string();
-            let mut err = ApiError::new(StatusCode::BAD_REQUEST, "bad_json", &message);
-            err.field = field_of(&message);
-            err
-        })?;
-        if let Some(c) = parsed.command_id.as_deref() {
-            id("command_id", c)?;
-        }
+    let parsed: ResumeBody = optional_json(&body)?;
+    if let Some(c) = parsed.command_id.as_deref() {
+        id("command_id", c)?;
     }
     let r = state
         .client

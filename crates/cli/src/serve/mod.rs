@@ -23,7 +23,8 @@ use keel::{Client, Engine};
 use keel_storage::Store;
 
 pub use api::{
-    ApiError, HISTORY_PAGE_EVENTS_MAX, ID_BYTES_MAX, REASON_BYTES_MAX, RESULT_WAIT_MS_MAX,
+    ApiError, HISTORY_PAGE_EVENTS_MAX, ID_BYTES_MAX, REASON_BYTES_MAX, REPLAYS_AT_ONCE_MAX,
+    RESULT_WAIT_MS_MAX,
 };
 pub use metrics::Metrics;
 
@@ -147,6 +148,8 @@ pub struct ServeState {
     pub(crate) engine: Option<Arc<Engine>>,
     pub(crate) tokens: auth::Tokens,
     pub(crate) metrics: Arc<Metrics>,
+    /// Replays running now (at most `api::REPLAYS_AT_ONCE_MAX`).
+    pub(crate) replays: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for ServeState {
@@ -170,6 +173,7 @@ impl ServeState {
             engine: Some(engine),
             tokens: auth::Tokens::new(config.token.clone(), config.read_token.clone()),
             metrics: Arc::new(Metrics::default()),
+            replays: Arc::default(),
         })
     }
 }
@@ -259,12 +263,7 @@ pub fn run(args: ServeArgs, builder: keel::EngineBuilder) -> anyhow::Result<()> 
     let builder = match (crate::output::postgres_of(&args.data), args.shards) {
         (Some(options), Some(shards)) => {
             anyhow::ensure!(shards > 0, "--shards must be at least 1");
-            builder
-                .postgres_options(options.sharded())
-                .config(keel::EngineConfig {
-                    shards,
-                    ..keel::EngineConfig::default()
-                })
+            builder.postgres_options(options.sharded()).shards(shards)
         }
         (Some(options), None) => builder.postgres_options(options),
         (None, Some(_)) => anyhow::bail!(

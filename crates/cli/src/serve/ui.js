@@ -124,7 +124,7 @@ async function schedulesPage() {
     const {body} = await api("/schedules");
     const rows = body.schedules.map((s) => {
       const m = s.summary || {};
-      const counts = m.counts ? `${m.counts.started} started, ${m.counts.completed} completed, ${m.counts.failed} failed, ${m.counts.skipped} skipped, ${m.counts.missed} missed` : "–";
+      const counts = m.counts ? esc(`${m.counts.started} started, ${m.counts.completed} completed, ${m.counts.failed} failed, ${m.counts.skipped} skipped, ${m.counts.missed} missed`) : "–";
       return `<tr><td><a href="/schedules/${encodeURIComponent(s.id)}">${esc(s.id)}</a></td><td>${esc(m.workflow_type || "–")}</td>
         <td class="mono">${m.spec ? esc(calendar(m.spec)) : "–"}</td><td>${scheduleBadge(m.paused)}</td>
         <td>${m.last ? `${when(m.last.nominal)}: ${esc(outcomeText(m.last.outcome))}` : "–"}</td><td>${counts}</td></tr>`;
@@ -158,20 +158,20 @@ async function schedulePage(id) {
         <dt>Starts</dt><dd>${esc(d.workflow_type)}</dd>
         <dt>Calendar</dt><dd class="mono">${esc(calendar(d.spec))}</dd>
         <dt>Window</dt><dd>${d.spec.start_at ? when(d.spec.start_at) : "–"} to ${d.spec.end_at ? when(d.spec.end_at) : "–"}</dd>
-        <dt>Jitter</dt><dd>${d.spec.jitter_ms ? "up to " + span(d.spec.jitter_ms) : "–"}</dd>
+        <dt>Jitter</dt><dd>${d.spec.jitter_ms ? "up to " + esc(span(d.spec.jitter_ms)) : "–"}</dd>
         <dt>Overlap</dt><dd>${esc(d.policies.overlap)}</dd>
-        <dt>Catch-up</dt><dd>${span(d.policies.catchup_window_ms)}</dd>
+        <dt>Catch-up</dt><dd>${esc(span(d.policies.catchup_window_ms))}</dd>
         <dt>Its own run</dt><dd>${runLink(d.instance_id)}</dd>
       </dl></div>
       <div class="panel"><dl>
         <dt>Next</dt><dd id="next-times">${(d.next || []).map(when).join("<br>") || (d.paused ? "– (paused)" : "–")}</dd>
         <dt>Open runs</dt><dd>${(d.running || []).map(runLink).join("<br>") || "–"}</dd>
         <dt>Waiting</dt><dd>${(d.pending || []).map((p) => `${when(p.nominal)} (${esc(p.overlap)})`).join("<br>") || "–"}</dd>
-        <dt>Counts</dt><dd>${Object.entries(d.counts || {}).map(([k, v]) => `${esc(k.replace("_", " "))} ${v}`).join(", ")}</dd>
+        <dt>Counts</dt><dd>${Object.entries(d.counts || {}).map(([k, v]) => esc(`${k.replaceAll("_", " ")} ${v}`)).join(", ")}</dd>
         <dt>Note</dt><dd>${esc(d.note) || "–"}</dd>
       </dl></div>
       <div class="panel actions"><form id="pause-form"><strong>${d.paused ? "Unpause" : "Pause"} calendar triggers</strong>
-        <input name="note" placeholder="note: why" maxlength="4096">
+        <input name="note" placeholder="note: why" maxlength="1024">
         <button ${ro}>${d.paused ? "Unpause" : "Pause"}</button></form></div>
     </div>
     <h2>Recent triggers</h2>
