@@ -16,6 +16,12 @@ pub trait KvRead {
     /// The value at `key`, if any.
     fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>>;
 
+    /// The values at `keys`, in their order: one batched read where the
+    /// store has one (a list page reads its runs' records this way).
+    fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
+        keys.iter().map(|k| self.get(cf, k)).collect()
+    }
+
     /// Visits keys `>= from` that start with `prefix`, in key order, until
     /// `visit` returns false.
     fn scan(

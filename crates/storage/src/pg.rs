@@ -1260,6 +1260,19 @@ impl ConnView<'_> {
         Ok(rows.first().map(|r| r.get::<_, Vec<u8>>(0)))
     }
 
+    /// The values at `keys`, in their order, in one round trip (events,
+    /// keyed by run and seq, one at a time).
+    fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
+        if cf == Cf::Events || keys.is_empty() {
+            return keys.iter().map(|k| self.get(cf, k)).collect();
+        }
+        let found = self.read_ahead(&BTreeMap::from([(cf, keys.to_vec())]))?;
+        Ok(keys
+            .iter()
+            .map(|k| found.get(&(cf, k.clone())).cloned().flatten())
+            .collect())
+    }
+
     /// Reads `wanted` (keys by family; not `events`) in one round trip:
     /// every key, found or known absent.
     fn read_ahead(&self, wanted: &BTreeMap<Cf, Vec<Vec<u8>>>) -> Result<ReadAhead> {
@@ -1412,6 +1425,10 @@ impl KvRead for ConnView<'_> {
         ConnView::get(self, cf, key)
     }
 
+    fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
+        ConnView::get_many(self, cf, keys)
+    }
+
     fn scan(
         &self,
         cf: Cf,
@@ -1436,6 +1453,16 @@ impl KvRead for PgStore {
                 conn,
             }
             .get(cf, key)
+        })
+    }
+
+    fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
+        self.with_conn(|conn| {
+            ConnView {
+                shared: &self.shared,
+                conn,
+            }
+            .get_many(cf, keys)
         })
     }
 

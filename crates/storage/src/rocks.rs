@@ -619,6 +619,15 @@ impl KvRead for DbView<'_> {
         Ok(self.0.get_cf(&h, key)?)
     }
 
+    fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
+        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
+        self.0
+            .batched_multi_get_cf(&h, keys, false)
+            .into_iter()
+            .map(|v| Ok(v?.map(|slice| slice.to_vec())))
+            .collect()
+    }
+
     fn scan(
         &self,
         cf: Cf,
@@ -654,6 +663,10 @@ impl KvRead for DbView<'_> {
 impl KvRead for RocksStore {
     fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
         DbView(&self.db).get(cf, key)
+    }
+
+    fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
+        DbView(&self.db).get_many(cf, keys)
     }
 
     fn scan(

@@ -36,7 +36,7 @@ use thiserror::Error;
 
 use crate::codec::{self, RecordKind};
 use crate::event::Payload;
-use crate::ids::Timestamp;
+use crate::ids::{RunId, Timestamp};
 use crate::keys::{prefix_end, Cf};
 use crate::kv::KvRead;
 use crate::state::{RunMeta, RunStatus};
@@ -1233,8 +1233,14 @@ pub fn plan(filter: &RunFilter) -> Plan {
     time_bounded(vec![BY_START], starts, "start time")
 }
 
-/// Index entries read per scan before their run records are read.
+/// Index entries read per scan at most before their run records are read
+/// (in one batched read).
 const LIST_CHUNK_ENTRIES: usize = 256;
+
+/// Index entries read per scan at least: a chunk asks for as many entries
+/// as the page still lacks (so a page of 50 whose runs all match reads 50
+/// records, not 256), but never fewer than this when a filter rejects many.
+const LIST_CHUNK_ENTRIES_MIN: usize = 32;
 
 /// Errors of [`list`].
 #[derive(Debug, Error)]
@@ -1274,7 +1280,9 @@ pub fn list(
     loop {
         let mut chunk: Vec<Vec<u8>> = Vec::new();
         let mut ended = false;
-        let want = LIST_CHUNK_ENTRIES.min(LIST_SCAN_ENTRIES_MAX - examined);
+        let want = (page_size - page.runs.len())
+            .clamp(LIST_CHUNK_ENTRIES_MIN, LIST_CHUNK_ENTRIES)
+            .min(LIST_SCAN_ENTRIES_MAX - examined);
         view.scan(Cf::Index, &plan.prefix, &from, &mut |k, _| {
             if plan.until.as_deref().is_some_and(|u| k >= u) {
                 ended = true;
@@ -1286,12 +1294,22 @@ pub fn list(
         if chunk.len() < want {
             ended = true;
         }
+        let runs: Vec<Option<RunId>> = chunk.iter().map(|k| run_of_key(k)).collect();
+        let keys: Vec<Vec<u8>> = runs
+            .iter()
+            .flatten()
+            .map(|r| crate::keys::run_key(*r))
+            .collect();
+        let mut records = view.get_many(Cf::Runs, &keys)?.into_iter();
         let mut last = None;
-        for key in chunk {
+        for (key, run) in chunk.into_iter().zip(runs) {
             examined += 1;
-            if let Some(meta) = run_of_key(view, &key)? {
-                if filter.matches(&meta) {
-                    page.runs.push(meta);
+            if let Some(run) = run {
+                let record = records.next().expect("one record per run key");
+                if let Some(meta) = record.map(|bytes| decode_run(run, &bytes)).transpose()? {
+                    if filter.matches(&meta) {
+                        page.runs.push(meta);
+                    }
                 }
             }
             last = Some(key);
@@ -1317,25 +1335,20 @@ pub fn list(
     }
 }
 
-fn run_of_key(view: &dyn KvRead, key: &[u8]) -> Result<Option<RunMeta>, crate::Error> {
-    let Some(run) = key
-        .len()
+/// The run an index key names (its last 16 bytes).
+fn run_of_key(key: &[u8]) -> Option<RunId> {
+    key.len()
         .checked_sub(16)
         .and_then(|at| crate::keys::run_prefix(&key[at..]))
-    else {
-        return Ok(None);
-    };
-    match view.get(Cf::Runs, &crate::keys::run_key(run))? {
-        None => Ok(None),
-        Some(bytes) => codec::decode(RecordKind::Run, &bytes)
-            .map(Some)
-            .map_err(|source| crate::Error::Corrupt {
-                cf: Cf::Runs.name(),
-                run: Some(run),
-                seq: None,
-                source,
-            }),
-    }
+}
+
+fn decode_run(run: RunId, bytes: &[u8]) -> Result<RunMeta, crate::Error> {
+    codec::decode(RecordKind::Run, bytes).map_err(|source| crate::Error::Corrupt {
+        cf: Cf::Runs.name(),
+        run: Some(run),
+        seq: None,
+        source,
+    })
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -15,7 +15,7 @@ use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use keel::{EngineError, ReusePolicy, RunFilter, StartOptions, StartOutcome};
 use keel_storage::search::LIST_PAGE_RUNS_MAX;
 use keel_storage::{Outcome, Payload, RunMeta, RunStatus, SearchValue, Seq};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::auth::{CanRead, CanWrite};
@@ -578,31 +578,40 @@ async fn list(
         })?;
     let store = state.store.clone();
     let runs = page.runs;
-    let runs = blocking(move || {
+    let (runs, parked) = blocking(move || {
         // Park markers are rare: one seek tells whether the store holds
         // any before each listed run's marker is read.
         let any_parked = store
             .parked_count(1)
             .map_err(|e| ApiError::internal(e.to_string()))?
             > 0;
-        runs.iter()
-            .map(|m| {
-                let parked = if any_parked {
-                    store
-                        .parked(m.run_id)
-                        .map_err(|e| ApiError::internal(e.to_string()))?
-                } else {
-                    None
-                };
-                Ok(inspect::run_json(m, parked.as_ref()))
+        let parked = runs
+            .iter()
+            .map(|m| match any_parked {
+                true => store
+                    .parked(m.run_id)
+                    .map_err(|e| ApiError::internal(e.to_string())),
+                false => Ok(None),
             })
-            .collect::<Result<Vec<Value>, ApiError>>()
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        Ok((runs, parked))
     })
     .await?;
-    Ok(HttpResponse::Ok().json(json!({
-        "runs": runs,
-        "next": page.next.map(|t| t.0),
-    })))
+    /// The page as it goes out, written without a JSON value tree.
+    #[derive(Serialize)]
+    struct Page<'a> {
+        runs: Vec<inspect::RunJson<'a>>,
+        next: Option<String>,
+    }
+    let body = Page {
+        runs: runs
+            .iter()
+            .zip(&parked)
+            .map(|(m, p)| inspect::RunJson::new(m, p.as_ref()))
+            .collect(),
+        next: page.next.map(|t| t.0),
+    };
+    Ok(HttpResponse::Ok().json(&body))
 }
 
 // ------------------------------------------------------------ describe
