@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use keel::{Workflow, WorkflowContext, WorkflowError};
-use keel_cli::serve::{configure, ServeConfig, ServeState};
+use keel_cli::serve::ServeConfig;
 use serde_json::{json, Value};
 use tungstenite::stream::MaybeTlsStream;
 use tungstenite::{Message, WebSocket};
@@ -397,24 +397,13 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
         }
     });
 
-    let state = ServeState::new(engine.clone(), &ServeConfig::default()).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let server_thread = std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let server = actix_web::HttpServer::new(move || {
-                actix_web::App::new().configure(configure(state.clone()))
-            })
-            .workers(1)
-            .bind("127.0.0.1:0")
-            .unwrap();
-            let addr = server.addrs()[0];
-            let server = server.run();
-            tx.send((addr, server.handle())).unwrap();
-            server.await
-        })
-    });
-    let (addr, handle) = rx.recv().unwrap();
-    let base = format!("http://{addr}");
+    let config = ServeConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        workers: 1,
+        ..ServeConfig::default()
+    };
+    let server = keel_cli::serve::spawn(engine.clone(), &config).unwrap();
+    let base = server.url();
 
     let mut b = Browser::launch(&binary);
 
@@ -578,6 +567,5 @@ fn an_operator_finds_an_order_signals_it_and_resumes_a_parked_run() {
     });
 
     drop(b);
-    rt.block_on(handle.stop(true));
-    server_thread.join().unwrap().unwrap();
+    server.stop().unwrap();
 }

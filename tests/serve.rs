@@ -586,24 +586,14 @@ async fn the_cli_drives_a_running_server() {
     let dir = tempfile::tempdir().unwrap();
     let engine = engine(dir.path());
     let client = engine.client();
-    let state = ServeState::new(engine, &ServeConfig::default()).unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let server =
-                actix_web::HttpServer::new(move || App::new().configure(configure(state.clone())))
-                    .workers(1)
-                    .bind("127.0.0.1:0")
-                    .unwrap();
-            let addr = server.addrs()[0];
-            let server = server.run();
-            tx.send((addr, server.handle())).unwrap();
-            server.await
-        })
-    });
-    let (addr, handle) = rx.recv().unwrap();
+    let config = ServeConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        workers: 1,
+        ..ServeConfig::default()
+    };
+    let serving = keel_cli::serve::spawn(engine, &config).unwrap();
     let server = ServerArgs {
-        server: format!("http://{addr}"),
+        server: serving.url(),
         token: None,
         json: true,
     };
@@ -648,7 +638,7 @@ async fn the_cli_drives_a_running_server() {
     .expect("completes once approved")
     .unwrap();
     assert_eq!(receipt.approved_by.as_deref(), Some("cli"));
-    handle.stop(true).await;
+    serving.stop().unwrap();
 }
 
 /// Goal: cancel and terminate over HTTP reach real runs (a waiting order

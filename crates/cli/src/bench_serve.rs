@@ -140,27 +140,13 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
         anyhow::Ok(())
     })?;
 
-    let state =
-        keel_cli::serve::ServeState::new(engine.clone(), &keel_cli::serve::ServeConfig::default())?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let server_thread = std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let server = actix_web::HttpServer::new(move || {
-                actix_web::App::new().configure(keel_cli::serve::configure(state.clone()))
-            })
-            .workers(1)
-            .disable_signals()
-            .bind("127.0.0.1:0")?;
-            let addr = server.addrs()[0];
-            let server = server.run();
-            let _ = tx.send((addr, server.handle()));
-            server.await
-        })
-    });
-    let (addr, server) = rx
-        .recv()
-        .map_err(|_| anyhow::anyhow!("the API server did not start"))?;
-    let base = format!("http://{addr}");
+    let config = keel_cli::serve::ServeConfig {
+        bind: "127.0.0.1:0".parse()?,
+        workers: 1,
+        ..keel_cli::serve::ServeConfig::default()
+    };
+    let server = keel_cli::serve::spawn(engine.clone(), &config)?;
+    let base = server.url();
     let agent = ureq::AgentBuilder::new()
         .timeout(Duration::from_secs(30))
         .build();
@@ -314,8 +300,7 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
         scraper_cost_percent_by_pair: by_pair,
         max_rss_mb: max_rss_mb(),
     };
-    rt.block_on(server.stop(true));
-    let _ = server_thread.join();
+    server.stop()?;
     // The server's state held the other reference; it is gone with it.
     if let Ok(engine) = Arc::try_unwrap(engine) {
         engine.shutdown_blocking();

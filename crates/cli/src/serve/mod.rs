@@ -278,6 +278,102 @@ pub fn run(args: ServeArgs, builder: keel::EngineBuilder) -> anyhow::Result<()> 
     serve_with(engine, config)
 }
 
+/// A server [`spawn`] started on a thread of its own.
+#[derive(Debug)]
+pub struct Serving {
+    addrs: Vec<SocketAddr>,
+    handle: actix_web::dev::ServerHandle,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl Serving {
+    /// The address it listens on (the port chosen, if port 0 was asked).
+    pub fn addr(&self) -> SocketAddr {
+        self.addrs[0]
+    }
+
+    /// `http://` and [`Serving::addr`]: the base of every route.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr())
+    }
+
+    /// Stops accepting, lets the requests in flight finish, and waits for
+    /// the server's thread. The engine is left running: it is the caller's.
+    pub fn stop(mut self) -> std::io::Result<()> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> std::io::Result<()> {
+        let Some(thread) = self.thread.take() else {
+            return Ok(());
+        };
+        futures::executor::block_on(self.handle.stop(true));
+        thread
+            .join()
+            .map_err(|_| std::io::Error::other("the server's thread panicked"))?
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_and_join() {
+            tracing::warn!(error = %e, "stopping the API server");
+        }
+    }
+}
+
+/// Serves `engine` under `config` from a thread of its own (an actix
+/// system with `config.workers` workers; no signal handling) and returns
+/// once it listens: for an application that serves its engine next to its
+/// own work, and for tests and benchmarks (bind `127.0.0.1:0` for a free
+/// port). [`Serving::stop`], or dropping it, stops the server.
+pub fn spawn(engine: Arc<Engine>, config: &ServeConfig) -> anyhow::Result<Serving> {
+    config.check()?;
+    let state = ServeState::new(engine, config)?;
+    let bind = config.bind;
+    let workers = config.workers.max(1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("keel-serve".into())
+        .spawn(move || {
+            actix_web::rt::System::new().block_on(async move {
+                let server =
+                    HttpServer::new(move || App::new().configure(configure(state.clone())))
+                        .workers(workers)
+                        .disable_signals()
+                        .bind(bind);
+                let server = match server {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return Ok(());
+                    }
+                };
+                let addrs = server.addrs();
+                let server = server.run();
+                let _ = tx.send(Ok((addrs, server.handle())));
+                server.await
+            })
+        })?;
+    match rx.recv() {
+        Ok(Ok((addrs, handle))) => Ok(Serving {
+            addrs,
+            handle,
+            thread: Some(thread),
+        }),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(anyhow::anyhow!("cannot listen on {bind}: {e}"))
+        }
+        Err(_) => {
+            let _ = thread.join();
+            Err(anyhow::anyhow!(
+                "the API server's thread ended before it listened"
+            ))
+        }
+    }
+}
+
 /// Serves `engine` under `config` until the process is interrupted
 /// (SIGINT or SIGTERM), then shuts the engine down. Blocks; call it from
 /// `main`, not from inside an async runtime.
