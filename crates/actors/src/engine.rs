@@ -17,7 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use actix::{Actor, Addr, Arbiter, ArbiterHandle};
 use keel_core::driver::{
     AttemptKey, AttemptOrder, DriverConfig, Message, Shard, ShardId, ShardInput, LEASE_MS_DEFAULT,
-    RUN_CACHE_MAX_DEFAULT, SHARD_LEASE_MS_DEFAULT, WORKER_CONCURRENCY_MAX,
+    RUN_CACHE_MAX_DEFAULT, SHARD_LEASE_MS_DEFAULT, TIMERS_IN_MEMORY_MAX, WORKER_CONCURRENCY_MAX,
 };
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
@@ -60,6 +60,10 @@ pub struct EngineConfig {
     pub lease_ms_default: u64,
     /// Attempts running at once, over all shards.
     pub worker_concurrency_max: usize,
+    /// Durable timers held in memory per window, over all shards (each
+    /// holds at most twice its share; the rest stay in the store until
+    /// they come near).
+    pub timers_in_memory_max: usize,
     /// How commits are made durable.
     pub durability: Durability,
     /// On a store several engine processes share: how long a shard lease
@@ -84,6 +88,7 @@ impl Default for EngineConfig {
             activity_threads: cores.max(1),
             lease_ms_default: LEASE_MS_DEFAULT,
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
+            timers_in_memory_max: TIMERS_IN_MEMORY_MAX,
             durability: Durability::Sync,
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
             attempts_anywhere: true,
@@ -521,6 +526,7 @@ impl Engine {
             run_cache_max: (config.run_cache_max / shards).max(1),
             lease_ms_default: config.lease_ms_default,
             worker_concurrency_max: (config.worker_concurrency_max / shards).max(1),
+            timers_in_memory_max: (config.timers_in_memory_max / shards).max(1),
             profiles: host.profiles.clone(),
             shard_lease_ms: config.shard_lease_ms,
             breaks: None,

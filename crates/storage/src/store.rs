@@ -14,7 +14,7 @@ use crate::codec::{self, RecordKind};
 use crate::derive::{read_record, CommitAck, CommitBatch};
 use crate::error::{Error, Result};
 use crate::event::{DurableKey, Event};
-use crate::ids::{InstanceId, RunId, Seq, Timestamp};
+use crate::ids::{InstanceId, RunId, Seq, Step, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::KvRead;
 use crate::search::{self, ListError, PageToken, RunFilter, RunPage};
@@ -232,6 +232,42 @@ pub trait Store: Send + Sync + 'static {
                 }
             }
         })?;
+        failure.map_or(Ok(out), Err)
+    }
+
+    /// Timers in due order (due time, run, step) after `after` (from the
+    /// first without it) that `keep` accepts, at most `limit`: a window of
+    /// the timers a shard holds in memory.
+    fn timers_after(
+        &self,
+        after: Option<(Timestamp, RunId, Step)>,
+        limit: usize,
+        keep: &mut dyn FnMut(&TimerEntry) -> bool,
+    ) -> Result<Vec<TimerEntry>> {
+        let from = after.map_or_else(Vec::new, |(due, run, step)| {
+            let mut k = keys::timer_key(due, run, step);
+            k.push(0);
+            k
+        });
+        let mut out = Vec::new();
+        let mut failure = None;
+        self.view().scan(
+            Cf::Timers,
+            &[],
+            &from,
+            &mut |k, v| match codec::decode::<TimerEntry>(RecordKind::Timer, v) {
+                Ok(t) => {
+                    if keep(&t) {
+                        out.push(t);
+                    }
+                    out.len() < limit
+                }
+                Err(source) => {
+                    failure = Some(corrupt(Cf::Timers, k, source));
+                    false
+                }
+            },
+        )?;
         failure.map_or(Ok(out), Err)
     }
 

@@ -512,6 +512,57 @@ fn timers_come_back_in_due_order() {
 }
 
 #[test]
+fn timer_windows_follow_one_another_in_due_order() {
+    // Goal: the windows a shard reads its timers in (`timers_after`) cover
+    // every row once, in due order, each starting right after the last
+    // one's end (ties in due time broken by run and step), and the filter
+    // keeps only what it accepts, on every store. Method: two runs with
+    // timers at tied and distinct due times, read in windows of 2 from
+    // the start; then only run b's.
+    for_each_store(|store| {
+        let mut a = start(store, 1, "window-a", "wf");
+        let mut b = start(store, 2, "window-b", "wf");
+        a.commit(
+            store,
+            vec![
+                timer_started(1, 5_000),
+                timer_started(2, 9_000),
+                timer_started(3, 5_000),
+            ],
+        )
+        .unwrap();
+        b.commit(
+            store,
+            vec![timer_started(1, 5_000), timer_started(2, 1_000)],
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        let mut after = None;
+        loop {
+            let window = store.timers_after(after, 2, &mut |_| true).unwrap();
+            assert!(window.len() <= 2);
+            let Some(last) = window.last() else { break };
+            after = Some((last.fire_at, last.run_id, last.step));
+            seen.extend(window.iter().map(|t| (t.fire_at.0, t.run_id, t.step.0)));
+        }
+        let mut expected = vec![
+            (5_000, a.run, 1),
+            (9_000, a.run, 2),
+            (5_000, a.run, 3),
+            (5_000, b.run, 1),
+            (1_000, b.run, 2),
+        ];
+        expected.sort();
+        assert_eq!(seen, expected);
+        let only_b = store
+            .timers_after(None, 10, &mut |t| t.run_id == b.run)
+            .unwrap();
+        let only_b: Vec<(u64, u32)> = only_b.iter().map(|t| (t.fire_at.0, t.step.0)).collect();
+        assert_eq!(only_b, vec![(1_000, 2), (5_000, 1)]);
+    });
+}
+
+#[test]
 fn fired_timer_leaves_no_due_entry_even_if_the_event_misstates_fire_at() {
     // The due-order entry is keyed by the fire time committed in
     // TimerStarted; a TimerFired naming another time must still remove it,

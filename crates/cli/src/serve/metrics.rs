@@ -226,7 +226,7 @@ fn write_engine(out: &mut String, e: &EngineStats) {
     gauge(
         out,
         "keel_timers_armed",
-        "Timers the engine waits on now.",
+        "Timers the engine holds in memory now (the soonest due; the rest wait in the store).",
         s.timers_armed,
     );
     histogram(

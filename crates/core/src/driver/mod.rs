@@ -40,6 +40,7 @@ mod read;
 mod requests;
 mod run;
 mod stats;
+mod timers;
 pub mod wire;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -67,6 +68,7 @@ use attempts::Attempts;
 use due::{Due, DueQueue};
 use outbox::Outbox;
 use run::RunSlot;
+use timers::Timers;
 
 /// Lease of an attempt without a heartbeat or start-to-close timeout.
 pub const LEASE_MS_DEFAULT: u64 = 60_000;
@@ -77,6 +79,13 @@ pub const LEASE_REDELIVERIES_MAX: u32 = 3;
 pub const RUN_CACHE_MAX_DEFAULT: usize = 10_000;
 /// Attempts running at once in one engine process by default.
 pub const WORKER_CONCURRENCY_MAX: usize = 1024;
+/// Durable timers one read brings into a shard's memory by default (the
+/// window): memory holds the soonest due, at most twice this many, and
+/// the rest stay in the store until they come near (see `timers.rs`).
+pub const TIMERS_IN_MEMORY_MAX: usize = 10_000;
+/// How long before the last timer in memory comes due the next window is
+/// read.
+pub const TIMER_WINDOW_LEAD_MS: u64 = 2_000;
 /// Failed activations (unreadable history) before a run is parked.
 pub const RUN_RESTARTS_MAX: u32 = 5;
 /// How long a run whose store is out of reach (a database restarting)
@@ -951,6 +960,9 @@ pub struct DriverConfig {
     pub lease_ms_default: u64,
     /// Attempts this shard runs at once.
     pub worker_concurrency_max: usize,
+    /// Durable timers one window read brings into memory (memory holds at
+    /// most twice as many; see [`TIMERS_IN_MEMORY_MAX`]).
+    pub timers_in_memory_max: usize,
     /// Resilience profiles activities may name. The driver reads their
     /// attempt timeout, retry policy, classifier and fallback switch; the
     /// host admits attempts through them.
@@ -969,6 +981,7 @@ impl std::fmt::Debug for DriverConfig {
             .field("run_cache_max", &self.run_cache_max)
             .field("lease_ms_default", &self.lease_ms_default)
             .field("worker_concurrency_max", &self.worker_concurrency_max)
+            .field("timers_in_memory_max", &self.timers_in_memory_max)
             .field("shard_lease_ms", &self.shard_lease_ms)
             .field("profiles", &self.profiles.keys().collect::<Vec<_>>())
             .field("breaks", &self.breaks)
@@ -983,6 +996,7 @@ impl Default for DriverConfig {
             run_cache_max: RUN_CACHE_MAX_DEFAULT,
             lease_ms_default: LEASE_MS_DEFAULT,
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
+            timers_in_memory_max: TIMERS_IN_MEMORY_MAX,
             profiles: BTreeMap::new(),
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
             breaks: None,
@@ -1006,6 +1020,7 @@ enum ReadFor {
     Describe(RunId, Option<MachineView>, ReplyTo),
     Recover,
     RunIntents(RunId),
+    TimerWindow,
     List(ReplyTo),
     QueryClosed {
         run: RunId,
@@ -1075,8 +1090,8 @@ pub struct Shard {
     /// Clients told of a continue-as-new only once the next run exists:
     /// (closed run, next run, the client, checks so far), by token.
     continuing: BTreeMap<Token, (RunId, RunId, ReplyTo, u32)>,
-    /// Timers armed: their fire time.
-    timers: BTreeMap<(RunId, Step), Timestamp>,
+    /// The window of durable timers held in memory.
+    timers: Timers,
     attempts: Attempts,
     outbox: Outbox,
     shut_down: bool,
@@ -1120,6 +1135,7 @@ impl Shard {
         config: DriverConfig,
         epoch_base: u64,
     ) -> Shard {
+        let timers = Timers::new(config.timers_in_memory_max.max(1));
         Shard {
             id,
             config,
@@ -1144,7 +1160,7 @@ impl Shard {
             results: BTreeMap::new(),
             updates: BTreeMap::new(),
             continuing: BTreeMap::new(),
-            timers: BTreeMap::new(),
+            timers,
             attempts: Attempts::default(),
             outbox: Outbox::default(),
             shut_down: false,
@@ -1168,8 +1184,9 @@ impl Shard {
     }
 
     /// Starts recovery: reads every intent row this shard owns (pending
-    /// attempts, timers, outbox messages) and drives each exactly as if a
-    /// commit had just written it. Call once, after [`Shard::new`].
+    /// attempts, outbox messages) and the first window of its timers, and
+    /// drives each exactly as if a commit had just written it. Call once,
+    /// after [`Shard::new`].
     pub fn recover(&mut self, now: Timestamp) {
         self.now = self.now.max(now);
         let query = ReadQuery::Intents {
@@ -1177,6 +1194,49 @@ impl Shard {
             shards: self.config.shards,
         };
         self.read(query, ReadFor::Recover);
+        let after = self.timers.start_recovery();
+        self.read_timer_window(after);
+    }
+
+    fn read_timer_window(&mut self, after: Option<timers::TimerKey>) {
+        let query = ReadQuery::Timers {
+            shard: self.id,
+            shards: self.config.shards,
+            after,
+            limit: self.config.timers_in_memory_max.max(1),
+        };
+        self.read(query, ReadFor::TimerWindow);
+    }
+
+    fn timer_window_read(&mut self, result: Result<ReadResult, StoreError>) {
+        match result {
+            Ok(ReadResult::Timers(rows)) => {
+                // The horizon is the last row read, even one removed since.
+                let full = rows.len() >= self.config.timers_in_memory_max.max(1);
+                let last = match rows.last() {
+                    Some(t) if full => Some((t.fire_at, t.run_id, t.step)),
+                    _ => None,
+                };
+                let rows = rows
+                    .into_iter()
+                    .filter(|t| {
+                        let key = keel_storage::IntentKey::Timer(t.run_id, t.step);
+                        !self.removed_while_reading.contains(&key)
+                    })
+                    .collect();
+                self.timers.window_read(rows, last);
+            }
+            Ok(other) => {
+                tracing::error!(?other, "a timer window read answered the wrong query");
+                self.timers
+                    .window_failed(self.now.plus_ms(RUN_UNREACHABLE_RETRY_MS));
+            }
+            Err(e) => {
+                tracing::warn!(shard = %self.id, error = %e, "timer window read failed; retrying");
+                self.timers
+                    .window_failed(self.now.plus_ms(RUN_UNREACHABLE_RETRY_MS));
+            }
+        }
     }
 
     /// Feeds one input at time `now`.
@@ -1283,7 +1343,17 @@ impl Shard {
 
     /// When the shard next needs [`Shard::handle_timeout`], if ever.
     pub fn poll_timeout(&self) -> Option<Timestamp> {
-        self.due.next()
+        if self.lost {
+            return None;
+        }
+        [
+            self.due.next(),
+            self.timers.next_due(),
+            self.timers.window_at(TIMER_WINDOW_LEAD_MS),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Runs everything due at `now`.
@@ -1296,10 +1366,25 @@ impl Shard {
             self.lose(reason);
             return;
         }
-        while let Some(due) = self.due.pop(self.now) {
+        loop {
             if self.lost {
                 return;
             }
+            // Timers and the rest in time order (timers first at a tie).
+            let timer_first = match (self.timers.next_due(), self.due.next()) {
+                (Some(t), Some(d)) => t <= d,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            if timer_first {
+                if let Some((run, step)) = self.timers.pop_due(self.now) {
+                    self.fire_timer(run, step);
+                    continue;
+                }
+            }
+            let Some(due) = self.due.pop(self.now) else {
+                break;
+            };
             match due {
                 Due::Timer(run, step) => self.fire_timer(run, step),
                 Due::Task(key, attempt) => self.task_due(key, attempt),
@@ -1315,6 +1400,11 @@ impl Shard {
                 Due::Continuation(token) => self.continuation_check(token),
                 Due::Start(job) => self.start_again(*job),
                 Due::ShardLease => self.lease_due(),
+            }
+        }
+        if !self.lost {
+            if let Some(after) = self.timers.start_window(self.now, TIMER_WINDOW_LEAD_MS) {
+                self.read_timer_window(after);
             }
         }
         self.passivate();
@@ -1443,7 +1533,10 @@ impl Shard {
 
     fn read(&mut self, query: ReadQuery, purpose: ReadFor) -> Token {
         let token = self.token();
-        if matches!(purpose, ReadFor::Recover | ReadFor::RunIntents(_)) {
+        if matches!(
+            purpose,
+            ReadFor::Recover | ReadFor::RunIntents(_) | ReadFor::TimerWindow
+        ) {
             self.intent_reads += 1;
         }
         self.reads.insert(token, purpose);
@@ -1455,7 +1548,10 @@ impl Shard {
         let Some(purpose) = self.reads.remove(&token) else {
             return;
         };
-        let intents = matches!(purpose, ReadFor::Recover | ReadFor::RunIntents(_));
+        let intents = matches!(
+            purpose,
+            ReadFor::Recover | ReadFor::RunIntents(_) | ReadFor::TimerWindow
+        );
         if intents {
             self.intent_reads -= 1;
         }
@@ -1474,6 +1570,7 @@ impl Shard {
             ReadFor::Continuation(token) => self.continuation_read(token, result),
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
             ReadFor::Recover => self.recovered(result),
+            ReadFor::TimerWindow => self.timer_window_read(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
             ReadFor::ClosedInput { run, input, origin } => {
                 self.closed_input_read(run, input, origin, result)
@@ -1558,9 +1655,7 @@ impl Shard {
                 keel_storage::IntentKey::Task(run, step) => {
                     self.task_removed(AttemptKey { run, step })
                 }
-                keel_storage::IntentKey::Timer(run, step) => {
-                    self.timers.remove(&(run, step));
-                }
+                keel_storage::IntentKey::Timer(run, step) => self.timers.remove(run, step),
                 keel_storage::IntentKey::Outbox(key) => self.outbox_removed(&key),
             }
         }
@@ -1588,12 +1683,11 @@ impl Shard {
     // ---- timers -------------------------------------------------------
 
     fn arm_timer(&mut self, run: RunId, step: Step, fire_at: Timestamp) {
-        self.timers.insert((run, step), fire_at);
-        self.due.push(fire_at, Due::Timer(run, step));
+        self.timers.arm(run, step, fire_at);
     }
 
     fn fire_timer(&mut self, run: RunId, step: Step) {
-        let Some(&fire_at) = self.timers.get(&(run, step)) else {
+        let Some(fire_at) = self.timers.fire_at(run, step) else {
             return; // cancelled, fired, or its run closed
         };
         // A run's deadline is a timer at a reserved step: it closes the run.
@@ -1616,12 +1710,13 @@ impl Shard {
             // Committed, a duplicate, its run closed or parked (a resume
             // re-arms it from its row).
             _ => {
-                if let (Answer::Committed, Some(fire_at)) = (&answer, self.timers.get(&(run, step)))
+                if let (Answer::Committed, Some(fire_at)) =
+                    (&answer, self.timers.fire_at(run, step))
                 {
                     let lag_ms = self.now.0.saturating_sub(fire_at.0);
                     self.stats.timer_lag_seconds.observe(lag_ms as f64 / 1000.0);
                 }
-                self.timers.remove(&(run, step));
+                self.timers.remove(run, step);
             }
         }
     }

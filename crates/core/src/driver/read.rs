@@ -30,8 +30,9 @@ pub enum ReadQuery {
     RunMeta(RunId),
     /// What `describe` shows of a run that the store knows.
     Describe(RunId),
-    /// Every intent row a shard owns: pending attempts and timers of its
-    /// runs, outbox messages its runs wrote.
+    /// Every intent row a shard owns but its timers: pending attempts of
+    /// its runs, outbox messages its runs wrote. (Timers come in windows:
+    /// [`ReadQuery::Timers`].)
     Intents {
         /// The shard.
         shard: ShardId,
@@ -41,6 +42,18 @@ pub enum ReadQuery {
     /// A run's intent rows, and the outbox messages addressed to it (to
     /// drive them again after the run is resumed).
     IntentsOf(RunId),
+    /// The next window of a shard's timers in due order: those after
+    /// `after` (from the first without it), at most `limit`.
+    Timers {
+        /// The shard.
+        shard: ShardId,
+        /// Shards in the engine.
+        shards: u16,
+        /// The last timer (due time, run, step) the shard holds already.
+        after: Option<(keel_storage::Timestamp, RunId, keel_storage::Step)>,
+        /// At most this many.
+        limit: usize,
+    },
     /// One page of the runs a filter matches (`Store::list`).
     List {
         /// Which runs.
@@ -108,6 +121,8 @@ pub enum ReadResult {
     Describe(Option<Box<DescribeFacts>>),
     /// See [`ReadQuery::Intents`] and [`ReadQuery::IntentsOf`].
     Intents(Vec<Intent>),
+    /// See [`ReadQuery::Timers`], in due order.
+    Timers(Vec<keel_storage::TimerEntry>),
     /// See [`ReadQuery::List`].
     Listed(keel_storage::RunPage),
     /// See [`ReadQuery::List`]: the filter or the page token does not
@@ -213,11 +228,6 @@ impl ReadQuery {
                         rows.push(Intent::Task(t));
                     }
                 }
-                for t in store.due_timers(keel_storage::Timestamp(u64::MAX), usize::MAX)? {
-                    if mine(t.run_id) {
-                        rows.push(Intent::Timer(t));
-                    }
-                }
                 for m in store.outbox(usize::MAX)? {
                     if mine(m.owner()) {
                         rows.push(Intent::Outbox(m));
@@ -225,6 +235,14 @@ impl ReadQuery {
                 }
                 ReadResult::Intents(rows)
             }
+            ReadQuery::Timers {
+                shard,
+                shards,
+                after,
+                limit,
+            } => ReadResult::Timers(store.timers_after(*after, *limit, &mut |t| {
+                shard_of(t.run_id, *shards) == *shard
+            })?),
             ReadQuery::IntentsOf(run) => {
                 let mut rows: Vec<Intent> = store
                     .run_tasks(*run)?

@@ -53,7 +53,8 @@ pub struct ShardStats {
     pub attempts_supervised: u64,
     /// Outbox rows not yet delivered.
     pub outbox_backlog: u64,
-    /// Timers armed now.
+    /// Timers held in memory now: the window of the soonest due (the
+    /// rest wait in the store; see `TIMERS_IN_MEMORY_MAX`).
     pub timers_armed: u64,
 }
 

@@ -29,6 +29,7 @@ use std::collections::VecDeque;
 
 use keel_core::driver::{
     Action, AttemptKey, BreakMode, DriverConfig, RequestId, Shard, ShardId, ShardInput,
+    TIMERS_IN_MEMORY_MAX,
 };
 use keel_core::WorkflowRegistry;
 use keel_resilience::{Clock, CompiledPipeline, ManualClock};
@@ -449,6 +450,13 @@ impl<'a> World<'a> {
             },
             lease_ms_default: LEASE_MS,
             worker_concurrency_max: shape.random_range(2..=16),
+            // Small windows half the time, so that timers come in by
+            // window reads and are dropped from memory past the horizon.
+            timers_in_memory_max: if shape.random_bool(0.5) {
+                shape.random_range(1..=4)
+            } else {
+                TIMERS_IN_MEMORY_MAX
+            },
             profiles,
             shard_lease_ms: SHARD_LEASE_MS,
             breaks: setup.breaks,
