@@ -34,6 +34,16 @@ pub(crate) enum BenchCommand {
     W2(crate::bench_fanout::W2Args),
     /// Memory per run of N runs waiting on a signal, cached or passivated.
     Idle(crate::bench_fanout::IdleArgs),
+    /// One run's history grown to N events: what one more event costs at
+    /// each length (a long history must cost no more per event).
+    History(crate::bench_history::HistoryArgs),
+    /// An engine reopened over N runs waiting on signals (some on timers
+    /// too): time to accept a new start, to complete a signalled run, and
+    /// memory over an empty directory.
+    Restart(crate::bench_restart::RestartArgs),
+    /// (internal) The reopening process of `restart`.
+    #[command(hide = true)]
+    RestartOpen(crate::bench_restart::RestartOpenArgs),
     /// Storage only: commits/s and latency of concurrent committers, Sync
     /// and Buffered, beside the disk's own fsync rate.
     Append(bench_store::AppendArgs),
@@ -58,6 +68,9 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::W1Process(args) => bench_cluster::w1_process(args),
         BenchCommand::W2(args) => crate::bench_fanout::w2(args),
         BenchCommand::Idle(args) => crate::bench_fanout::idle(args),
+        BenchCommand::History(args) => crate::bench_history::history(args),
+        BenchCommand::Restart(args) => crate::bench_restart::restart(args),
+        BenchCommand::RestartOpen(args) => crate::bench_restart::restart_open(args),
         BenchCommand::Append(args) => bench_store::append(args),
         BenchCommand::Read(args) => bench_store::read(args),
         BenchCommand::Replay(args) => keel_cli::replay_bench::replay(args),

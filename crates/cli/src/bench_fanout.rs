@@ -157,7 +157,8 @@ struct IdleReport {
     start_s: f64,
 }
 
-fn rss_mb() -> f64 {
+/// This process's resident memory now, MiB.
+pub(crate) fn rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

@@ -7,6 +7,8 @@
 
 mod bench;
 mod bench_fanout;
+mod bench_history;
+mod bench_restart;
 mod bench_torture;
 mod demo;
 mod sim;
