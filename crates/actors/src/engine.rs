@@ -780,6 +780,9 @@ impl Parts {
         }
         if let Some(host) = self.host.take() {
             let _ = host.store.sync();
+            if let Err(e) = host.store.flush_log() {
+                tracing::warn!(error = %e, "moving the log into tables at shutdown failed; the next open replays it");
+            }
             // The last reference: the store closes here (its writer drains).
             drop(host);
         }

@@ -95,6 +95,8 @@ struct Reopened {
     signalled_done_ms: Option<f64>,
     /// Resident memory after both, MiB.
     rss_mb: f64,
+    /// Durable timers the engine held in memory then (a window of them).
+    timers_in_memory: u64,
 }
 
 #[derive(Serialize)]
@@ -170,21 +172,22 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
         report.runs, report.timers, report.fill_s
     );
     println!(
-        "{:>22}  {:>9}  {:>15}  {:>16}  {:>8}",
-        "reopened", "open ms", "new start ms", "signalled ms", "rss MiB"
+        "{:>22}  {:>9}  {:>15}  {:>16}  {:>8}  {:>16}",
+        "reopened", "open ms", "new start ms", "signalled ms", "rss MiB", "timers in memory"
     );
     for (name, r) in [
         ("empty directory", &report.empty),
         ("filled directory", &report.full),
     ] {
         println!(
-            "{:>22}  {:>9.1}  {:>15.1}  {:>16}  {:>8.1}",
+            "{:>22}  {:>9.1}  {:>15.1}  {:>16}  {:>8.1}  {:>16}",
             name,
             r.open_ms,
             r.start_accepted_ms,
             r.signalled_done_ms
                 .map_or("-".to_string(), |ms| format!("{ms:.1}")),
-            r.rss_mb
+            r.rss_mb,
+            r.timers_in_memory
         );
     }
     println!(
@@ -240,12 +243,14 @@ pub(crate) fn restart_open(args: RestartOpenArgs) -> anyhow::Result<ExitCode> {
         anyhow::Ok((start_accepted_ms, signalled))
     })?;
     let rss_mb = rss_mb();
+    let timers_in_memory = rt.block_on(engine.stats()).shards.timers_armed;
     engine.shutdown_blocking();
     let report = Reopened {
         open_ms,
         start_accepted_ms,
         signalled_done_ms,
         rss_mb,
+        timers_in_memory,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(ExitCode::SUCCESS)

@@ -33,9 +33,14 @@ fn wait_for_directory(data: &std::path::Path) {
 }
 
 fn worker(data: &std::path::Path) -> Command {
+    worker_of(data, WORKFLOWS)
+}
+
+/// A worker with `workflows` to run.
+fn worker_of(data: &std::path::Path, workflows: u64) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_keel"));
     c.args(["demo-worker", "--prefix", "crash", "--workflows"])
-        .arg(WORKFLOWS.to_string())
+        .arg(workflows.to_string())
         .args(["--concurrency", "50", "--data"])
         .arg(data)
         .stdout(Stdio::null())
@@ -129,15 +134,16 @@ fn killed_while_creating_its_directory_it_opens_next_time() {
 /// directory is opened, instead of recovery keeping the records before it
 /// and dropping acknowledged commits after it; a torn tail, what a crash
 /// leaves, still opens.
-/// Method: SIGKILL `keel demo-worker` after 800 ms, so the newest log holds
-/// commits no table has yet; flip one byte halfway through that log in one
+/// Method: SIGKILL `keel demo-worker` after 800 ms, well before it would
+/// finish its 20,000 orders (a clean shutdown moves the log into tables),
+/// so the newest log holds commits no table has yet; flip one byte halfway through that log in one
 /// copy of the directory, append a torn record to it in another, and open
 /// each.
 #[test]
 fn damage_inside_the_log_is_refused_and_a_torn_tail_is_not() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let mut child = worker(&data).spawn().unwrap();
+    let mut child = worker_of(&data, 20_000).spawn().unwrap();
     wait_for_directory(&data);
     std::thread::sleep(Duration::from_millis(800));
     let _ = child.kill();

@@ -685,6 +685,13 @@ impl Store for RocksStore {
         self
     }
 
+    fn flush_log(&self) -> Result<()> {
+        if self.tx.is_none() {
+            return Ok(()); // read-only: nothing of ours is in the log
+        }
+        self.flush()
+    }
+
     fn commit(&self, batch: CommitBatch) -> CommitHandle {
         let Some(tx) = &self.tx else {
             return CommitHandle::ready(Err(Error::ReadOnly));
