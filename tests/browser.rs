@@ -294,7 +294,10 @@ impl Browser {
         let png = base64::engine::general_purpose::STANDARD
             .decode(shot["data"].as_str().unwrap())
             .unwrap();
-        let path = PathBuf::from(dir).join(name);
+        let dir = PathBuf::from(dir);
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+        let path = dir.join(name);
         std::fs::write(&path, png).unwrap();
         eprintln!("saved {}", path.display());
     }

@@ -1035,6 +1035,17 @@ enum ReadFor {
     },
 }
 
+impl ReadFor {
+    /// Whether the read brings intent rows in, so a removal racing it must
+    /// be remembered until it is answered.
+    fn reads_intents(&self) -> bool {
+        matches!(
+            self,
+            ReadFor::Recover | ReadFor::RunIntents(_) | ReadFor::TimerWindow
+        )
+    }
+}
+
 /// What a pending commit is for.
 #[derive(Debug)]
 enum CommitFor {
@@ -1203,7 +1214,7 @@ impl Shard {
             shard: self.id,
             shards: self.config.shards,
             after,
-            limit: self.config.timers_in_memory_max.max(1),
+            limit: self.timers.window_rows(),
         };
         self.read(query, ReadFor::TimerWindow);
     }
@@ -1212,7 +1223,7 @@ impl Shard {
         match result {
             Ok(ReadResult::Timers(rows)) => {
                 // The horizon is the last row read, even one removed since.
-                let full = rows.len() >= self.config.timers_in_memory_max.max(1);
+                let full = rows.len() >= self.timers.window_rows();
                 let last = match rows.last() {
                     Some(t) if full => Some((t.fire_at, t.run_id, t.step)),
                     _ => None,
@@ -1533,10 +1544,7 @@ impl Shard {
 
     fn read(&mut self, query: ReadQuery, purpose: ReadFor) -> Token {
         let token = self.token();
-        if matches!(
-            purpose,
-            ReadFor::Recover | ReadFor::RunIntents(_) | ReadFor::TimerWindow
-        ) {
+        if purpose.reads_intents() {
             self.intent_reads += 1;
         }
         self.reads.insert(token, purpose);
@@ -1548,10 +1556,7 @@ impl Shard {
         let Some(purpose) = self.reads.remove(&token) else {
             return;
         };
-        let intents = matches!(
-            purpose,
-            ReadFor::Recover | ReadFor::RunIntents(_) | ReadFor::TimerWindow
-        );
+        let intents = purpose.reads_intents();
         if intents {
             self.intent_reads -= 1;
         }
@@ -1641,7 +1646,7 @@ impl Shard {
     fn intent(&mut self, row: keel_storage::Intent, cause: Cause) {
         match row {
             keel_storage::Intent::Task(task) => self.task_intent(task, cause),
-            keel_storage::Intent::Timer(t) => self.arm_timer(t.run_id, t.step, t.fire_at),
+            keel_storage::Intent::Timer(t) => self.timers.arm(t.run_id, t.step, t.fire_at),
             keel_storage::Intent::Outbox(msg) => self.outbox_intent(msg, cause),
         }
     }
@@ -1681,10 +1686,6 @@ impl Shard {
     }
 
     // ---- timers -------------------------------------------------------
-
-    fn arm_timer(&mut self, run: RunId, step: Step, fire_at: Timestamp) {
-        self.timers.arm(run, step, fire_at);
-    }
 
     fn fire_timer(&mut self, run: RunId, step: Step) {
         let Some(fire_at) = self.timers.fire_at(run, step) else {

@@ -77,6 +77,11 @@ impl Timers {
         }
     }
 
+    /// The rows one window read asks for.
+    pub(super) fn window_rows(&self) -> usize {
+        self.limit
+    }
+
     /// Timers in memory.
     pub(super) fn len(&self) -> usize {
         self.fire_at.len()
