@@ -7,8 +7,21 @@
 //! [1]      record kind (see `RecordKind`)
 //! [2..4]   schema version of that kind, u16
 //! [4..8]   CRC32C of bytes [0..4] followed by the body
-//! [8..]    body: a msgpack map (`rmp_serde::to_vec_named`)
+//! [8..]    body: msgpack (see below)
 //! ```
+//!
+//! The body of a history event (from event version 8) is positional: each
+//! struct is a msgpack array of its fields in declaration order, enum
+//! variants keep their names (`rmp_serde::encode::write`). Every other
+//! record, and events of versions 1 to 7, are maps with field names
+//! (`rmp_serde::encode::write_named`). The decoder reads both forms, so a
+//! store written by an older build keeps decoding. Positional bodies are
+//! why a field is only ever added at the end of its struct or variant,
+//! with `#[serde(default)]`, and never removed or moved: a shorter array
+//! written before the field existed then decodes with it at its default.
+//! Events are the bulk of every store and of every replay; without the
+//! field names a record is about half the bytes and decodes about twice as
+//! fast.
 //!
 //! Decoding checks every field and that the body was consumed to the last
 //! byte; it returns a typed [`Error`] for anything else and never panics.
@@ -29,9 +42,10 @@ pub const HEADER_BYTES: usize = 8;
 /// of `Carried`; version 6 added `ChildScheduled::memo` and
 /// `search_attributes`; version 7 added workflow timeouts
 /// (`WorkflowStarted::timeouts`, `Carried::timeouts`,
-/// `ChildScheduled::timeouts`, `WorkflowTimedOut`); older records decode
-/// unchanged (the new fields default).
-pub const EVENT_VERSION: u16 = 7;
+/// `ChildScheduled::timeouts`, `WorkflowTimedOut`); version 8 writes the
+/// body positionally (no field names; see the module documentation);
+/// older records decode unchanged (the new fields default).
+pub const EVENT_VERSION: u16 = 8;
 /// Current schema version of every derived-state record. Version 2 added
 /// the cancellation and continue-as-new intents to the outbox, the
 /// `children` records and `TaskEntry::heartbeat`; version 3 added the
@@ -105,6 +119,12 @@ impl RecordKind {
             _ => STATE_VERSION,
         }
     }
+
+    /// Whether this kind's body is written positionally (structs as arrays
+    /// of their fields) rather than as maps with field names.
+    fn positional(self) -> bool {
+        matches!(self, RecordKind::Event)
+    }
 }
 
 /// Why a record could not be decoded.
@@ -170,7 +190,12 @@ pub fn encode<T: Serialize>(kind: RecordKind, value: &T) -> Result<Vec<u8>, Erro
     out.push(kind as u8);
     out.extend_from_slice(&kind.current_version().to_le_bytes());
     out.extend_from_slice(&[0; 4]);
-    rmp_serde::encode::write_named(&mut out, value).map_err(|e| Error::Encode(e.to_string()))?;
+    let written = if kind.positional() {
+        rmp_serde::encode::write(&mut out, value)
+    } else {
+        rmp_serde::encode::write_named(&mut out, value)
+    };
+    written.map_err(|e| Error::Encode(e.to_string()))?;
     let crc = checksum(&out[..4], &out[HEADER_BYTES..]);
     out[4..8].copy_from_slice(&crc.to_le_bytes());
     Ok(out)

@@ -272,6 +272,17 @@ proptest! {
     }
 
     #[test]
+    fn events_written_as_maps_by_earlier_versions_still_decode(e in event()) {
+        // Event versions 1 to 7 wrote bodies as maps with field names;
+        // version 8 writes them positionally. Every stored map must still
+        // decode to the same event.
+        let named = rmp_serde::to_vec_named(&e).unwrap();
+        let positional = codec::encode(RecordKind::Event, &e).unwrap();
+        prop_assert!(named.len() > positional.len() - HEADER_BYTES);
+        prop_assert_eq!(decode(&envelope(&named)).unwrap(), e);
+    }
+
+    #[test]
     fn trailing_bytes_are_refused(e in event(), extra in proptest::collection::vec(any::<u8>(), 1..16)) {
         let bytes = codec::encode(RecordKind::Event, &e).unwrap();
         let body = &bytes[HEADER_BYTES..];
