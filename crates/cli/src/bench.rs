@@ -175,6 +175,13 @@ struct WriterLoad {
     /// 100 % the sync is the bottleneck (and groups should grow), well
     /// below it the work reaches the writer too slowly to fill groups.
     writer_busy_percent: f64,
+    /// Share of the wall time the writer waited with no commit queued:
+    /// near 0 the writer is the bottleneck, well above it the work reaches
+    /// it too slowly (RocksDB only).
+    writer_idle_percent: f64,
+    /// Share of the wall time the writer spent validating groups against
+    /// the store before writing them (RocksDB only).
+    writer_validate_percent: f64,
     /// Mean time from a shard asking for a commit to its answer.
     commit_ms_mean: f64,
 }
@@ -192,6 +199,8 @@ impl WriterLoad {
             commits_per_group: per(w.group_commits.sum, groups as f64),
             write_sync_ms_mean: per(w.write_seconds.sum * 1000.0, w.write_seconds.count as f64),
             writer_busy_percent: per(w.write_seconds.sum * 100.0, wall_s),
+            writer_idle_percent: per(w.idle_seconds * 100.0, wall_s),
+            writer_validate_percent: per(w.validate_seconds * 100.0, wall_s),
             commit_ms_mean: per(
                 stats.commit_seconds.sum * 1000.0,
                 stats.commit_seconds.count as f64,
@@ -377,6 +386,15 @@ fn print_w1(report: &W1Report, json: bool) -> anyhow::Result<ExitCode> {
                 w.commits, w.commits_per_workflow, w.groups, w.groups_per_s, w.commits_per_group,
                 w.write_sync_ms_mean, w.writer_busy_percent, w.commit_ms_mean
             );
+            if w.writer_idle_percent > 0.0 || w.writer_validate_percent > 0.0 {
+                println!(
+                    "store writer's time: write+sync {:.0} %, validating {:.0} %, idle with nothing queued {:.0} %, the rest (taking, learning, answering) {:.0} %",
+                    w.writer_busy_percent,
+                    w.writer_validate_percent,
+                    w.writer_idle_percent,
+                    (100.0 - w.writer_busy_percent - w.writer_validate_percent - w.writer_idle_percent).max(0.0)
+                );
+            }
         }
         if let Some(s) = &report.server {
             println!(

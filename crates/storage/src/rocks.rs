@@ -819,11 +819,23 @@ fn writer_loop(
                 Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
             }
         } else {
-            match rx.recv() {
+            // Counted as idle only when nothing is queued: then the writer
+            // waits for work rather than work for the writer.
+            match rx.try_recv() {
                 Ok(r) => r,
-                Err(_) => break,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => break,
+                Err(crossbeam_channel::TryRecvError::Empty) => {
+                    let waiting = std::time::Instant::now();
+                    let first = rx.recv();
+                    stats.idle(waiting.elapsed());
+                    match first {
+                        Ok(r) => r,
+                        Err(_) => break,
+                    }
+                }
             }
         };
+        let validating = std::time::Instant::now();
         let mut bytes = first.prepared.bytes();
         group.push(first);
         while group.len() < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
@@ -854,6 +866,7 @@ fn writer_loop(
                 Err(e) => results.push(Err(e)),
             }
         }
+        stats.validated(validating.elapsed());
         let mut took = None;
         let written = if overlay.is_empty() {
             Ok(())

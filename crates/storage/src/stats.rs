@@ -139,6 +139,11 @@ pub struct WriterStats {
     /// durability that includes the fsync; on PostgreSQL the
     /// transaction's round trips and its WAL flush).
     write_seconds: Histogram<{ WRITE_BUCKETS_SECONDS.len() }>,
+    /// Nanoseconds the writer waited for a commit with none queued.
+    idle_nanos: AtomicU64,
+    /// Nanoseconds the writer spent validating groups against the store
+    /// (reads and checks) before writing them.
+    validate_nanos: AtomicU64,
 }
 
 impl Default for WriterStats {
@@ -148,6 +153,8 @@ impl Default for WriterStats {
             refused: AtomicU64::new(0),
             group_commits: Histogram::new(&GROUP_BUCKETS_COMMITS),
             write_seconds: Histogram::new(&WRITE_BUCKETS_SECONDS),
+            idle_nanos: AtomicU64::new(0),
+            validate_nanos: AtomicU64::new(0),
         }
     }
 }
@@ -163,6 +170,12 @@ pub struct WriterSnapshot {
     pub group_commits: HistogramSnapshot,
     /// Seconds per group's write and sync.
     pub write_seconds: HistogramSnapshot,
+    /// Seconds the writer waited for a commit with none queued (counted
+    /// by the RocksDB writer; 0 on other stores).
+    pub idle_seconds: f64,
+    /// Seconds the writer spent validating groups before writing them
+    /// (counted by the RocksDB writer; 0 on other stores).
+    pub validate_seconds: f64,
 }
 
 impl WriterStats {
@@ -178,6 +191,18 @@ impl WriterStats {
         }
     }
 
+    /// The writer waited `took` for a commit, none being queued.
+    pub fn idle(&self, took: Duration) {
+        self.idle_nanos
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The writer validated a group in `took`.
+    pub fn validated(&self, took: Duration) {
+        self.validate_nanos
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
     /// What it holds now.
     pub fn snapshot(&self) -> WriterSnapshot {
         WriterSnapshot {
@@ -185,6 +210,8 @@ impl WriterStats {
             refused: self.refused.load(Ordering::Relaxed),
             group_commits: self.group_commits.snapshot(),
             write_seconds: self.write_seconds.snapshot(),
+            idle_seconds: self.idle_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+            validate_seconds: self.validate_nanos.load(Ordering::Relaxed) as f64 / 1e9,
         }
     }
 }

@@ -1237,3 +1237,32 @@ fn a_commit_under_a_lost_shard_lease_is_refused() {
         .unwrap_err();
     assert!(matches!(err, Error::Fenced { current: None, .. }), "{err}");
 }
+
+#[test]
+fn the_rocksdb_writer_counts_its_idle_and_validating_time() {
+    // Goal: the writer's time is split into what `keel bench w1` reports:
+    // waiting with nothing queued, validating, writing and syncing.
+    // Method: commit to a fresh RocksDB store with pauses in between (the
+    // writer waits through each), and read its counters.
+    let dir = tempfile::tempdir().unwrap();
+    let rocks = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let before = rocks.writer_stats().expect("the RocksDB writer counts");
+    for n in 1..=3 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        start(&rocks, n, &format!("idle-{n}"), "wf");
+    }
+    let after = rocks.writer_stats().unwrap();
+    assert_eq!(after.commits - before.commits, 3, "{after:?}");
+    assert!(
+        after.idle_seconds - before.idle_seconds >= 0.05,
+        "three pauses of 20 ms are idle time: {after:?}"
+    );
+    assert!(
+        after.validate_seconds > before.validate_seconds,
+        "{after:?}"
+    );
+    assert!(
+        after.validate_seconds < after.idle_seconds,
+        "validating three starts is quicker than the pauses: {after:?}"
+    );
+}
