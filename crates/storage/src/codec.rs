@@ -20,8 +20,8 @@
 //! with `#[serde(default)]`, and never removed or moved: a shorter array
 //! written before the field existed then decodes with it at its default.
 //! Events are the bulk of every store and of every replay; without the
-//! field names a record is about half the bytes and decodes about twice as
-//! fast.
+//! field names the average event of `keel bench read` is 76 bytes instead
+//! of 191 and decodes about 1.5 times as fast.
 //!
 //! Decoding checks every field and that the body was consumed to the last
 //! byte; it returns a typed [`Error`] for anything else and never panics.

@@ -1,7 +1,11 @@
 //! The typed history events: the persisted schema of a run's log.
 //!
-//! Schema evolution rules (see ARCHITECTURE.md): events are msgpack maps with
-//! named fields; a field is only ever added at the end with `#[serde(default)]`;
+//! Schema evolution rules (see ARCHITECTURE.md and [`crate::codec`]): from
+//! event version 8 events are positional msgpack (each struct an array of
+//! its fields in declaration order; versions 1 to 7 wrote maps with field
+//! names, which still decode); a field is only ever added at the end of its
+//! struct or variant with `#[serde(default)]` (an `Option` too: positional
+//! bodies give a missing field no implicit `None`), never removed or moved;
 //! a new variant bumps [`crate::codec::EVENT_VERSION`]; golden bytes of every
 //! released kind live in `tests/data/` and must keep decoding.
 
