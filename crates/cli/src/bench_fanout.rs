@@ -4,6 +4,8 @@
 //! more than the limit open: memory follows the limit, not the fan-out.
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keel::{Engine, Workflow, WorkflowContext, WorkflowError};
@@ -62,6 +64,108 @@ struct W2Report {
     wall_s_max: f64,
     events_per_s: f64,
     max_rss_mb: f64,
+    /// Where the memory was when the process was largest.
+    memory: MemoryPeak,
+}
+
+/// How often [`MemorySampler`] looks.
+const MEMORY_SAMPLE_INTERVAL_MS: u64 = 10;
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// The process's peak memory, split into what the store can name and the
+/// rest. Each of the store's parts is its own largest sample: a part can
+/// shrink (a memtable flushed, a closed run's rows forgotten) while the
+/// resident size, which the allocator keeps, does not.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub(crate) struct MemoryPeak {
+    /// Resident memory of the idle engine, before the work.
+    idle_rss_mb: f64,
+    /// Largest resident memory sampled during the work.
+    peak_rss_mb: f64,
+    /// `peak_rss_mb - idle_rss_mb`.
+    growth_mb: f64,
+    /// The store's parts at their largest (`Store::memory`), and their
+    /// sum's growth over the idle engine's.
+    memtables_mb: f64,
+    writer_cache_mb: f64,
+    block_cache_mb: f64,
+    table_readers_mb: f64,
+    store_growth_mb: f64,
+    /// The growth the store does not name: the engine's runs and machines,
+    /// messages in flight, and what the allocator keeps.
+    other_growth_mb: f64,
+}
+
+/// Samples the process's resident memory and its store's parts every
+/// [`MEMORY_SAMPLE_INTERVAL_MS`] on its own thread, keeping the largest
+/// of each.
+pub(crate) struct MemorySampler {
+    stop: Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<MemoryPeak>,
+}
+
+impl MemorySampler {
+    /// Starts sampling; the memory now counts as the idle engine's.
+    pub(crate) fn start(store: Arc<dyn keel_storage::Store>) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let parts = move || store.memory().unwrap_or_default();
+        let idle_parts = parts();
+        let idle_rss = rss_mb();
+        let handle = std::thread::Builder::new()
+            .name("keel-bench-memory".into())
+            .spawn(move || {
+                let (mut rss, mut m) = (idle_rss, idle_parts);
+                while !stopped.load(Ordering::Relaxed) {
+                    rss = rss.max(rss_mb());
+                    let now = parts();
+                    m.memtables_bytes = m.memtables_bytes.max(now.memtables_bytes);
+                    m.writer_cache_bytes = m.writer_cache_bytes.max(now.writer_cache_bytes);
+                    m.block_cache_bytes = m.block_cache_bytes.max(now.block_cache_bytes);
+                    m.table_readers_bytes = m.table_readers_bytes.max(now.table_readers_bytes);
+                    std::thread::sleep(Duration::from_millis(MEMORY_SAMPLE_INTERVAL_MS));
+                }
+                let mb = |b: u64| b as f64 / MIB;
+                let store_growth = (m.total_bytes() as f64 - idle_parts.total_bytes() as f64) / MIB;
+                MemoryPeak {
+                    idle_rss_mb: idle_rss,
+                    peak_rss_mb: rss,
+                    growth_mb: rss - idle_rss,
+                    memtables_mb: mb(m.memtables_bytes),
+                    writer_cache_mb: mb(m.writer_cache_bytes),
+                    block_cache_mb: mb(m.block_cache_bytes),
+                    table_readers_mb: mb(m.table_readers_bytes),
+                    store_growth_mb: store_growth,
+                    other_growth_mb: rss - idle_rss - store_growth,
+                }
+            })?;
+        Ok(MemorySampler { stop, handle })
+    }
+
+    /// Stops sampling and returns the peak.
+    pub(crate) fn finish(self) -> MemoryPeak {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.join().unwrap_or_default()
+    }
+}
+
+impl std::fmt::Display for MemoryPeak {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rss {:.0} MiB idle, {:.0} MiB at peak (+{:.0}): store +{:.0} (memtables {:.0}, writer cache {:.0}, block cache {:.0}, table readers {:.0}), other +{:.0}",
+            self.idle_rss_mb,
+            self.peak_rss_mb,
+            self.growth_mb,
+            self.store_growth_mb,
+            self.memtables_mb,
+            self.writer_cache_mb,
+            self.block_cache_mb,
+            self.table_readers_mb,
+            self.other_growth_mb
+        )
+    }
 }
 
 pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
@@ -75,6 +179,7 @@ pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let sampler = MemorySampler::start(engine.store())?;
     let mut walls = Vec::new();
     for r in 0..args.runs.max(1) {
         let t0 = Instant::now();
@@ -88,6 +193,7 @@ pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(n == args.fanout as u64, "fan-out returned {n} results");
         walls.push(t0.elapsed().as_secs_f64());
     }
+    let memory = sampler.finish();
     engine.shutdown_blocking();
     walls.sort_by(|a, b| a.total_cmp(b));
     let median = percentile(&walls, 0.5);
@@ -106,6 +212,7 @@ pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
         wall_s_max: walls[walls.len() - 1],
         events_per_s: events / median.max(1e-9),
         max_rss_mb: max_rss_mb(),
+        memory,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -115,6 +222,7 @@ pub(crate) fn w2(args: W2Args) -> anyhow::Result<ExitCode> {
             report.workload, report.wall_s, report.wall_s_min, report.wall_s_max, report.runs,
             report.events_per_s, report.max_rss_mb
         );
+        println!("  memory: {}", report.memory);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -220,7 +328,8 @@ pub(crate) fn idle(args: IdleArgs) -> anyhow::Result<ExitCode> {
     // Let passivation and RocksDB settle before reading memory.
     std::thread::sleep(Duration::from_millis(500));
     let after = rss_mb();
-    let store_mb = engine.store().memory_bytes().unwrap_or(0) as f64 / (1024.0 * 1024.0);
+    let store_mb =
+        engine.store().memory().map_or(0, |m| m.total_bytes()) as f64 / (1024.0 * 1024.0);
     let report = IdleReport {
         workload: format!("idle runs={} mode={}", args.runs, args.mode),
         runs: args.runs,

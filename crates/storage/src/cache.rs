@@ -42,6 +42,13 @@ pub const WRITER_CACHE_ROWS_MAX: usize = 131_072;
 /// holds its result and is rarely read again by the writer).
 pub const WRITER_CACHE_VALUE_BYTES_MAX: usize = 1024;
 
+/// What one kept entry costs beyond its key and value bytes, as counted
+/// by [`WriterCache::bytes`]: the map slot (a family, two vectors' heads),
+/// the allocator's header and rounding of two allocations, and the slack
+/// of a hash table or B-tree node. An estimate, checked against the
+/// process's growth by `keel bench w2`.
+pub const WRITER_CACHE_ENTRY_OVERHEAD_BYTES: usize = 96;
+
 /// The families whose rows belong to one run by their key, and are only
 /// ever written after that run's first event: `dedupe`, `tasks`,
 /// `run_timers` and `children` (`run ‖ ...`), and the sends a run makes
@@ -76,6 +83,23 @@ pub struct WriterCache {
     records: HashMap<(Cf, Vec<u8>), Vec<u8>>,
     born: HashMap<[u8; 16], OwnedRows>,
     rows: usize,
+    /// Estimated bytes of `records` and of `born` (see [`Self::bytes`]).
+    records_bytes: usize,
+    born_bytes: usize,
+}
+
+/// The estimated cost of keeping `key` → `value`.
+fn entry_bytes(key: &[u8], value: &[u8]) -> usize {
+    key.len() + value.len() + WRITER_CACHE_ENTRY_OVERHEAD_BYTES
+}
+
+/// The estimated cost of one run's rows, the run's own entry included.
+fn rows_bytes(rows: &OwnedRows) -> usize {
+    WRITER_CACHE_ENTRY_OVERHEAD_BYTES
+        + rows
+            .iter()
+            .map(|((_, k), v)| entry_bytes(k, v))
+            .sum::<usize>()
 }
 
 impl std::fmt::Debug for WriterCache {
@@ -84,6 +108,7 @@ impl std::fmt::Debug for WriterCache {
             .field("records", &self.records.len())
             .field("born", &self.born.len())
             .field("rows", &self.rows)
+            .field("bytes", &self.bytes())
             .finish()
     }
 }
@@ -140,16 +165,21 @@ impl WriterCache {
     pub fn learn(&mut self, learned: Learned) {
         if self.records.len() + learned.writes.len() > WRITER_CACHE_RECORDS_MAX {
             self.records.clear();
+            self.records_bytes = 0;
         }
         if self.born.len() + learned.born.len() > WRITER_CACHE_RECORDS_MAX
             || self.rows + learned.writes.len() > WRITER_CACHE_ROWS_MAX
         {
             self.born.clear();
             self.rows = 0;
+            self.born_bytes = 0;
         }
         // Births first: a run's first rows are written with its birth.
         for run in learned.born {
-            self.born.entry(run).or_default();
+            if let std::collections::hash_map::Entry::Vacant(e) = self.born.entry(run) {
+                e.insert(OwnedRows::new());
+                self.born_bytes += WRITER_CACHE_ENTRY_OVERHEAD_BYTES;
+            }
         }
         for ((cf, key), value) in learned.writes {
             let fits = value
@@ -159,42 +189,64 @@ impl WriterCache {
                 if !fits {
                     // Too large to keep: the run's rows are no longer all
                     // known here.
-                    if let Some(rows) = self.born.remove(&run) {
-                        self.rows -= rows.len();
-                    }
+                    self.drop_run(&run);
                     continue;
                 }
                 let Some(rows) = self.born.get_mut(&run) else {
                     continue;
                 };
+                let key = (cf, key);
                 match value {
                     Some(v) => {
-                        if rows.insert((cf, key), v).is_none() {
-                            self.rows += 1;
+                        self.born_bytes += entry_bytes(&key.1, &v);
+                        let cost = entry_bytes(&key.1, &[]);
+                        match rows.insert(key, v) {
+                            Some(old) => self.born_bytes -= cost + old.len(),
+                            None => self.rows += 1,
                         }
                     }
                     None => {
-                        if rows.remove(&(cf, key)).is_some() {
+                        if let Some(old) = rows.remove(&key) {
                             self.rows -= 1;
+                            self.born_bytes -= entry_bytes(&key.1, &old);
                         }
                     }
                 }
                 continue;
             }
+            let key = (cf, key);
             match value.filter(|_| fits) {
                 Some(v) => {
-                    self.records.insert((cf, key), v);
+                    self.records_bytes += entry_bytes(&key.1, &v);
+                    let cost = entry_bytes(&key.1, &[]);
+                    if let Some(old) = self.records.insert(key, v) {
+                        self.records_bytes -= cost + old.len();
+                    }
                 }
                 None => {
-                    self.records.remove(&(cf, key));
+                    if let Some(old) = self.records.remove(&key) {
+                        self.records_bytes -= entry_bytes(&key.1, &old);
+                    }
                 }
             }
         }
         for run in learned.closed {
-            if let Some(rows) = self.born.remove(&run) {
-                self.rows -= rows.len();
-            }
+            self.drop_run(&run);
         }
+    }
+
+    /// Forgets the rows of `run`.
+    fn drop_run(&mut self, run: &[u8; 16]) {
+        if let Some(rows) = self.born.remove(run) {
+            self.rows -= rows.len();
+            self.born_bytes -= rows_bytes(&rows);
+        }
+    }
+
+    /// Estimated bytes this cache holds: every kept key and value, and
+    /// [`WRITER_CACHE_ENTRY_OVERHEAD_BYTES`] for each entry and each run.
+    pub fn bytes(&self) -> usize {
+        self.records_bytes + self.born_bytes
     }
 
     /// Forgets everything (after a failed write, or one of unknown
@@ -203,6 +255,8 @@ impl WriterCache {
         self.records.clear();
         self.born.clear();
         self.rows = 0;
+        self.records_bytes = 0;
+        self.born_bytes = 0;
     }
 
     /// Whether rows of `run` are all known here.
@@ -325,7 +379,9 @@ mod tests {
     //! base and learned by the cache; after each group every key and every
     //! run prefix is read through the cache and compared with the base.
     //! Writes to a run's owned rows before its birth are not generated:
-    //! that is the rule the cache relies on (`OWNED_CFS`).
+    //! that is the rule the cache relies on (`OWNED_CFS`). The estimate of
+    //! the bytes kept, maintained as entries come and go, is compared with
+    //! a count from scratch after each group.
 
     use proptest::prelude::*;
 
@@ -444,8 +500,19 @@ mod tests {
                     cache.learn(learned);
                 }
                 check_agrees(&base, &cache);
+                prop_assert_eq!(cache.bytes(), recounted(&cache), "bytes kept incrementally");
             }
         }
+    }
+
+    /// [`WriterCache::bytes`] counted from scratch.
+    fn recounted(cache: &WriterCache) -> usize {
+        let records: usize = cache
+            .records
+            .iter()
+            .map(|((_, k), v)| entry_bytes(k, v))
+            .sum();
+        records + cache.born.values().map(rows_bytes).sum::<usize>()
     }
 
     #[test]
@@ -524,8 +591,11 @@ mod tests {
         // Once its close is written the run's rows are no longer kept.
         cache.learn(Learned::of(&Writes::new(), [&closing]));
         assert!(!cache.knows_rows_of(r));
+        // What remains is the run's record, and the bytes counted say so.
+        assert_eq!(cache.bytes(), entry_bytes(&keys::run_key(r), &[2]));
         cache.learn(Learned::of(&writes, []));
         cache.forget();
         assert!(!cache.knows_rows_of(r));
+        assert_eq!(cache.bytes(), 0);
     }
 }

@@ -62,6 +62,7 @@ pub use state::{
     ChildEntry, InstanceMeta, OutboxMessage, ParkInfo, RunMeta, RunStatus, StoreMeta, TaskEntry,
     TimerEntry,
 };
+pub use stats::StoreMemory;
 pub use store::{CommitHandle, Durability, Store};
 pub use verify::{VerifyReport, Violation};
 

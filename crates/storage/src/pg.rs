@@ -1559,6 +1559,13 @@ impl Store for PgStore {
     fn writer_stats(&self) -> Option<crate::stats::WriterSnapshot> {
         Some(self.shared.stats.snapshot())
     }
+
+    fn memory(&self) -> Option<crate::stats::StoreMemory> {
+        Some(crate::stats::StoreMemory {
+            writer_cache_bytes: self.shared.stats.snapshot().cache_bytes,
+            ..Default::default()
+        })
+    }
 }
 
 impl PgStore {
@@ -2306,6 +2313,7 @@ impl Writer<'_> {
     /// Empties the cache; what was validated with it is validated again.
     fn forget(&mut self) {
         self.cache.forget();
+        self.shared.stats.cache_holds(0);
         self.generation += 1;
     }
 
@@ -2573,6 +2581,7 @@ impl Writer<'_> {
                     .filter(|(_, r)| r.is_ok())
                     .map(|(req, _)| &req.prepared);
                 self.cache.learn(Learned::of(&group.writes, accepted));
+                self.shared.stats.cache_holds(self.cache.bytes());
                 let ok = group.results.iter().filter(|r| r.is_ok()).count();
                 self.shared
                     .stats

@@ -144,6 +144,9 @@ pub struct WriterStats {
     /// Nanoseconds the writer spent validating groups against the store
     /// (reads and checks) before writing them.
     validate_nanos: AtomicU64,
+    /// Estimated bytes in the writer's cache (`WriterCache::bytes`) after
+    /// its last group.
+    cache_bytes: AtomicU64,
 }
 
 impl Default for WriterStats {
@@ -155,7 +158,36 @@ impl Default for WriterStats {
             write_seconds: Histogram::new(&WRITE_BUCKETS_SECONDS),
             idle_nanos: AtomicU64::new(0),
             validate_nanos: AtomicU64::new(0),
+            cache_bytes: AtomicU64::new(0),
         }
+    }
+}
+
+/// What a store holds in memory, by part (see `Store::memory`); a part the
+/// backend does not have is 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StoreMemory {
+    /// Writes not yet flushed to table files (RocksDB's memtables),
+    /// bounded by `rocks::MEMTABLES_BYTES_MAX`.
+    pub memtables_bytes: u64,
+    /// Index and filter blocks of open table files, held outside the
+    /// block cache.
+    pub table_readers_bytes: u64,
+    /// Table blocks cached for reads, bounded by
+    /// `rocks::BLOCK_CACHE_BYTES_MAX`.
+    pub block_cache_bytes: u64,
+    /// The writer's cache of what it wrote, estimated
+    /// (`cache::WriterCache::bytes`), bounded by its row limits.
+    pub writer_cache_bytes: u64,
+}
+
+impl StoreMemory {
+    /// Every part together.
+    pub fn total_bytes(&self) -> u64 {
+        self.memtables_bytes
+            + self.table_readers_bytes
+            + self.block_cache_bytes
+            + self.writer_cache_bytes
     }
 }
 
@@ -176,6 +208,9 @@ pub struct WriterSnapshot {
     /// Seconds the writer spent validating groups before writing them
     /// (counted by the RocksDB writer; 0 on other stores).
     pub validate_seconds: f64,
+    /// Estimated bytes the writer keeps of what it wrote
+    /// (`cache::WriterCache::bytes`).
+    pub cache_bytes: u64,
 }
 
 impl WriterStats {
@@ -203,6 +238,11 @@ impl WriterStats {
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
 
+    /// The writer's cache holds an estimated `bytes` now.
+    pub fn cache_holds(&self, bytes: usize) {
+        self.cache_bytes.store(bytes as u64, Ordering::Relaxed);
+    }
+
     /// What it holds now.
     pub fn snapshot(&self) -> WriterSnapshot {
         WriterSnapshot {
@@ -212,6 +252,7 @@ impl WriterStats {
             write_seconds: self.write_seconds.snapshot(),
             idle_seconds: self.idle_nanos.load(Ordering::Relaxed) as f64 / 1e9,
             validate_seconds: self.validate_nanos.load(Ordering::Relaxed) as f64 / 1e9,
+            cache_bytes: self.cache_bytes.load(Ordering::Relaxed),
         }
     }
 }

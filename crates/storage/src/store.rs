@@ -123,9 +123,9 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Bytes the store holds in memory for buffering and caching (memtables,
-    /// table readers, block cache), where the backend can tell.
-    fn memory_bytes(&self) -> Option<u64> {
+    /// What the store holds in memory for buffering and caching, by part,
+    /// where the backend can tell.
+    fn memory(&self) -> Option<crate::stats::StoreMemory> {
         None
     }
 

@@ -126,8 +126,20 @@ fn counters<'a, K: AsRef<str> + 'a>(
     label: &str,
     series: impl IntoIterator<Item = (&'a K, &'a u64)>,
 ) {
+    labelled(out, "counter", name, help, label, series);
+}
+
+/// A series of `kind` with one label, one line per value of it.
+fn labelled<'a, K: AsRef<str> + 'a>(
+    out: &mut String,
+    kind: &str,
+    name: &str,
+    help: &str,
+    label: &str,
+    series: impl IntoIterator<Item = (&'a K, &'a u64)>,
+) {
     let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} counter");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
     for (value, n) in series {
         let _ = writeln!(out, "{name}{{{label}=\"{}\"}} {n}", escape(value.as_ref()));
     }
@@ -285,12 +297,19 @@ pub(crate) async fn scrape(_: CanRead, state: web::Data<ServeState>) -> HttpResp
         "1 when the store accepts commits, 0 when it refuses them (a full or failing disk, a lost lease).",
         u8::from(matches!(health, keel_storage::StoreHealth::Healthy)),
     );
-    if let Some(bytes) = state.store.memory_bytes() {
-        gauge(
+    if let Some(m) = state.store.memory() {
+        labelled(
             &mut out,
+            "gauge",
             "keel_store_memory_bytes",
-            "Memory the store itself uses (caches, memtables).",
-            bytes,
+            "Memory the store itself uses, by part: memtables, table readers, the block cache, the writer's cache (estimated). Sum them for the total.",
+            "part",
+            [
+                (&"memtables", &m.memtables_bytes),
+                (&"table_readers", &m.table_readers_bytes),
+                (&"block_cache", &m.block_cache_bytes),
+                (&"writer_cache", &m.writer_cache_bytes),
+            ],
         );
     }
     state.metrics.write(&mut out);
