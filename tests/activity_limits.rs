@@ -380,3 +380,57 @@ async fn a_profile_applies_its_timeout_retry_classifier_and_fallback() -> anyhow
     );
     Ok(())
 }
+
+/// Returns its input.
+#[derive(Default)]
+struct Echo;
+impl Activity for Echo {
+    const NAME: &'static str = "echo";
+    type Input = u32;
+    type Output = u32;
+    async fn run(&self, _: ActivityContext, i: u32) -> Result<u32, ActivityError> {
+        Ok(i)
+    }
+}
+
+/// Calls `Echo` n times, 100 at a time.
+struct ManyCalls;
+impl Workflow for ManyCalls {
+    const NAME: &'static str = "many-calls";
+    type Input = u32;
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, n: u32) -> Result<u32, WorkflowError> {
+        ctx.for_each_limited(100, (0..n).map(|i| ctx.activity::<Echo>(i)))
+            .await?;
+        Ok(n)
+    }
+}
+
+// Goal: attempts that finished leave nothing behind in their shard's
+// queue of later checks: its size follows what is live, not the attempts
+// finished within the last lease's length (60 s by default), which at
+// thousands of attempts a second grew memory by tens of MiB.
+// Method: three times `DUE_SWEEP_ENTRIES_MIN` attempts finish well within
+// one lease; afterwards the engine's count of due entries is at most one
+// sweep's threshold (the run's shard) plus a few per shard, where keeping
+// every lease check until it came due would hold one per attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_attempts_leave_no_lease_checks_behind() -> anyhow::Result<()> {
+    let n = 3 * keel::driver::DUE_SWEEP_ENTRIES_MIN as u32;
+    let engine = Engine::builder()
+        .in_memory()
+        .register_workflow::<ManyCalls>()
+        .register_activity::<Echo>()
+        .build()?;
+    let c = engine.client();
+    c.start::<ManyCalls>("many", &n).await?;
+    assert_eq!(c.result::<ManyCalls>("many").await?, n);
+    let stats = engine.stats().await;
+    let bound = keel::driver::DUE_SWEEP_ENTRIES_MIN as u64 + 16 * stats.shards_owned;
+    assert!(
+        stats.shards.due_entries <= bound,
+        "{} due entries after {n} attempts (bound {bound})",
+        stats.shards.due_entries
+    );
+    Ok(())
+}

@@ -241,6 +241,12 @@ fn write_engine(out: &mut String, e: &EngineStats) {
         "Timers the engine holds in memory now (the soonest due; the rest wait in the store).",
         s.timers_armed,
     );
+    gauge(
+        out,
+        "keel_due_entries",
+        "Later checks the engine holds (dispatches at a backoff, lease checks, redeliveries); stale ones are swept as the queue doubles.",
+        s.due_entries,
+    );
     histogram(
         out,
         "keel_timer_lag_seconds",

@@ -389,6 +389,27 @@ impl Shard {
         }
     }
 
+    /// Drops from the due queue what can never apply again: lease checks
+    /// of copies no longer running, and dispatches and start deadlines of
+    /// attempts superseded by a later one (attempt numbers only grow). An
+    /// entry whose attempt is not here is kept when the attempt may come
+    /// back (its run activated again); a lease check is not, since a copy
+    /// delivered again gets a check of its own.
+    pub(super) fn sweep_due(&mut self) {
+        let before = self.due.len();
+        let attempts = &self.attempts.map;
+        self.due.sweep(|due| match due {
+            Due::Lease(key, epoch) => attempts
+                .get(key)
+                .is_some_and(|a| matches!(a.state, State::Running { epoch: e, .. } if e == *epoch)),
+            Due::Task(key, attempt) | Due::StartDeadline(key, attempt) => {
+                attempts.get(key).is_none_or(|a| a.task.attempt == *attempt)
+            }
+            _ => true,
+        });
+        tracing::trace!(before, after = self.due.len(), "due queue swept");
+    }
+
     /// A lease may have ended: redeliver the same attempt, or fail it.
     pub(super) fn lease_check(&mut self, key: AttemptKey, epoch: LeaseEpoch) {
         let now = self.now;

@@ -3,8 +3,13 @@
 //! insertion), so two hosts that feed the same inputs see the same order.
 //!
 //! Entries are not removed when their reason goes away (a timer cancelled,
-//! a lease renewed); each is checked against the shard's state when it
-//! comes due, and dropped if it no longer applies.
+//! a lease renewed, an attempt finished); each is checked against the
+//! shard's state when it comes due, and dropped if it no longer applies.
+//! So that stale entries do not pile up (every attempt leaves a lease
+//! check behind, due a lease's length later), the queue is swept of those
+//! that can never apply again whenever it has doubled since the last sweep
+//! ([`DueQueue::wants_sweep`]): its size follows what is live, not the
+//! work done in the last lease's length.
 
 use std::collections::BTreeMap;
 
@@ -43,10 +48,15 @@ pub(super) enum Due {
     ShardLease,
 }
 
+/// Entries below which the queue is never swept.
+pub const DUE_SWEEP_ENTRIES_MIN: usize = 4096;
+
 #[derive(Debug, Default)]
 pub(super) struct DueQueue {
     queue: BTreeMap<(Timestamp, u64), Due>,
     next: u64,
+    /// Entries left by the last sweep.
+    swept_to: usize,
 }
 
 impl DueQueue {
@@ -58,6 +68,25 @@ impl DueQueue {
     /// The earliest due time.
     pub(super) fn next(&self) -> Option<Timestamp> {
         self.queue.keys().next().map(|(t, _)| *t)
+    }
+
+    /// Entries held.
+    pub(super) fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Whether the queue has doubled (and holds at least
+    /// [`DUE_SWEEP_ENTRIES_MIN`]) since it was last swept.
+    pub(super) fn wants_sweep(&self) -> bool {
+        self.queue.len() >= DUE_SWEEP_ENTRIES_MIN.max(2 * self.swept_to)
+    }
+
+    /// Drops the entries `applies` says can never apply again; the rest
+    /// keep their order. Sweeping only removes what would have been
+    /// dropped when it came due, so it changes no decision.
+    pub(super) fn sweep(&mut self, mut applies: impl FnMut(&Due) -> bool) {
+        self.queue.retain(|_, due| applies(due));
+        self.swept_to = self.queue.len();
     }
 
     /// The earliest entry due at or before `now`.

@@ -65,6 +65,7 @@ pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE
 pub use stats::{ShardStats, REJECTION_POLICIES_MAX, TIMER_LAG_BUCKETS_SECONDS};
 
 use attempts::Attempts;
+pub use due::DUE_SWEEP_ENTRIES_MIN;
 use due::{Due, DueQueue};
 use outbox::Outbox;
 use run::RunSlot;
@@ -1291,6 +1292,9 @@ impl Shard {
             ShardInput::LeaseRenewed { result } => self.lease_renewed(result),
         }
         self.passivate();
+        if self.due.wants_sweep() {
+            self.sweep_due();
+        }
     }
 
     /// Whether the store accepts writes, as this shard last learned it

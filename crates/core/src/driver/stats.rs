@@ -56,6 +56,10 @@ pub struct ShardStats {
     /// Timers held in memory now: the window of the soonest due (the
     /// rest wait in the store; see `TIMERS_IN_MEMORY_MAX`).
     pub timers_armed: u64,
+    /// Later checks held now (dispatches at a backoff, lease checks,
+    /// redeliveries, retries): what is live plus stale entries not yet
+    /// swept (see `DUE_SWEEP_ENTRIES_MIN`).
+    pub due_entries: u64,
 }
 
 impl Default for ShardStats {
@@ -75,6 +79,7 @@ impl Default for ShardStats {
             attempts_supervised: 0,
             outbox_backlog: 0,
             timers_armed: 0,
+            due_entries: 0,
         }
     }
 }
@@ -102,6 +107,7 @@ impl ShardStats {
         self.attempts_supervised += other.attempts_supervised;
         self.outbox_backlog += other.outbox_backlog;
         self.timers_armed += other.timers_armed;
+        self.due_entries += other.due_entries;
     }
 
     pub(super) fn input(&mut self, kind: &'static str) {
@@ -132,6 +138,7 @@ impl Shard {
         s.attempts_supervised = self.attempts.len() as u64;
         s.outbox_backlog = self.outbox.len() as u64;
         s.timers_armed = self.timers.len() as u64;
+        s.due_entries = self.due.len() as u64;
         s
     }
 }
