@@ -36,7 +36,7 @@ use crate::kv::{KvRead, Writes};
 pub const WRITER_CACHE_RECORDS_MAX: usize = 16_384;
 
 /// Most rows of runs born here the writer keeps, over all such runs.
-pub const WRITER_CACHE_ROWS_MAX: usize = 131_072;
+pub const WRITER_CACHE_ROWS_MAX: usize = 65_536;
 
 /// Largest record or row value the writer keeps (a closed run's record
 /// holds its result and is rarely read again by the writer).

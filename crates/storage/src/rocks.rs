@@ -97,7 +97,7 @@ const LOST_COMMITS_OPEN_TRIES: u32 = 5;
 pub const LIVE_COPY_ATTEMPTS_MAX: u32 = 50;
 
 /// Memory all memtables together may use before RocksDB flushes them.
-pub const MEMTABLES_BYTES_MAX: usize = 64 << 20;
+pub const MEMTABLES_BYTES_MAX: usize = 32 << 20;
 
 /// Memory for table blocks read from disk, one cache shared by every
 /// column family. (Left unset, RocksDB gives each family its own 32 MiB
