@@ -27,6 +27,8 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let idle_mib = status_mib("VmRSS:");
+    let mut done = Vec::new();
     for (id, log_errors) in [("import-fail-together", false), ("import-log-errors", true)] {
         let t0 = Instant::now();
         let input = ImportInput {
@@ -41,6 +43,16 @@ fn main() -> anyhow::Result<()> {
             client.result::<ImportWorkflow>(id).await
         })?;
         let d = rt.block_on(client.describe(id))?;
+        done.push((id, report, d, t0.elapsed().as_secs_f64()));
+    }
+    // The engine's own peak, before the offline replays below load whole
+    // histories into this process.
+    let peak_mib = status_mib("VmHWM:");
+    println!(
+        "engine: rss {idle_mib:.0} MiB idle, {peak_mib:.0} MiB at its peak over both imports (+{:.0})",
+        peak_mib - idle_mib
+    );
+    for (id, report, d, took_s) in done {
         // Offline replay of the import's whole history with the same code.
         let history = engine.store().history(d.run_id)?;
         let mut registry = keel::WorkflowRegistry::new();
@@ -59,10 +71,23 @@ fn main() -> anyhow::Result<()> {
             report.aborted.as_deref().unwrap_or("complete"),
             d.history_len,
             d.history_len as f64 / rows as f64,
-            t0.elapsed().as_secs_f64(),
+            took_s,
             d.history_len as f64 / replay_s.max(1e-9)
         );
     }
     engine.shutdown_blocking();
     Ok(())
+}
+
+/// A line of /proc/self/status in MiB (Linux), 0 where unknown.
+fn status_mib(field: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
 }

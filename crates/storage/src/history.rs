@@ -103,10 +103,22 @@ pub struct ChildRecord {
     pub state: ChildState,
 }
 
-/// The steps a history shows as open, in step order.
-pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
-    let mut open: std::collections::BTreeMap<Step, PendingStep> = Default::default();
-    for e in history {
+/// What a history shows, folded one event at a time: the steps still
+/// open and the children. Memory follows those, not the history's length,
+/// so a reader can stream a long history through it ([`Self::see`]).
+#[derive(Debug, Default)]
+pub struct HistoryFacts {
+    open: std::collections::BTreeMap<Step, PendingStep>,
+    children: Vec<ChildRecord>,
+    /// Index in `children` by the parent's step.
+    child_at: std::collections::HashMap<Step, usize>,
+}
+
+impl HistoryFacts {
+    /// Folds in the next event.
+    pub fn see(&mut self, e: &Event) {
+        self.see_child(e);
+        let open = &mut self.open;
         match &e.kind {
             EventKind::ActivityScheduled {
                 step,
@@ -224,13 +236,8 @@ pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
             open.clear();
         }
     }
-    open.into_values().collect()
-}
 
-/// The children a history records, with what the parent has seen of them.
-pub fn children(history: &[Event]) -> Vec<ChildRecord> {
-    let mut out: Vec<ChildRecord> = Vec::new();
-    for e in history {
+    fn see_child(&mut self, e: &Event) {
         match &e.kind {
             EventKind::ChildScheduled {
                 step,
@@ -238,27 +245,53 @@ pub fn children(history: &[Event]) -> Vec<ChildRecord> {
                 child_run_id,
                 workflow_type,
                 ..
-            } => out.push(ChildRecord {
-                step: *step,
-                run_id: *child_run_id,
-                instance_id: child_instance_id.to_string(),
-                workflow_type: workflow_type.clone(),
-                state: ChildState::Open,
-            }),
+            } => {
+                self.child_at.insert(*step, self.children.len());
+                self.children.push(ChildRecord {
+                    step: *step,
+                    run_id: *child_run_id,
+                    instance_id: child_instance_id.to_string(),
+                    workflow_type: workflow_type.clone(),
+                    state: ChildState::Open,
+                });
+            }
             EventKind::ChildCompleted { step, .. } | EventKind::ChildFailed { step, .. } => {
                 let done = if matches!(e.kind, EventKind::ChildCompleted { .. }) {
                     ChildState::Completed
                 } else {
                     ChildState::Failed
                 };
-                if let Some(c) = out.iter_mut().find(|c| c.step == *step) {
-                    c.state = done;
+                if let Some(&i) = self.child_at.get(step) {
+                    self.children[i].state = done;
                 }
             }
             _ => {}
         }
     }
-    out
+
+    /// The steps open, in step order, and the children in the order they
+    /// were scheduled, with what the parent has seen of them.
+    pub fn into_parts(self) -> (Vec<PendingStep>, Vec<ChildRecord>) {
+        (self.open.into_values().collect(), self.children)
+    }
+}
+
+/// The steps a history shows as open, in step order.
+pub fn pending_steps(history: &[Event]) -> Vec<PendingStep> {
+    fold(history).into_parts().0
+}
+
+/// The children a history records, with what the parent has seen of them.
+pub fn children(history: &[Event]) -> Vec<ChildRecord> {
+    fold(history).into_parts().1
+}
+
+fn fold(history: &[Event]) -> HistoryFacts {
+    let mut facts = HistoryFacts::default();
+    for e in history {
+        facts.see(e);
+    }
+    facts
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! history, its open steps, its children) and from its own memory (the
 //! machine's signal waits and scopes, the attempts it supervises).
 
-use keel_storage::history::{pending_steps, PendingStep};
+use keel_storage::history::PendingStep;
 use keel_storage::{Error as StoreError, ParkInfo, RunId, RunStatus, Step, Timestamp};
 use serde::Serialize;
 
@@ -145,7 +145,7 @@ impl Shard {
             started_at: meta.started_at,
             closed_at: meta.closed_at,
             parent: meta.parent.as_ref().map(|p| (p.run_id, p.step)),
-            pending: pending_steps(&facts.history),
+            pending: facts.pending,
             signal_waits: view
                 .as_ref()
                 .map(|v| v.signal_waits.clone())

@@ -6,7 +6,7 @@
 //! the result back. So the host's part is one call, and what is read for
 //! which decision stays in the driver.
 
-use keel_storage::history::{children, ChildRecord};
+use keel_storage::history::ChildRecord;
 use keel_storage::{
     CommandId, Error as StoreError, Event, EventKind, InstanceId, InstanceMeta, Intent,
     OutboxMessage, Outcome, ParkInfo, RunId, RunMeta, Seq, Store,
@@ -88,8 +88,10 @@ pub const START_DEDUPE_RUNS_MAX: usize = 32;
 pub struct DescribeFacts {
     /// The run's metadata.
     pub meta: RunMeta,
-    /// Its history.
-    pub history: Vec<Event>,
+    /// The durable waits its history shows as open, in step order (the
+    /// history is streamed through a fold, not held: describing a run of a
+    /// million events takes memory for its open steps and children only).
+    pub pending: Vec<keel_storage::history::PendingStep>,
     /// Its children as its history records them, with their status in the
     /// store (`None`: not started).
     pub children: Vec<(ChildRecord, Option<RunMeta>)>,
@@ -205,16 +207,21 @@ impl ReadQuery {
             ReadQuery::Describe(run) => match store.run_meta(*run)? {
                 None => ReadResult::Describe(None),
                 Some(meta) => {
-                    let history = store.history(*run)?;
+                    let mut facts = keel_storage::history::HistoryFacts::default();
+                    store.for_each_event(*run, Seq::FIRST, &mut |e| {
+                        facts.see(&e);
+                        true
+                    })?;
+                    let (pending, children) = facts.into_parts();
                     let mut kids = Vec::new();
-                    for c in children(&history) {
+                    for c in children {
                         let m = store.run_meta(c.run_id)?;
                         kids.push((c, m));
                     }
                     let parked = store.parked(*run)?;
                     ReadResult::Describe(Some(Box::new(DescribeFacts {
                         meta,
-                        history,
+                        pending,
                         children: kids,
                         parked,
                     })))
