@@ -147,6 +147,11 @@ async fn large_order_waits_for_approval_across_a_restart() -> anyhow::Result<()>
     }
     let engine = engine_in(dir.path());
     let client = engine.client();
+    // Not in memory after the restart: describing it replays it, so what
+    // only the machine knows (the signal it waits for) is there.
+    let d = client.describe("o-large").await?;
+    assert_eq!(d.signal_waits, vec![("approve".to_string(), 1)]);
+    assert_eq!(d.status, keel::RunStatus::Running);
     client
         .signal("o-large", "approve", &"ops".to_string(), Some("approve-1"))
         .await?;
@@ -157,8 +162,10 @@ async fn large_order_waits_for_approval_across_a_restart() -> anyhow::Result<()>
     let receipt = client.result::<OrderWorkflow>("o-large").await?;
     assert_eq!(receipt.approved_by.as_deref(), Some("ops"));
     assert_eq!(receipt.shipment, "shipped piano");
+    // Closed and dropped from memory: described from the store alone.
     let run = client.describe("o-large").await?;
     assert_eq!(run.status, keel::RunStatus::Completed);
+    assert!(run.pending.is_empty() && run.coroutines.is_none());
     let history = engine.store().history(run.run_id)?;
     let signals = history
         .iter()

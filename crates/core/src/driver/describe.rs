@@ -7,7 +7,7 @@ use keel_storage::history::PendingStep;
 use keel_storage::{Error as StoreError, ParkInfo, RunId, RunStatus, Step, Timestamp};
 use serde::Serialize;
 
-use super::{Answer, ReadResult, Refusal, ReplyTo, Shard};
+use super::{Answer, Origin, ReadResult, Refusal, ReplyTo, RunOp, Shard};
 
 /// A child run as its parent's history records it.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
@@ -130,6 +130,17 @@ impl Shard {
             }
         };
         let meta = facts.meta;
+        let idle = self
+            .runs
+            .get(&run)
+            .is_some_and(|s| matches!(s.phase, super::run::Phase::Idle));
+        if view.is_none() && idle && !meta.status.is_closed() {
+            // Open and not in memory: described once replayed, with what
+            // only the machine knows.
+            self.queue(run, RunOp::Describe, Origin::Reply(reply));
+            self.activate(run);
+            return;
+        }
         let memo = meta
             .memo
             .iter()
@@ -176,5 +187,15 @@ impl Shard {
             store_health: self.store_health.clone(),
         };
         self.reply(reply, Answer::Described(Box::new(description)), None);
+        // A run described from the store alone leaves no slot behind.
+        let unused = self
+            .runs
+            .get(&run)
+            .is_some_and(|s| matches!(s.phase, super::run::Phase::Idle) && s.idle())
+            && !self.results.contains_key(&run)
+            && !self.updates.contains_key(&run);
+        if unused {
+            self.forget(run);
+        }
     }
 }

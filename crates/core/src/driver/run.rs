@@ -235,6 +235,12 @@ impl Shard {
                 }
             }
             Phase::Loading => self.queue(run, op, origin),
+            // A run not in memory is described from the store first: a
+            // closed one needs no replay (describing a finished import of
+            // 200,000 events replayed all of them); an open one is then
+            // activated for its coroutines and scopes
+            // (`Shard::describe_read`).
+            Phase::Idle if matches!(op, RunOp::Describe) => self.describe_when_drained(run, origin),
             Phase::Idle => {
                 self.queue(run, op, origin);
                 self.activate(run);
@@ -347,7 +353,7 @@ impl Shard {
         }
     }
 
-    fn queue(&mut self, run: RunId, op: RunOp, origin: Origin) {
+    pub(super) fn queue(&mut self, run: RunId, op: RunOp, origin: Origin) {
         let slot = self.slot(run);
         if slot.waiting.len() >= RUN_QUEUE_MAX {
             let why = format!("run {run} has {RUN_QUEUE_MAX} requests waiting");
@@ -359,7 +365,7 @@ impl Shard {
 
     /// Reads the history to replay the run, unless a read is in flight or
     /// its commits are (then it starts once they are answered).
-    fn activate(&mut self, run: RunId) {
+    pub(super) fn activate(&mut self, run: RunId) {
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
         };
