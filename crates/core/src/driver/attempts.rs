@@ -394,14 +394,20 @@ impl Shard {
     /// attempts superseded by a later one (attempt numbers only grow). An
     /// entry whose attempt is not here is kept when the attempt may come
     /// back (its run activated again); a lease check is not, since a copy
-    /// delivered again gets a check of its own.
+    /// delivered again gets a check of its own under a new epoch. (Under
+    /// the simulator's `RedeliverSameEpoch` break mode an epoch comes back,
+    /// and an old check could act early: lease checks are then kept.)
     pub(super) fn sweep_due(&mut self) {
         let before = self.due.len();
+        let same_epoch = self.breaks(BreakMode::RedeliverSameEpoch);
         let attempts = &self.attempts.map;
         self.due.sweep(|due| match due {
-            Due::Lease(key, epoch) => attempts
-                .get(key)
-                .is_some_and(|a| matches!(a.state, State::Running { epoch: e, .. } if e == *epoch)),
+            Due::Lease(key, epoch) => {
+                same_epoch
+                    || attempts.get(key).is_some_and(
+                        |a| matches!(a.state, State::Running { epoch: e, .. } if e == *epoch),
+                    )
+            }
             Due::Task(key, attempt) | Due::StartDeadline(key, attempt) => {
                 attempts.get(key).is_none_or(|a| a.task.attempt == *attempt)
             }

@@ -1,12 +1,15 @@
 //! What `describe` reports about a run: only committed state. A shard
 //! answers it once the run has no commit in flight, from the store (the
-//! history, its open steps, its children) and from its own memory (the
-//! machine's signal waits and scopes, the attempts it supervises).
+//! run's record, and its open steps and children, found by streaming its
+//! history through a fold) and from its own memory (the machine's signal
+//! waits and scopes, the attempts it supervises). An open run not in
+//! memory is activated for the latter; a closed one is not.
 
 use keel_storage::history::PendingStep;
 use keel_storage::{Error as StoreError, ParkInfo, RunId, RunStatus, Step, Timestamp};
 use serde::Serialize;
 
+use super::run::Phase;
 use super::{Answer, Origin, ReadResult, Refusal, ReplyTo, RunOp, Shard};
 
 /// A child run as its parent's history records it.
@@ -122,24 +125,37 @@ impl Shard {
             Ok(ReadResult::Describe(Some(f))) => f,
             Ok(ReadResult::Describe(None)) => {
                 let answer = Answer::Refused(Refusal::UnknownRun(run.to_string()));
-                return self.reply(reply, answer, None);
+                self.reply(reply, answer, None);
+                return self.forget_if_unused(run);
             }
             Ok(_) => return,
             Err(e) => {
-                return self.reply(reply, Answer::Retry(format!("run unreadable: {e}")), None)
+                self.reply(reply, Answer::Retry(format!("run unreadable: {e}")), None);
+                return self.forget_if_unused(run);
             }
         };
         let meta = facts.meta;
-        let idle = self
-            .runs
-            .get(&run)
-            .is_some_and(|s| matches!(s.phase, super::run::Phase::Idle));
-        if view.is_none() && idle && !meta.status.is_closed() {
-            // Open and not in memory: described once replayed, with what
-            // only the machine knows.
-            self.queue(run, RunOp::Describe, Origin::Reply(reply));
-            self.activate(run);
-            return;
+        if view.is_none() && !meta.status.is_closed() {
+            // Open, but described without its machine: described again
+            // once it is replayed (or, replayed meanwhile, now), with what
+            // only the machine knows. A parked run has no more to say.
+            let slot = self.runs.get(&run);
+            let machine_open = slot
+                .and_then(|s| s.machine())
+                .is_some_and(|m| !m.is_closed());
+            match slot.map(|s| &s.phase) {
+                None | Some(Phase::Idle) => {
+                    self.queue(run, RunOp::Describe, Origin::Reply(reply));
+                    return self.activate(run);
+                }
+                Some(Phase::Loading) => {
+                    return self.queue(run, RunOp::Describe, Origin::Reply(reply));
+                }
+                Some(Phase::Ready(_)) if machine_open => {
+                    return self.describe_when_drained(run, Origin::Reply(reply));
+                }
+                _ => {}
+            }
         }
         let memo = meta
             .memo
@@ -187,11 +203,15 @@ impl Shard {
             store_health: self.store_health.clone(),
         };
         self.reply(reply, Answer::Described(Box::new(description)), None);
-        // A run described from the store alone leaves no slot behind.
+        self.forget_if_unused(run);
+    }
+
+    /// A run described from the store alone leaves no slot behind.
+    fn forget_if_unused(&mut self, run: RunId) {
         let unused = self
             .runs
             .get(&run)
-            .is_some_and(|s| matches!(s.phase, super::run::Phase::Idle) && s.idle())
+            .is_some_and(|s| matches!(s.phase, Phase::Idle) && s.idle())
             && !self.results.contains_key(&run)
             && !self.updates.contains_key(&run);
         if unused {

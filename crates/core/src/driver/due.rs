@@ -8,8 +8,11 @@
 //! So that stale entries do not pile up (every attempt leaves a lease
 //! check behind, due a lease's length later), the queue is swept of those
 //! that can never apply again whenever it has doubled since the last sweep
-//! ([`DueQueue::wants_sweep`]): its size follows what is live, not the
-//! work done in the last lease's length.
+//! or since it was last that small ([`DueQueue::wants_sweep`]): stale lease
+//! checks stay within about as many as the entries live, plus
+//! [`DUE_SWEEP_ENTRIES_MIN`], instead of following the attempts of the
+//! last lease's length. (Dispatches and start deadlines of attempts not in
+//! memory are kept until due: their run may come back.)
 
 use std::collections::BTreeMap;
 
@@ -83,7 +86,8 @@ impl DueQueue {
 
     /// Drops the entries `applies` says can never apply again; the rest
     /// keep their order. Sweeping only removes what would have been
-    /// dropped when it came due, so it changes no decision.
+    /// dropped when it came due, so it changes no decision (the shard's
+    /// `applies` keeps what a break mode could bring back).
     pub(super) fn sweep(&mut self, mut applies: impl FnMut(&Due) -> bool) {
         self.queue.retain(|_, due| applies(due));
         self.swept_to = self.queue.len();
@@ -95,6 +99,8 @@ impl DueQueue {
         if entry.key().0 > now {
             return None;
         }
-        Some(entry.remove())
+        let due = entry.remove();
+        self.swept_to = self.swept_to.min(self.queue.len());
+        Some(due)
     }
 }

@@ -1177,7 +1177,7 @@ impl Shard {
 
     // ---- describe -------------------------------------------------------
 
-    fn describe_when_drained(&mut self, run: RunId, origin: Origin) {
+    pub(super) fn describe_when_drained(&mut self, run: RunId, origin: Origin) {
         let slot = self.slot(run);
         if slot.inflight.is_empty() && slot.markers.is_empty() {
             self.describe_now(run, origin);
