@@ -273,7 +273,7 @@ where
     limit: usize,
     next_index: u32,
     open: BTreeMap<u32, I::Item>,
-    by_step: HashMap<Step, u32>,
+    by_step: crate::core::StepMap<u32>,
     stepless: std::collections::BTreeSet<u32>,
     results: Vec<Option<<I::Item as Branch>::Output>>,
     keep: bool,
@@ -462,7 +462,7 @@ impl WorkflowContext {
             limit: limit.max(1),
             next_index: 0,
             open: BTreeMap::new(),
-            by_step: HashMap::new(),
+            by_step: Default::default(),
             stepless: Default::default(),
             results: if keep {
                 (0..size).map(|_| None).collect()
