@@ -198,8 +198,9 @@ impl std::fmt::Debug for Core {
 /// looked up once per member each time a barrier is polled (a 1,000-member
 /// `all` polls every member after each result), where SipHash was a fifth
 /// of the run's time; the keys are numbers the machine assigned itself, so
-/// no input can choose them to collide. The order of iteration does not
-/// matter: these maps are never iterated.
+/// no input can choose them to collide. Where one is iterated
+/// (`resolved`'s keys, when `all_limited` picks the members to poll) the
+/// keys are sorted after, so the hasher's order never reaches a decision.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct StepHasher(u64);
 

@@ -135,10 +135,13 @@ impl Shard {
             }
         };
         let meta = facts.meta;
-        if view.is_none() && !meta.status.is_closed() {
+        if view.is_none() && !meta.status.is_closed() && facts.parked.is_none() {
             // Open, but described without its machine: described again
             // once it is replayed (or, replayed meanwhile, now), with what
-            // only the machine knows. A parked run has no more to say.
+            // only the machine knows. A parked run is answered from the
+            // store: replaying it would only park it again (and rewrite
+            // its marker), and its slot may be passivated meanwhile, which
+            // would start the round again.
             let slot = self.runs.get(&run);
             let machine_open = slot
                 .and_then(|s| s.machine())
