@@ -240,6 +240,16 @@ impl Workflow for OrderWorkflowV2 {
     }
 }
 
+/// An engine on `dir` running the changed order workflow.
+fn engine_v2_in(dir: &std::path::Path) -> anyhow::Result<Engine> {
+    Ok(Engine::builder()
+        .data_dir(dir)
+        .register_workflow::<OrderWorkflowV2>()
+        .register_activity::<Charge>()
+        .register_activity::<Ship>()
+        .build()?)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_incompatible_code_change_parks_the_run() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -263,12 +273,7 @@ async fn an_incompatible_code_change_parks_the_run() -> anyhow::Result<()> {
         }
         engine.shutdown_blocking();
     }
-    let engine = Engine::builder()
-        .data_dir(dir.path())
-        .register_workflow::<OrderWorkflowV2>()
-        .register_activity::<Charge>()
-        .register_activity::<Ship>()
-        .build()?;
+    let engine = engine_v2_in(dir.path())?;
     let client = engine.client();
     let err = client
         .signal("o-park", "approve", &"ops", None)
@@ -287,12 +292,7 @@ async fn an_incompatible_code_change_parks_the_run() -> anyhow::Result<()> {
     engine.shutdown_blocking();
     // Not in memory after a restart: a parked run is described from the
     // store, not replayed (which would park it again and move its marker).
-    let engine = Engine::builder()
-        .data_dir(dir.path())
-        .register_workflow::<OrderWorkflowV2>()
-        .register_activity::<Charge>()
-        .register_activity::<Ship>()
-        .build()?;
+    let engine = engine_v2_in(dir.path())?;
     let client = engine.client();
     tokio::time::sleep(Duration::from_millis(20)).await;
     for _ in 0..2 {

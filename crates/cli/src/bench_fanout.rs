@@ -13,7 +13,7 @@ use keel::{Engine, Workflow, WorkflowContext, WorkflowError};
 use crate::bench::Noop;
 use serde::Serialize;
 
-use crate::output::{max_rss_mb, percentile};
+use crate::output::{max_rss_mb, percentile, rss_mb};
 
 /// Arguments of `keel bench w2`.
 #[derive(clap::Args, Debug)]
@@ -263,19 +263,6 @@ struct IdleReport {
     store_memory_mb: f64,
     bytes_per_run_excluding_store: f64,
     start_s: f64,
-}
-
-/// This process's resident memory now, MiB.
-pub(crate) fn rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// Starts `keel bench idle` keeps in flight.

@@ -16,8 +16,8 @@ use futures::StreamExt;
 use keel::{Engine, Workflow, WorkflowContext, WorkflowError};
 use serde::{Deserialize, Serialize};
 
-use crate::bench_fanout::rss_mb;
 use crate::output::progress;
+use crate::output::rss_mb;
 
 /// Starts in flight at once while filling.
 const FILL_STARTS_IN_FLIGHT: usize = 512;

@@ -70,11 +70,21 @@ pub fn open_dir_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Err
 
 /// Peak resident memory of this process in MiB (Linux), 0 where unknown.
 pub fn max_rss_mb() -> f64 {
+    status_mib("VmHWM:")
+}
+
+/// Resident memory of this process now in MiB (Linux), 0 where unknown.
+pub fn rss_mb() -> f64 {
+    status_mib("VmRSS:")
+}
+
+/// A kB line of /proc/self/status (`field` with its colon) in MiB.
+fn status_mib(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<f64>().ok())
         })
