@@ -14,7 +14,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use keel_storage::{
@@ -112,8 +112,15 @@ pub trait Members: Unpin {
     type Output;
     /// Durable leaves under these members.
     fn leaf_count(&self) -> u32;
-    /// Polls every member not yet done; the first failure wins.
-    fn poll_members(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Output, Failure>>;
+    /// Polls the members not yet done that can have progressed; the first
+    /// failure, in the members' order, wins. `ready` holds the steps with a
+    /// resolution waiting: a member whose leaf step is not among them would
+    /// stay pending, so a vector of members skips it.
+    fn poll_members(
+        &mut self,
+        ready: &[Step],
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Self::Output, Failure>>;
     /// The leaf steps issued under members not yet done.
     fn leaf_steps(&self, out: &mut Vec<Step>);
 }
@@ -126,36 +133,144 @@ pub trait IntoMembers {
     fn into_members(self) -> Self::Members;
 }
 
-impl<B: Branch> Members for Vec<Slot<B>> {
+/// The members of a barrier over a vector.
+///
+/// The first poll issues every member. After it, only the members that can
+/// have progressed are polled: leaves whose step has a resolution waiting,
+/// and members without a single step (nested barriers, select members). A
+/// fan-out of n leaves then costs O(n) in all rather than O(n) per result.
+/// A leaf skipped keeps the waker it registered; a poll with a different
+/// waker polls every member again so each registers the new one.
+pub struct VecMembers<B: Branch> {
+    slots: Vec<Slot<B>>,
+    /// Index of each pending member by its leaf step.
+    by_step: crate::core::StepMap<u32>,
+    /// Pending members without a single leaf step, in ascending order.
+    stepless: Vec<u32>,
+    /// Members not yet done.
+    pending: usize,
+    /// The waker the skipped members registered (none before the first poll).
+    waker: Option<Waker>,
+}
+
+// Members are polled through `&mut`; nothing is pinned structurally.
+impl<B: Branch> Unpin for VecMembers<B> {}
+
+impl<B: Branch> std::fmt::Debug for VecMembers<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "VecMembers(members {}, pending {})",
+            self.slots.len(),
+            self.pending
+        )
+    }
+}
+
+impl<B: Branch> VecMembers<B> {
+    /// Polls member `i`; a pending member is indexed for the next poll.
+    fn poll_index(&mut self, i: u32, cx: &mut Context<'_>) -> Poll<Result<(), Failure>> {
+        let slot = &mut self.slots[i as usize];
+        if slot.out.is_some() {
+            return Poll::Ready(Ok(()));
+        }
+        let r = slot.poll_slot(cx);
+        match &r {
+            Poll::Ready(Ok(())) => self.pending -= 1,
+            Poll::Ready(Err(_)) => {}
+            Poll::Pending => match slot.branch.leaf_step() {
+                Some(step) => {
+                    self.by_step.insert(step, i);
+                }
+                None => self.stepless.push(i),
+            },
+        }
+        r
+    }
+}
+
+impl<B: Branch> Members for VecMembers<B> {
     type Output = Vec<B::Output>;
     fn leaf_count(&self) -> u32 {
-        self.iter().map(|s| s.branch.leaf_count()).sum()
+        self.slots.iter().map(|s| s.branch.leaf_count()).sum()
     }
     fn leaf_steps(&self, out: &mut Vec<Step>) {
-        for s in self.iter().filter(|s| s.out.is_none()) {
+        for s in self.slots.iter().filter(|s| s.out.is_none()) {
             s.branch.leaf_steps(out);
         }
     }
-    fn poll_members(&mut self, cx: &mut Context<'_>) -> Poll<Result<Vec<B::Output>, Failure>> {
-        let mut pending = false;
-        for s in self.iter_mut() {
-            match s.poll_slot(cx) {
-                Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => pending = true,
+    fn poll_members(
+        &mut self,
+        ready: &[Step],
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Vec<B::Output>, Failure>> {
+        let same_waker = self.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
+        let candidates: Vec<u32> = if same_waker {
+            let mut c: Vec<u32> = ready
+                .iter()
+                .filter_map(|s| self.by_step.remove(s))
+                .collect();
+            c.append(&mut self.stepless);
+            c.sort_unstable();
+            c
+        } else {
+            self.waker = Some(cx.waker().clone());
+            self.by_step.clear();
+            self.stepless.clear();
+            (0..self.slots.len() as u32).collect()
+        };
+        let mut failed = None;
+        for (n, &i) in candidates.iter().enumerate() {
+            if let Poll::Ready(Err(e)) = self.poll_index(i, cx) {
+                // The members not reached keep their place for a later poll.
+                for &rest in &candidates[n + 1..] {
+                    self.reindex(rest);
+                }
+                failed = Some(e);
+                break;
             }
         }
-        if pending {
+        if let Some(e) = failed {
+            return Poll::Ready(Err(e));
+        }
+        if self.pending > 0 {
             return Poll::Pending;
         }
-        Poll::Ready(Ok(self.iter_mut().map(Slot::take).collect()))
+        Poll::Ready(Ok(self.slots.iter_mut().map(Slot::take).collect()))
+    }
+}
+
+impl<B: Branch> VecMembers<B> {
+    /// Puts member `i`, taken as a candidate but not polled, back in its
+    /// index.
+    fn reindex(&mut self, i: u32) {
+        let slot = &self.slots[i as usize];
+        if slot.out.is_some() {
+            return;
+        }
+        match slot.branch.leaf_step() {
+            Some(step) => {
+                self.by_step.insert(step, i);
+            }
+            None => {
+                let at = self.stepless.partition_point(|&j| j < i);
+                self.stepless.insert(at, i);
+            }
+        }
     }
 }
 
 impl<B: Branch> IntoMembers for Vec<B> {
-    type Members = Vec<Slot<B>>;
+    type Members = VecMembers<B>;
     fn into_members(self) -> Self::Members {
-        self.into_iter().map(Slot::new).collect()
+        let slots: Vec<Slot<B>> = self.into_iter().map(Slot::new).collect();
+        VecMembers {
+            pending: slots.len(),
+            slots,
+            by_step: Default::default(),
+            stepless: Vec::new(),
+            waker: None,
+        }
     }
 }
 
@@ -173,7 +288,12 @@ macro_rules! tuple_members {
                     }
                 )+
             }
-            fn poll_members(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Output, Failure>> {
+            fn poll_members(
+                &mut self,
+                _ready: &[Step],
+                cx: &mut Context<'_>,
+            ) -> Poll<Result<Self::Output, Failure>> {
+                // A handful of members: each is polled.
                 let mut pending = false;
                 $(
                     match self.$i.poll_slot(cx) {
@@ -226,7 +346,8 @@ impl<M: Members> Branch for All<M> {
     }
     fn poll_branch(&mut self, cx: &mut Context<'_>) -> Poll<Result<M::Output, Failure>> {
         if self.step.is_some() {
-            return self.members.poll_members(cx);
+            let ready: Vec<Step> = self.core.borrow().resolved.keys().copied().collect();
+            return self.members.poll_members(&ready, cx);
         }
         let size = self.members.leaf_count();
         let step = {
@@ -241,7 +362,7 @@ impl<M: Members> Branch for All<M> {
             step
         };
         self.step = Some(step);
-        let r = self.members.poll_members(cx);
+        let r = self.members.poll_members(&[], cx);
         self.core.borrow_mut().group_stack.pop();
         r
     }
@@ -279,6 +400,9 @@ where
     keep: bool,
     done: u32,
     step: Option<Step>,
+    /// The waker the open members registered; a poll with another one
+    /// polls every open member so each registers it.
+    waker: Option<Waker>,
 }
 
 // Members are polled through `&mut` and results are plain values: nothing
@@ -321,15 +445,22 @@ where
             // step has a resolution waiting, and members without a single
             // step (nested barriers). The cost per input follows what
             // changed, not how many members are open.
-            let mut candidates: Vec<u32> = {
-                let core = this.core.borrow();
-                core.resolved
-                    .keys()
-                    .filter_map(|s| this.by_step.get(s).copied())
-                    .collect()
+            let same_waker = this.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
+            let candidates: Vec<u32> = if same_waker {
+                let mut c: Vec<u32> = {
+                    let core = this.core.borrow();
+                    core.resolved
+                        .keys()
+                        .filter_map(|s| this.by_step.get(s).copied())
+                        .collect()
+                };
+                c.extend(this.stepless.iter().copied());
+                c.sort_unstable();
+                c
+            } else {
+                this.waker = Some(cx.waker().clone());
+                this.open.keys().copied().collect()
             };
-            candidates.extend(this.stepless.iter().copied());
-            candidates.sort_unstable();
             let mut finished = Vec::new();
             for i in candidates {
                 let Some(m) = this.open.get_mut(&i) else {
@@ -472,6 +603,7 @@ impl WorkflowContext {
             keep,
             done: 0,
             step: None,
+            waker: None,
         }
     }
 

@@ -1191,7 +1191,9 @@ impl RunMachine {
         // A run closes only once every send its code made is answered (the
         // outbox row that delivers it is consumed by that answer) and every
         // cancellation it asked to wait for has completed.
-        let sending = {
+        // Looked for only once the code has finished: the open waits are
+        // as many as a fan-out's members.
+        let sending = self.outcome.borrow().is_some() && {
             let core = self.core.borrow();
             !core.draining.is_empty()
                 || core

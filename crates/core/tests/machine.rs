@@ -53,6 +53,58 @@ impl Workflow for Mixed {
     }
 }
 
+thread_local! {
+    /// Polls of [`Counted`] members on this test's thread.
+    static LEAF_POLLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// An activity call that counts how often its barrier polls it.
+struct Counted(keel_core::ActivityCall<Echo>);
+
+impl keel_core::Branch for Counted {
+    type Output = u32;
+    fn leaf_count(&self) -> u32 {
+        1
+    }
+    fn poll_branch(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<u32, Failure>> {
+        LEAF_POLLS.with(|n| n.set(n.get() + 1));
+        self.0.poll_branch(cx)
+    }
+    fn leaf_step(&self) -> Option<Step> {
+        self.0.leaf_step()
+    }
+    fn operation(&self) -> keel_storage::OperationKind {
+        keel_storage::OperationKind::Activity
+    }
+}
+
+/// `groups` nested vector barriers of `per_group` leaves each, under one
+/// vector barrier; returns every result in the input's shape.
+struct Wide;
+impl Workflow for Wide {
+    const NAME: &'static str = "wide";
+    type Input = (u32, u32);
+    type Output = Vec<Vec<u32>>;
+    async fn run(
+        ctx: WorkflowContext,
+        (groups, per_group): (u32, u32),
+    ) -> Result<Vec<Vec<u32>>, WorkflowError> {
+        let inner = (0..groups)
+            .map(|g| {
+                ctx.all(
+                    (0..per_group)
+                        .map(|i| Counted(ctx.activity::<Echo>(g * per_group + i)))
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect::<Vec<_>>();
+        Ok(ctx.all(inner).await?)
+    }
+}
+
 /// Reads "tick" signals until the engine suggests continuing as new, then
 /// continues with the history length it saw.
 struct Ticker;
@@ -74,6 +126,7 @@ fn registry() -> WorkflowRegistry {
     let mut r = WorkflowRegistry::new();
     r.register::<FanOut>()
         .register::<Mixed>()
+        .register::<Wide>()
         .register::<Ticker>();
     r
 }
@@ -157,6 +210,42 @@ fn limited_fan_out_never_has_more_than_the_limit_open() {
     // Replay of the whole history reproduces the closed run.
     let replayed = RunMachine::replay(&registry(), history).unwrap();
     assert!(replayed.is_closed());
+}
+
+#[test]
+fn a_vector_barrier_polls_a_leaf_only_when_its_result_is_in() {
+    // Goal: a vector barrier's cost follows its results, not its width: a
+    // leaf is polled once to issue it and once when its result arrives.
+    // Method: 4 nested barriers of 64 counted leaves, completed in reverse
+    // order one input at a time; count the polls, check the results keep
+    // the input's shape, and replay the history (polls counted again).
+    let (groups, per_group) = (4u32, 64u32);
+    let leaves = u64::from(groups * per_group);
+    LEAF_POLLS.with(|n| n.set(0));
+    let (mut m, first) = start::<Wide>(&(groups, per_group));
+    let mut history = first.clone();
+    let open = scheduled(&first);
+    assert_eq!(open.len() as u64, leaves, "every leaf issued in one step");
+    let mut t = 1000;
+    for (step, v) in open.into_iter().rev() {
+        t += 1;
+        history.extend(m.handle(complete(step, v), Timestamp(t)).unwrap());
+    }
+    let want: Vec<Vec<u32>> = (0..groups)
+        .map(|g| (0..per_group).map(|i| g * per_group + i).collect())
+        .collect();
+    assert_eq!(
+        history.last().unwrap().kind,
+        EventKind::WorkflowCompleted {
+            result: Payload::encode(&want).unwrap()
+        }
+    );
+    let live = LEAF_POLLS.with(|n| n.replace(0));
+    // Polling every member after each result would be about n²/2 = 32,896.
+    assert_eq!(live, 2 * leaves, "one poll to issue, one to resolve");
+    let replayed = RunMachine::replay(&registry(), history).unwrap();
+    assert!(replayed.is_closed());
+    assert!(LEAF_POLLS.with(|n| n.get()) <= 2 * leaves);
 }
 
 #[test]

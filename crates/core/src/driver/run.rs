@@ -67,7 +67,9 @@ pub(super) struct RunSlot {
     pub(super) phase: Phase,
     /// Operations waiting for the machine (activation in progress).
     waiting: VecDeque<(RunOp, Origin)>,
-    inflight: Vec<Inflight>,
+    /// In commit order; answered mostly from the front (a fan-out's
+    /// results can hold a thousand at once).
+    inflight: VecDeque<Inflight>,
     /// Operations waiting for every commit in flight to be answered.
     drained: Vec<(RunOp, Origin)>,
     restarts: u32,
@@ -92,7 +94,7 @@ impl RunSlot {
         RunSlot {
             phase: Phase::Idle,
             waiting: VecDeque::new(),
-            inflight: Vec::new(),
+            inflight: VecDeque::new(),
             drained: Vec::new(),
             restarts: 0,
             async_tries: 0,
@@ -347,7 +349,7 @@ impl Shard {
     /// Answers once every commit of `run` in flight is durable.
     pub(super) fn answer_when_durable(&mut self, run: RunId, origin: Origin, answer: Answer) {
         let slot = self.slot(run);
-        match slot.inflight.last_mut() {
+        match slot.inflight.back_mut() {
             Some(last) => last.deferred.push((origin, answer)),
             None => self.answer(origin, answer, None),
         }
@@ -607,7 +609,7 @@ impl Shard {
             // What the machine knows may rest on commits still in flight:
             // answer once they are durable.
             let known = machine.next_seq().0.saturating_sub(1);
-            match slot.inflight.last_mut() {
+            match slot.inflight.back_mut() {
                 Some(last) => last.deferred.push((origin, answer)),
                 None => self.answer(origin, answer, Some((run, Seq(known)))),
             }
@@ -721,7 +723,7 @@ impl Shard {
             self.answer(o, answer, Some((run, last_seq)));
         }
         let slot = self.slot(run);
-        slot.inflight.push(Inflight {
+        slot.inflight.push_back(Inflight {
             token,
             origin,
             start,
@@ -749,7 +751,7 @@ impl Shard {
         let Some(i) = slot.inflight.iter().position(|f| f.token == token) else {
             return;
         };
-        let mut entry = slot.inflight.remove(i);
+        let mut entry = slot.inflight.remove(i).expect("found above");
         // Answers resting on this commit also rest on the ones before it.
         // Not those of a commit that failed: they rested on state that
         // never became durable (a duplicate of the input it held, say) and
