@@ -44,6 +44,13 @@ pub trait Branch: Unpin {
     /// Polls the member; the first poll issues its leaves.
     fn poll_branch(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Output, Failure>>;
     /// The durable step of a leaf, once issued.
+    ///
+    /// A member that names a step here promises that, once issued, only
+    /// that step's resolution can move it on: barriers over a `Vec` and
+    /// `all_limited` poll it again only when that step resolves (or the
+    /// waker changes). A member that also waits on anything else (a
+    /// timer, a signal, another step) must return `None`, and is then
+    /// polled every time its barrier is.
     fn leaf_step(&self) -> Option<Step> {
         None
     }
@@ -110,6 +117,9 @@ impl<B: Branch> Slot<B> {
 pub trait Members: Unpin {
     /// The results, in the input's shape.
     type Output;
+    /// Whether [`Members::poll_members`] looks at `ready` (else its
+    /// barrier passes an empty list instead of collecting one).
+    const USES_READY: bool = false;
     /// Durable leaves under these members.
     fn leaf_count(&self) -> u32;
     /// Polls the members not yet done that can have progressed; the first
@@ -137,8 +147,9 @@ pub trait IntoMembers {
 ///
 /// The first poll issues every member. After it, only the members that can
 /// have progressed are polled: leaves whose step has a resolution waiting,
-/// and members without a single step (nested barriers, select members). A
-/// fan-out of n leaves then costs O(n) in all rather than O(n) per result.
+/// and members without a single step (nested barriers, polled every time).
+/// A fan-out of n leaves then costs O(n) polls in all rather than O(n) per
+/// result.
 /// A leaf skipped keeps the waker it registered; a poll with a different
 /// waker polls every member again so each registers the new one.
 pub struct VecMembers<B: Branch> {
@@ -191,6 +202,7 @@ impl<B: Branch> VecMembers<B> {
 
 impl<B: Branch> Members for VecMembers<B> {
     type Output = Vec<B::Output>;
+    const USES_READY: bool = true;
     fn leaf_count(&self) -> u32 {
         self.slots.iter().map(|s| s.branch.leaf_count()).sum()
     }
@@ -346,7 +358,10 @@ impl<M: Members> Branch for All<M> {
     }
     fn poll_branch(&mut self, cx: &mut Context<'_>) -> Poll<Result<M::Output, Failure>> {
         if self.step.is_some() {
-            let ready: Vec<Step> = self.core.borrow().resolved.keys().copied().collect();
+            let ready: Vec<Step> = match M::USES_READY {
+                true => self.core.borrow().resolved.keys().copied().collect(),
+                false => Vec::new(),
+            };
             return self.members.poll_members(&ready, cx);
         }
         let size = self.members.leaf_count();

@@ -195,12 +195,12 @@ impl std::fmt::Debug for Core {
 }
 
 /// Hashes a [`Step`] with one multiply. The maps keyed by steps are
-/// looked up once per member each time a barrier is polled (a 1,000-member
-/// `all` polls every member after each result), where SipHash was a fifth
-/// of the run's time; the keys are numbers the machine assigned itself, so
-/// no input can choose them to collide. Where one is iterated
-/// (`resolved`'s keys, when `all_limited` picks the members to poll) the
-/// keys are sorted after, so the hasher's order never reaches a decision.
+/// looked up on every member's poll and every resolution, where SipHash
+/// was a fifth of a 1,000-member fan-out's time; the keys are numbers the
+/// machine assigned itself, so no input can choose them to collide. Where
+/// one is iterated (`resolved`'s keys, when a barrier picks the members to
+/// poll) the members picked are sorted after, so the hasher's order never
+/// reaches a decision.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct StepHasher(u64);
 

