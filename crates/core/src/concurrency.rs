@@ -143,6 +143,17 @@ pub trait IntoMembers {
     fn into_members(self) -> Self::Members;
 }
 
+/// Whether a barrier is polled with the waker its skipped members
+/// registered; if not, `saved` becomes the new one and the barrier must
+/// poll every member so each registers it.
+fn keeps_waker(saved: &mut Option<Waker>, cx: &Context<'_>) -> bool {
+    if saved.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+        return true;
+    }
+    *saved = Some(cx.waker().clone());
+    false
+}
+
 /// The members of a barrier over a vector.
 ///
 /// The first poll issues every member. After it, only the members that can
@@ -156,7 +167,7 @@ pub struct VecMembers<B: Branch> {
     slots: Vec<Slot<B>>,
     /// Index of each pending member by its leaf step.
     by_step: crate::core::StepMap<u32>,
-    /// Pending members without a single leaf step, in ascending order.
+    /// Pending members without a single leaf step.
     stepless: Vec<u32>,
     /// Members not yet done.
     pending: usize,
@@ -189,14 +200,24 @@ impl<B: Branch> VecMembers<B> {
         match &r {
             Poll::Ready(Ok(())) => self.pending -= 1,
             Poll::Ready(Err(_)) => {}
-            Poll::Pending => match slot.branch.leaf_step() {
-                Some(step) => {
-                    self.by_step.insert(step, i);
-                }
-                None => self.stepless.push(i),
-            },
+            Poll::Pending => self.index(i),
         }
         r
+    }
+
+    /// Files pending member `i` where the next poll looks for it: under
+    /// its leaf step, or among those polled every time.
+    fn index(&mut self, i: u32) {
+        let slot = &self.slots[i as usize];
+        if slot.out.is_some() {
+            return;
+        }
+        match slot.branch.leaf_step() {
+            Some(step) => {
+                self.by_step.insert(step, i);
+            }
+            None => self.stepless.push(i),
+        }
     }
 }
 
@@ -216,8 +237,7 @@ impl<B: Branch> Members for VecMembers<B> {
         ready: &[Step],
         cx: &mut Context<'_>,
     ) -> Poll<Result<Vec<B::Output>, Failure>> {
-        let same_waker = self.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
-        let candidates: Vec<u32> = if same_waker {
+        let candidates: Vec<u32> = if keeps_waker(&mut self.waker, cx) {
             let mut c: Vec<u32> = ready
                 .iter()
                 .filter_map(|s| self.by_step.remove(s))
@@ -226,49 +246,23 @@ impl<B: Branch> Members for VecMembers<B> {
             c.sort_unstable();
             c
         } else {
-            self.waker = Some(cx.waker().clone());
             self.by_step.clear();
             self.stepless.clear();
             (0..self.slots.len() as u32).collect()
         };
-        let mut failed = None;
         for (n, &i) in candidates.iter().enumerate() {
             if let Poll::Ready(Err(e)) = self.poll_index(i, cx) {
                 // The members not reached keep their place for a later poll.
                 for &rest in &candidates[n + 1..] {
-                    self.reindex(rest);
+                    self.index(rest);
                 }
-                failed = Some(e);
-                break;
+                return Poll::Ready(Err(e));
             }
-        }
-        if let Some(e) = failed {
-            return Poll::Ready(Err(e));
         }
         if self.pending > 0 {
             return Poll::Pending;
         }
         Poll::Ready(Ok(self.slots.iter_mut().map(Slot::take).collect()))
-    }
-}
-
-impl<B: Branch> VecMembers<B> {
-    /// Puts member `i`, taken as a candidate but not polled, back in its
-    /// index.
-    fn reindex(&mut self, i: u32) {
-        let slot = &self.slots[i as usize];
-        if slot.out.is_some() {
-            return;
-        }
-        match slot.branch.leaf_step() {
-            Some(step) => {
-                self.by_step.insert(step, i);
-            }
-            None => {
-                let at = self.stepless.partition_point(|&j| j < i);
-                self.stepless.insert(at, i);
-            }
-        }
     }
 }
 
@@ -460,8 +454,7 @@ where
             // step has a resolution waiting, and members without a single
             // step (nested barriers). The cost per input follows what
             // changed, not how many members are open.
-            let same_waker = this.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
-            let candidates: Vec<u32> = if same_waker {
+            let candidates: Vec<u32> = if keeps_waker(&mut this.waker, cx) {
                 let mut c: Vec<u32> = {
                     let core = this.core.borrow();
                     core.resolved
@@ -473,7 +466,6 @@ where
                 c.sort_unstable();
                 c
             } else {
-                this.waker = Some(cx.waker().clone());
                 this.open.keys().copied().collect()
             };
             let mut finished = Vec::new();
