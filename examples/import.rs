@@ -8,6 +8,12 @@ use std::time::Instant;
 
 use keel_e2e::import::{write_csv, ImportInput, ImportWorkflow};
 
+// The allocator is the application's choice; this one, as the `keel`
+// binary's, returns freed memory to the system (BENCHMARKS.md, "the
+// allocator").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let rows: u64 = std::env::args()
         .nth(1)

@@ -21,6 +21,9 @@ use clap::{Parser, Subcommand};
 // `crate::registry()` keep working for the binary's own modules.
 use keel_cli::{demo_app, output, registry};
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Durable workflows for Rust: demo, inspection, replay, simulation, benchmarks.
 #[derive(Parser, Debug)]
 #[command(name = "keel", version, about, long_about = keel_cli::LONG_ABOUT)]
