@@ -10,18 +10,21 @@
 //! [8..]    body: msgpack (see below)
 //! ```
 //!
-//! The body of a history event (from event version 8) is positional: each
-//! struct is a msgpack array of its fields in declaration order, enum
-//! variants keep their names (`rmp_serde::encode::write`). Every other
-//! record, and events of versions 1 to 7, are maps with field names
-//! (`rmp_serde::encode::write_named`). The decoder reads both forms, so a
-//! store written by an older build keeps decoding. Positional bodies are
+//! The body of a history event (from event version 8) and of every
+//! derived-state record (from state version 4) is positional: each struct
+//! is a msgpack array of its fields in declaration order, enum variants
+//! keep their names (`rmp_serde::encode::write`). The store's own metadata
+//! record, exported bundles, and older events and state records are maps
+//! with field names (`rmp_serde::encode::write_named`). The decoder reads
+//! both forms, so a store written by an older build keeps decoding. Positional bodies are
 //! why a field is only ever added at the end of its struct or variant,
 //! with `#[serde(default)]`, and never removed or moved: a shorter array
 //! written before the field existed then decodes with it at its default.
 //! Events are the bulk of every store and of every replay; without the
 //! field names the average event of `keel bench read` is 76 bytes instead
-//! of 191 and decodes about 1.5 times as fast.
+//! of 191 and decodes about 1.5 times as fast; a run record, decoded and
+//! written again on every commit and read for every run a list shows,
+//! shrinks the same way.
 //!
 //! Decoding checks every field and that the body was consumed to the last
 //! byte; it returns a typed [`Error`] for anything else and never panics.
@@ -49,8 +52,14 @@ pub const EVENT_VERSION: u16 = 8;
 /// Current schema version of every derived-state record. Version 2 added
 /// the cancellation and continue-as-new intents to the outbox, the
 /// `children` records and `TaskEntry::heartbeat`; version 3 added the
-/// memo and search attributes of `RunMeta`.
-pub const STATE_VERSION: u16 = 3;
+/// memo and search attributes of `RunMeta`; version 4 writes the body
+/// positionally, as event version 8 does (older maps decode unchanged).
+pub const STATE_VERSION: u16 = 4;
+
+/// Version of an exported bundle's envelope. A bundle is a file that
+/// travels between builds, so it keeps field names and its own version
+/// (it followed [`STATE_VERSION`] up to 3).
+pub const BUNDLE_ENVELOPE_VERSION: u16 = 3;
 
 /// What a record holds; stored in the envelope so a record read from the
 /// wrong place is refused rather than misread.
@@ -116,14 +125,17 @@ impl RecordKind {
             // The store metadata record is read before anything else to learn
             // the schema version, so its own envelope version never changes.
             RecordKind::StoreMeta => 1,
+            RecordKind::Bundle => BUNDLE_ENVELOPE_VERSION,
             _ => STATE_VERSION,
         }
     }
 
     /// Whether this kind's body is written positionally (structs as arrays
-    /// of their fields) rather than as maps with field names.
+    /// of their fields) rather than as maps with field names: all but the
+    /// records read by other builds first or elsewhere (the store's
+    /// metadata, exported bundles).
     fn positional(self) -> bool {
-        matches!(self, RecordKind::Event)
+        !matches!(self, RecordKind::StoreMeta | RecordKind::Bundle)
     }
 }
 

@@ -68,8 +68,15 @@ pub use verify::{VerifyReport, Violation};
 
 /// Schema version of a data directory; opening another version fails with
 /// [`Error::SchemaVersion`] naming both, except that a read-write open
-/// migrates an older directory (see `rocks::migrate`).
-pub const SCHEMA_VERSION: u32 = 4;
+/// migrates an older directory (see `rocks::migrate`). Version 5: events
+/// (event version 8) and derived-state records (state version 4) are
+/// written positionally, which a build of version 4 cannot read.
+pub const SCHEMA_VERSION: u32 = 5;
+
+/// The newest older schema whose records this build reads as they are:
+/// migrating from it only records the new version (see `rocks::migrate`
+/// and the PostgreSQL store's `create_or_check`).
+pub const SCHEMA_VERSION_READ_AS_IS: u32 = 4;
 
 /// Largest payload (input, result, signal, side effect value) in bytes.
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;

@@ -1155,12 +1155,18 @@ fn read_version(shared: &Shared, conn: &Conn) -> Result<Option<u32>> {
 /// version gets the tables added since) and records the version. A
 /// complete database is only read: an engine's role needs no CREATE
 /// privilege once the tables exist. Concurrent openers serialise on a
-/// transaction-scoped advisory lock.
+/// transaction-scoped advisory lock. A database of
+/// [`crate::SCHEMA_VERSION_READ_AS_IS`] is migrated in the same
+/// transaction by recording the current version: its rows are read as
+/// they are. Engine processes of the older build must be stopped first,
+/// since they cannot read the rows this build writes.
 fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
     if let Some(found) = read_version(shared, conn)? {
-        check_version(shared, found)?;
-        if schema_complete(shared, conn)? {
-            return Ok(());
+        if found != crate::SCHEMA_VERSION_READ_AS_IS {
+            check_version(shared, found)?;
+            if schema_complete(shared, conn)? {
+                return Ok(());
+            }
         }
     }
     let mut script = String::from("begin;\n");
@@ -1175,8 +1181,11 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
     script.push_str(&format!(
         "insert into \"{s}\".version (schema_version, created_by) \
          select {SCHEMA_VERSION}, 'keel {}' \
-         where not exists (select 1 from \"{s}\".version);\ncommit;",
+         where not exists (select 1 from \"{s}\".version);\n\
+         update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
+         where schema_version = {};\ncommit;",
         env!("CARGO_PKG_VERSION"),
+        crate::SCHEMA_VERSION_READ_AS_IS,
         s = shared.schema
     ));
     block(conn.client.batch_execute(&script)).map_err(|e| shared.error(&e))?;

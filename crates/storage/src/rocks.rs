@@ -602,25 +602,33 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
 /// never rewritten, so the whole derived state is rebuilt from them
 /// through the commit path's own code and written in one synced batch with
 /// the new schema version: a crash before the batch leaves the old schema,
-/// which the next read-write open migrates again. Only a read-write open
-/// migrates; inspection of an older directory asks for one.
+/// which the next read-write open migrates again. Schema 4 to 5: only the
+/// encoding of new records changed (positional bodies), and this build
+/// reads schema 4's records as they are, so only the version is written:
+/// the older records stay maps until their keys are written again (and
+/// `verify` compares a record by its value, not its bytes). Only a
+/// read-write open migrates; inspection of an older directory asks for one.
 fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     let from = meta.schema_version;
-    let view = DbView(db);
-    let (rebuilt, report) = crate::verify::rebuild(&view)?;
-    if !report.ok {
-        tracing::warn!(path = %path.display(), problems = report.violations.len(), from,
-            "migrating an older data directory with damaged runs; `keel verify` lists them");
-    }
     let mut mutations = Vec::new();
-    for cf in Cf::DERIVED {
-        view.scan(cf, &[], &[], &mut |k, _| {
-            mutations.push(Mutation::Delete(cf, k.to_vec()));
-            true
-        })?;
-        for (k, v) in rebuilt.cf(cf) {
-            mutations.push(Mutation::Put(cf, k.clone(), v.clone()));
+    let mut runs = None;
+    if from < crate::SCHEMA_VERSION_READ_AS_IS {
+        let view = DbView(db);
+        let (rebuilt, report) = crate::verify::rebuild(&view)?;
+        if !report.ok {
+            tracing::warn!(path = %path.display(), problems = report.violations.len(), from,
+                "migrating an older data directory with damaged runs; `keel verify` lists them");
         }
+        for cf in Cf::DERIVED {
+            view.scan(cf, &[], &[], &mut |k, _| {
+                mutations.push(Mutation::Delete(cf, k.to_vec()));
+                true
+            })?;
+            for (k, v) in rebuilt.cf(cf) {
+                mutations.push(Mutation::Put(cf, k.clone(), v.clone()));
+            }
+        }
+        runs = Some(report.runs);
     }
     meta.schema_version = SCHEMA_VERSION;
     let bytes = codec::encode(RecordKind::StoreMeta, &meta).map_err(|source| Error::Corrupt {
@@ -633,7 +641,7 @@ fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
     write_batch(db, mutations, &wo)?;
-    tracing::info!(path = %path.display(), runs = report.runs, from, to = SCHEMA_VERSION,
+    tracing::info!(path = %path.display(), rebuilt_runs = ?runs, from, to = SCHEMA_VERSION,
         "migrated the data directory to the current schema");
     Ok(())
 }

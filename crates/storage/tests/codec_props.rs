@@ -4,14 +4,17 @@
 // arbitrary payload bytes, strings and numbers) must decode to themselves;
 // appended bytes, any single flipped byte, truncation and arbitrary byte
 // strings (raw, or wrapped in a valid envelope so the msgpack decoder itself
-// is exercised) must return `Err`, and decoding must never panic.
+// is exercised) must return `Err`, and decoding must never panic. Run
+// records and task rows, written positionally, round-trip too, and their
+// maps with field names (what older builds wrote) decode to the same value.
 
 use keel_storage::codec::{self, RecordKind, HEADER_BYTES, MAGIC};
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::{
-    ActivityOptions, AttemptNo, Backoff, CommandId, Event, EventKind, Failure, FailureKind,
-    GroupEntry, InstanceId, Jitter, OperationKind, Payload, RetrySettings, RunId, SelectKey, Seq,
-    Step, Timestamp,
+    ActivityOptions, AttemptNo, Backoff, CommandId, Event, EventKind, ExecutionId, Failure,
+    FailureKind, GroupEntry, InstanceId, Jitter, OperationKind, Outcome, ParentClosePolicy,
+    ParentRef, Payload, RetrySettings, RunId, RunMeta, RunStatus, SearchValue, SelectKey, Seq,
+    Step, TaskEntry, Timestamp,
 };
 use proptest::prelude::*;
 
@@ -258,6 +261,110 @@ fn envelope(body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// `body` in a valid envelope of `kind` at version 1 (the oldest).
+fn envelope_of(kind: RecordKind, body: &[u8]) -> Vec<u8> {
+    let mut out = envelope(body);
+    out[1] = kind as u8;
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..4]), &out[HEADER_BYTES..]);
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+fn run_meta() -> impl Strategy<Value = RunMeta> {
+    (
+        (run_id(), text(), text(), 0usize..7, any::<u64>()),
+        proptest::option::of((run_id(), text(), any::<u32>())),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            proptest::option::of(any::<u64>()),
+        ),
+        proptest::option::of(prop_oneof![
+            payload().prop_map(Outcome::Completed),
+            failure().prop_map(Outcome::Failed),
+            text().prop_map(Outcome::Cancelled),
+            run_id().prop_map(Outcome::ContinuedAsNew),
+        ]),
+        any::<bool>(),
+        proptest::collection::vec((text(), any::<i64>().prop_map(SearchValue::Int)), 0..3),
+        proptest::collection::vec((text(), payload()), 0..3),
+    )
+        .prop_map(
+            |(
+                (run, instance, ty, status, next),
+                parent,
+                (started, updated, closed),
+                outcome,
+                cancel,
+                search,
+                memo,
+            )| {
+                RunMeta {
+                    run_id: run,
+                    instance_id: InstanceId(instance),
+                    workflow_type: ty,
+                    status: [
+                        RunStatus::Running,
+                        RunStatus::Completed,
+                        RunStatus::Failed,
+                        RunStatus::Cancelled,
+                        RunStatus::Terminated,
+                        RunStatus::ContinuedAsNew,
+                        RunStatus::TimedOut,
+                    ][status],
+                    next_seq: Seq(next),
+                    parent: parent.map(|(run_id, instance, step)| ParentRef {
+                        instance_id: InstanceId(instance),
+                        run_id,
+                        step: Step(step),
+                        close_policy: ParentClosePolicy::RequestCancel,
+                    }),
+                    started_at: Timestamp(started),
+                    updated_at: Timestamp(updated),
+                    closed_at: closed.map(Timestamp),
+                    outcome,
+                    cancel_requested: cancel,
+                    search_attributes: search,
+                    memo,
+                }
+            },
+        )
+}
+
+fn task_entry() -> impl Strategy<Value = TaskEntry> {
+    (
+        (run_id(), any::<u32>(), any::<u32>(), text(), payload()),
+        (options(), group()),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<bool>(),
+            proptest::option::of(payload()),
+        ),
+    )
+        .prop_map(
+            |(
+                (run, step, attempt, ty, input),
+                (options, group),
+                (scheduled, due, cancel, heartbeat),
+            )| TaskEntry {
+                execution_id: ExecutionId {
+                    run_id: run,
+                    step: Step(step),
+                },
+                attempt: AttemptNo(attempt),
+                activity_type: ty,
+                input,
+                options,
+                group,
+                scheduled_at: Timestamp(scheduled),
+                due: Timestamp(due),
+                cancel_requested: cancel,
+                heartbeat,
+            },
+        )
+}
+
 fn decode(bytes: &[u8]) -> Result<Event, codec::Error> {
     codec::decode::<Event>(RecordKind::Event, bytes)
 }
@@ -280,6 +387,28 @@ proptest! {
         let positional = codec::encode(RecordKind::Event, &e).unwrap();
         prop_assert!(named.len() > positional.len() - HEADER_BYTES);
         prop_assert_eq!(decode(&envelope(&named)).unwrap(), e);
+    }
+
+    #[test]
+    fn state_records_are_positional_and_their_older_maps_still_decode(
+        run in run_meta(),
+        task in task_entry(),
+    ) {
+        // State version 4 writes run records and every other derived
+        // record positionally; versions 1 to 3 wrote maps with field names,
+        // which a migrated store still holds and must decode unchanged.
+        let bytes = codec::encode(RecordKind::Run, &run).unwrap();
+        prop_assert!(matches!(bytes[HEADER_BYTES], 0x90..=0x9f | 0xdc | 0xdd), "an array");
+        prop_assert_eq!(codec::decode::<RunMeta>(RecordKind::Run, &bytes).unwrap(), run.clone());
+        let named = rmp_serde::to_vec_named(&run).unwrap();
+        prop_assert!(named.len() > bytes.len() - HEADER_BYTES);
+        let old = envelope_of(RecordKind::Run, &named);
+        prop_assert_eq!(codec::decode::<RunMeta>(RecordKind::Run, &old).unwrap(), run);
+
+        let bytes = codec::encode(RecordKind::Task, &task).unwrap();
+        prop_assert_eq!(codec::decode::<TaskEntry>(RecordKind::Task, &bytes).unwrap(), task.clone());
+        let old = envelope_of(RecordKind::Task, &rmp_serde::to_vec_named(&task).unwrap());
+        prop_assert_eq!(codec::decode::<TaskEntry>(RecordKind::Task, &old).unwrap(), task);
     }
 
     #[test]

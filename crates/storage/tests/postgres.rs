@@ -31,7 +31,7 @@ use std::sync::Arc;
 use common::*;
 use keel_storage::{
     CommitBatch, DatabaseFault, Error, Fence, Note, PgOptions, PgStore, Relay, RelayTo, Seq,
-    ShardLease, ShardLeases, Store, Timestamp, SCHEMA_VERSION,
+    ShardLease, ShardLeases, Store, Timestamp, SCHEMA_VERSION, SCHEMA_VERSION_READ_AS_IS,
 };
 
 /// Runs one SQL statement on the test server (its own runtime: the store's
@@ -202,6 +202,60 @@ fn another_schema_version_is_refused_naming_both() {
             "{text}"
         );
     }
+}
+
+#[test]
+fn a_schema_4_database_is_read_as_it_is_and_only_its_version_migrates() {
+    // Goal: as for a data directory, a database of schema 4 (derived rows
+    // as msgpack maps with field names) is migrated by an engine's open
+    // recording the new version alone: a reader is refused until then,
+    // and afterwards the old rows read back as before and verify clean.
+    // Method: a run committed, its run record rewritten as a schema 4
+    // build wrote it and the version set to 4, then both opens.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let store = PgStore::open(scratch.0.clone()).expect("create");
+    let mut run = RunBuilder::new(run_id(41), 100);
+    run.commit(
+        &store,
+        vec![started(run.run, "old", "wf"), timer_started(1, 9_000)],
+    )
+    .unwrap();
+    let before = store.run_meta(run.run).unwrap().expect("run record");
+    drop(store);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let old = as_schema_4(keel_storage::codec::RecordKind::Run, &before);
+    assert!(body_is_map(&old));
+    let s = &scratch.0.schema;
+    let updated = admin(
+        &url,
+        &format!(
+            "update \"{s}\".kv_runs set v = '\\x{}'::bytea where k = '\\x{}'::bytea",
+            hex(&old),
+            hex(run.run.as_bytes())
+        ),
+    );
+    assert_eq!(updated, 1, "the run record was rewritten");
+    admin(
+        &url,
+        &format!("update \"{s}\".version set schema_version = {SCHEMA_VERSION_READ_AS_IS}"),
+    );
+    let err = PgStore::open_read_only(scratch.0.clone()).expect_err("an older schema");
+    assert!(
+        matches!(err, Error::DatabaseSchemaVersion { found, expected, .. }
+            if found == SCHEMA_VERSION_READ_AS_IS && expected == SCHEMA_VERSION),
+        "{err}"
+    );
+    assert!(err.to_string().contains("migrates"), "{err}");
+
+    let store = PgStore::open(scratch.0.clone()).expect("an engine's open migrates");
+    assert_eq!(store.run_meta(run.run).unwrap(), Some(before));
+    assert!(
+        store.verify().unwrap().ok,
+        "the stored map equals the rebuilt record"
+    );
+    drop(store);
+    PgStore::open_read_only(scratch.0.clone()).expect("migrated: a reader opens it");
 }
 
 #[test]

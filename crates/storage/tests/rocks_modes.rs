@@ -16,6 +16,7 @@ use keel_storage::codec::{self, RecordKind};
 use keel_storage::keys::{Cf, STORE_META_KEY};
 use keel_storage::{
     CommitBatch, Durability, Error, OpenMode, RocksStore, Store, StoreMeta, SCHEMA_VERSION,
+    SCHEMA_VERSION_READ_AS_IS,
 };
 
 /// A writer holding two runs: one closed, one open.
@@ -407,11 +408,12 @@ fn second_writer_in_another_process_is_locked_out() {
 
 #[test]
 fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
-    // Goal: a directory written by the previous release (schema 2) still
-    // opens: inspection is refused with a typed error saying an engine's
-    // open migrates it, and a read-write open re-derives its state and
-    // records the current schema, losing nothing. Method: a populated
-    // directory whose store metadata is rewritten to schema 2.
+    // Goal: a directory written by a release whose records this build does
+    // not read as they are (schema 3) still opens: inspection is refused
+    // with a typed error saying an engine's open migrates it, and a
+    // read-write open re-derives its state and records the current schema,
+    // losing nothing. Method: a populated directory whose store metadata
+    // is rewritten to schema 3.
     let dir = tempfile::tempdir().unwrap();
     let (store, a, b) = populated(dir.path());
     let before = (
@@ -422,8 +424,8 @@ fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
     store.close().unwrap();
     let old = StoreMeta {
         format: "keel".into(),
-        schema_version: SCHEMA_VERSION - 1,
-        created_by: "keel 0.1.0 (schema 2)".into(),
+        schema_version: SCHEMA_VERSION_READ_AS_IS - 1,
+        created_by: "keel 0.1.0 (schema 3)".into(),
     };
     write_store_meta(
         dir.path(),
@@ -432,7 +434,7 @@ fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
     let err = RocksStore::open_read_only(dir.path()).unwrap_err();
     assert!(
         matches!(err, Error::SchemaVersion { found, expected }
-            if found == SCHEMA_VERSION - 1 && expected == SCHEMA_VERSION),
+            if found == SCHEMA_VERSION_READ_AS_IS - 1 && expected == SCHEMA_VERSION),
         "{err}"
     );
     assert!(err.to_string().contains("migrates"), "{err}");
@@ -448,4 +450,119 @@ fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
     // Migrated: inspection opens it now.
     let store = RocksStore::open_read_only(dir.path()).unwrap();
     assert_eq!(store.history(b.run).unwrap(), before.2);
+}
+
+#[test]
+fn a_schema_4_directory_is_read_as_it_is_and_only_its_version_migrates() {
+    // Goal: schema 5 changed only how records are written (positionally,
+    // without field names), so a directory of schema 4, whose derived
+    // records are maps, is migrated by recording the new version alone:
+    // every record reads back as before, `verify` finds the stored maps
+    // equal to what it rebuilds, and later commits of its runs work. A
+    // schema 4 build cannot read what this one writes, so inspection of
+    // the old directory is refused until an engine's open migrates it.
+    // Method: a populated directory whose derived records and store
+    // metadata are rewritten as a schema 4 build wrote them.
+    let dir = tempfile::tempdir().unwrap();
+    let (store, a, mut b) = populated(dir.path());
+    let before = (
+        store.run_meta(a.run).unwrap(),
+        store.run_meta(b.run).unwrap(),
+        store.run_timers(b.run).unwrap(),
+        store
+            .instance(&keel_storage::InstanceId("b".into()))
+            .unwrap(),
+    );
+    assert!(before.1.is_some() && !before.2.is_empty() && before.3.is_some());
+    store.close().unwrap();
+    {
+        let opts = rocksdb::Options::default();
+        let names = rocksdb::DB::list_cf(&opts, dir.path()).unwrap();
+        let db = rocksdb::DB::open_cf(&opts, dir.path(), &names).unwrap();
+        let mut rewritten = 0;
+        for cf in [
+            Cf::Runs,
+            Cf::Instances,
+            Cf::Dedupe,
+            Cf::Timers,
+            Cf::RunTimers,
+        ] {
+            let h = db.cf_handle(cf.name()).unwrap();
+            let rows: Vec<_> = db
+                .iterator_cf(&h, rocksdb::IteratorMode::Start)
+                .map(Result::unwrap)
+                .collect();
+            for (k, v) in rows {
+                assert!(
+                    !body_is_map(&v),
+                    "this build writes {} positionally",
+                    cf.name()
+                );
+                let old = match cf {
+                    Cf::Runs => as_schema_4(
+                        RecordKind::Run,
+                        &codec::decode::<keel_storage::RunMeta>(RecordKind::Run, &v).unwrap(),
+                    ),
+                    Cf::Instances => as_schema_4(
+                        RecordKind::Instance,
+                        &codec::decode::<keel_storage::InstanceMeta>(RecordKind::Instance, &v)
+                            .unwrap(),
+                    ),
+                    Cf::Dedupe => as_schema_4(
+                        RecordKind::Dedupe,
+                        &codec::decode::<keel_storage::state::DedupeEntry>(RecordKind::Dedupe, &v)
+                            .unwrap(),
+                    ),
+                    _ => as_schema_4(
+                        RecordKind::Timer,
+                        &codec::decode::<keel_storage::TimerEntry>(RecordKind::Timer, &v).unwrap(),
+                    ),
+                };
+                assert!(body_is_map(&old));
+                db.put_cf(&h, k, old).unwrap();
+                rewritten += 1;
+            }
+        }
+        assert!(rewritten >= 6, "{rewritten} records rewritten");
+    }
+    let old = StoreMeta {
+        format: "keel".into(),
+        schema_version: SCHEMA_VERSION_READ_AS_IS,
+        created_by: "keel 0.1.0 (schema 4)".into(),
+    };
+    write_store_meta(
+        dir.path(),
+        codec::encode(RecordKind::StoreMeta, &old).unwrap(),
+    );
+    let err = RocksStore::open_read_only(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, Error::SchemaVersion { found, expected }
+            if found == SCHEMA_VERSION_READ_AS_IS && expected == SCHEMA_VERSION),
+        "{err}"
+    );
+
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let after = (
+        store.run_meta(a.run).unwrap(),
+        store.run_meta(b.run).unwrap(),
+        store.run_timers(b.run).unwrap(),
+        store
+            .instance(&keel_storage::InstanceId("b".into()))
+            .unwrap(),
+    );
+    assert_eq!(after, before);
+    let report = store.verify().unwrap();
+    assert!(
+        report.ok,
+        "stored maps equal the rebuilt records: {report:?}"
+    );
+    // The open run carries on: its next commit reads and rewrites its map.
+    b.commit(&store, vec![workflow_completed()]).unwrap();
+    assert!(store.verify().unwrap().ok);
+    store.close().unwrap();
+    let store = RocksStore::open_read_only(dir.path()).unwrap();
+    assert_eq!(
+        store.run_meta(b.run).unwrap().unwrap().status,
+        keel_storage::RunStatus::Completed
+    );
 }

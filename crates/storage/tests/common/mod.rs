@@ -284,3 +284,25 @@ pub fn for_each_store(body: impl Fn(&dyn Store)) {
         body(s.store.as_ref());
     }
 }
+
+/// `value` as a build of schema 4 wrote it: a msgpack map with field names
+/// in an envelope of state version 3 (to check that this build reads such
+/// records as they are).
+pub fn as_schema_4<T: serde::Serialize>(
+    kind: keel_storage::codec::RecordKind,
+    value: &T,
+) -> Vec<u8> {
+    let mut out = vec![keel_storage::codec::MAGIC, kind as u8, 3, 0, 0, 0, 0, 0];
+    out.extend_from_slice(&rmp_serde::to_vec_named(value).expect("encode"));
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..4]), &out[8..]);
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Whether a record's body is a msgpack map (field names), not an array.
+pub fn body_is_map(record: &[u8]) -> bool {
+    matches!(
+        record.get(keel_storage::codec::HEADER_BYTES),
+        Some(0x80..=0x8f | 0xde | 0xdf)
+    )
+}
