@@ -334,7 +334,7 @@ mod tests {
         let err = decode::<(String, u32)>(RecordKind::Run, &newer).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "Run record has schema version 9, this build reads up to 3"
+            format!("Run record has schema version 9, this build reads up to {STATE_VERSION}")
         );
         // Trailing bytes with a valid checksum: refused.
         let mut longer = bytes.clone();
