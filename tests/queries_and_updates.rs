@@ -4,8 +4,9 @@
 //! (restarted) and closed runs; a validator's rejection writes nothing; an
 //! accepted update's handler may wait on durable things, and a client
 //! repeating an update by id gets the first outcome, also across a restart
-//! that happened between its acceptance and its completion. Bad input is a
-//! typed error naming what was wrong.
+//! that happened between its acceptance and its completion, and after the
+//! run closed and left memory (answered from the durable ids it committed,
+//! not by replaying it). Bad input is a typed error naming what was wrong.
 //!
 //! Method: the real engine on RocksDB. A cart workflow keeps its items in
 //! an `Rc<RefCell<..>>`, answers the query "items", accepts the update
@@ -174,7 +175,8 @@ async fn queries_read_and_updates_change_state_without_stray_writes() -> anyhow:
     assert_eq!(history_len(&e, "cart-1").await?, len + 2);
 
     // Closed: a query replays the history; an update is refused.
-    c.signal("cart-1", "checkout", &(), None).await?;
+    c.signal("cart-1", "checkout", &(), Some("checkout-1"))
+        .await?;
     let out = tokio::time::timeout(WAIT, c.result::<Cart>("cart-1")).await??;
     assert_eq!(out, ["apple", "pear"]);
     let items: Vec<String> = c.query("cart-1", "items", &()).await?;
@@ -183,6 +185,37 @@ async fn queries_read_and_updates_change_state_without_stray_writes() -> anyhow:
         Err(EngineError::RunClosed { .. }) => {}
         other => panic!("an update to a closed run must be refused, got {other:?}"),
     }
+    e.shutdown().await;
+
+    // Closed and no longer in memory: repeats get their first outcomes and
+    // new inputs are refused, from the run record and the durable ids it
+    // committed, without reading its history to replay it.
+    let e = engine(&data)?;
+    let c = e.client();
+    let again: usize = c
+        .update("cart-1", "add", &"apple", Some("add-apple"))
+        .await?;
+    assert_eq!(again, 1, "the first outcome of update add-apple");
+    c.signal("cart-1", "checkout", &(), Some("checkout-1"))
+        .await?;
+    match c
+        .signal("cart-1", "checkout", &(), Some("checkout-2"))
+        .await
+    {
+        Err(EngineError::RunClosed { .. }) => {}
+        other => panic!("a new signal to a closed run must be refused, got {other:?}"),
+    }
+    match c.update::<_, usize>("cart-1", "add", &"fig", None).await {
+        Err(EngineError::RunClosed { .. }) => {}
+        other => panic!("an update to a closed run must be refused, got {other:?}"),
+    }
+    let out = c.result::<Cart>("cart-1").await?;
+    assert_eq!(out, ["apple", "pear"]);
+    assert_eq!(
+        e.stats().await.shards.activations,
+        0,
+        "a closed run is answered without replaying its history"
+    );
     e.shutdown().await;
     Ok(())
 }

@@ -17,8 +17,15 @@ use super::{shard_of, ShardId};
 /// What to read.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ReadQuery {
-    /// A run's whole history (to activate it by replay).
+    /// A run's whole history (to replay a closed run for a query, or to
+    /// find what a closed run committed).
     History(RunId),
+    /// What activating a run needs: its whole history to replay, unless
+    /// its run record says it closed and it is not marked parked, when
+    /// [`ReadResult::Closed`] answers without reading a single event (a
+    /// result or a signal for a long-finished run costs one record, not
+    /// its history).
+    Activation(RunId),
     /// An instance's current run, with the command id of its start (to
     /// decide a start).
     Instance(InstanceId),
@@ -26,6 +33,15 @@ pub enum ReadQuery {
     /// run continued as new and whose next run has not started yet (the
     /// hand-off is in the outbox) resolves to [`ReadResult::Continuing`].
     Resolve(String),
+    /// The event a run committed under a durable id, if it did: what a
+    /// repeated signal, update or message that reached the run after it
+    /// closed is answered from (one record and one event, not the history).
+    Committed {
+        /// The run.
+        run: RunId,
+        /// The durable id the repeat carries.
+        key: keel_storage::DurableKey,
+    },
     /// A run's metadata.
     RunMeta(RunId),
     /// What `describe` shows of a run that the store knows.
@@ -105,6 +121,10 @@ pub enum ReadResult {
     /// See [`ReadQuery::History`]: the events, and the park marker if the
     /// run is marked parked.
     History(Vec<Event>, Option<ParkInfo>),
+    /// See [`ReadQuery::Activation`]: the run closed.
+    Closed,
+    /// See [`ReadQuery::Committed`].
+    Committed(Option<Event>),
     /// See [`ReadQuery::Instance`].
     Instance(Option<InstanceState>),
     /// See [`ReadQuery::Resolve`].
@@ -138,6 +158,26 @@ impl ReadQuery {
         Ok(match self {
             ReadQuery::History(run) => {
                 ReadResult::History(store.history(*run)?, store.parked(*run)?)
+            }
+            ReadQuery::Committed { run, key } => {
+                let mut found = None;
+                if let Some(seq) = store.committed(*run, key)? {
+                    store.for_each_event(*run, seq, &mut |e| {
+                        found = Some(e);
+                        false
+                    })?;
+                }
+                ReadResult::Committed(found)
+            }
+            ReadQuery::Activation(run) => {
+                let parked = store.parked(*run)?;
+                let closed =
+                    parked.is_none() && store.run_meta(*run)?.is_some_and(|m| m.status.is_closed());
+                if closed {
+                    ReadResult::Closed
+                } else {
+                    ReadResult::History(store.history(*run)?, parked)
+                }
             }
             ReadQuery::Instance(instance) => {
                 let state = match store.instance(instance)? {

@@ -256,13 +256,14 @@ impl Shard {
     fn closed_op(&mut self, run: RunId, op: RunOp, origin: Origin) {
         match op {
             // A repeat of something the run committed before it closed gets
-            // the first outcome: looked up in its history once every commit
-            // in flight is durable.
-            RunOp::Input(input) if repeatable(&input) => {
+            // the first outcome: looked up by its durable id once every
+            // commit in flight is durable.
+            RunOp::Input(input) if repeat_key(&input).is_some() => {
                 let slot = self.slot(run);
                 if slot.inflight.is_empty() && slot.markers.is_empty() {
+                    let key = repeat_key(&input).expect("matched above");
                     self.read(
-                        ReadQuery::History(run),
+                        ReadQuery::Committed { run, key },
                         ReadFor::ClosedInput { run, input, origin },
                     );
                 } else {
@@ -279,8 +280,9 @@ impl Shard {
         }
     }
 
-    /// A repeat reached a closed run: its history says whether the run
-    /// committed it (then the first outcome answers) or not (`RunClosed`).
+    /// A repeat reached a closed run: the event committed under its
+    /// durable id, if any, says what the first outcome was (else
+    /// `RunClosed`).
     pub(super) fn closed_input_read(
         &mut self,
         run: RunId,
@@ -289,7 +291,7 @@ impl Shard {
         result: Result<ReadResult, StoreError>,
     ) {
         let history = match result {
-            Ok(ReadResult::History(h, _)) => h,
+            Ok(ReadResult::Committed(found)) => found.into_iter().collect::<Vec<_>>(),
             Ok(_) => return,
             Err(e) => {
                 let answer = Answer::Retry(format!("history unreadable: {e}"));
@@ -378,7 +380,26 @@ impl Shard {
             return;
         }
         slot.phase = Phase::Loading;
-        self.read(ReadQuery::History(run), ReadFor::Activate(run));
+        self.read(ReadQuery::Activation(run), ReadFor::Activate(run));
+    }
+
+    /// An activation found the run closed (its history ends with a closing
+    /// event, or its run record says so): what waited for it is answered
+    /// as for any closed run.
+    fn activated_closed(&mut self, run: RunId) {
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        slot.phase = Phase::Closed;
+        slot.closed = true;
+        self.instance_closed(run);
+        let Some(slot) = self.runs.get_mut(&run) else {
+            return;
+        };
+        for origin in std::mem::take(&mut slot.resuming) {
+            self.answer(origin, Answer::Resumed(Resumed::fitting(run, false)), None);
+        }
+        self.run_waiting(run);
     }
 
     pub(super) fn retry_activation(&mut self, run: RunId) {
@@ -404,6 +425,7 @@ impl Shard {
         slot.phase = Phase::Idle;
         let (history, marker) = match result {
             Ok(ReadResult::History(h, marker)) => (h, marker),
+            Ok(ReadResult::Closed) => return self.activated_closed(run),
             Ok(_) => return,
             Err(e) if e.is_transient() => {
                 // The database is away, not the history at fault: the
@@ -429,17 +451,9 @@ impl Shard {
             self.forget(run);
             return;
         };
+        self.stats.activations += 1;
         if history.last().is_some_and(|e| e.kind.closes_run()) && marker.is_none() {
-            let slot = self.runs.get_mut(&run).expect("checked above");
-            slot.phase = Phase::Closed;
-            slot.closed = true;
-            self.instance_closed(run);
-            let slot = self.runs.get_mut(&run).expect("checked above");
-            for origin in std::mem::take(&mut slot.resuming) {
-                self.answer(origin, Answer::Resumed(Resumed::fitting(run, false)), None);
-            }
-            self.run_waiting(run);
-            return;
+            return self.activated_closed(run);
         }
         if let EventKind::WorkflowStarted {
             workflow_type,
@@ -1256,14 +1270,19 @@ pub(super) fn outcome_of(kind: &EventKind) -> Option<Outcome> {
     })
 }
 
-/// An input whose repeat a closed run answers from its history: it carries
-/// an id the history records (a command id, a message key, an update id).
-fn repeatable(input: &Input) -> bool {
+/// The durable id under which a closed run committed an input's first
+/// copy, for an input whose repeat it answers (a command id, a message
+/// key, an update id).
+fn repeat_key(input: &Input) -> Option<keel_storage::DurableKey> {
+    use keel_storage::DurableKey;
     match input {
         Input::Signal { command_id, .. }
         | Input::CancelRequested { command_id, .. }
-        | Input::Terminate { command_id, .. } => command_id.is_some(),
-        Input::Message { .. } | Input::Update { .. } => true,
-        _ => false,
+        | Input::Terminate { command_id, .. } => command_id.clone().map(DurableKey::Command),
+        Input::Message { stream, key, .. } => {
+            Some(DurableKey::Message(stream.clone(), key.clone()))
+        }
+        Input::Update { update_id, .. } => Some(DurableKey::UpdateCompleted(update_id.clone())),
+        _ => None,
     }
 }

@@ -43,6 +43,9 @@ pub struct ShardStats {
     pub redeliveries: u64,
     /// Runs dropped from memory (an idle run, a full cache).
     pub passivations: u64,
+    /// Histories read to bring a run into memory by replay. A closed run
+    /// is not replayed: its run record answers (see `ReadQuery::Activation`).
+    pub activations: u64,
     /// Seconds from a timer's due time to the commit of its firing.
     pub timer_lag_seconds: HistogramSnapshot,
     /// Copies a resilience policy refused before they ran, by policy.
@@ -73,6 +76,7 @@ impl Default for ShardStats {
             lease_expiries: 0,
             redeliveries: 0,
             passivations: 0,
+            activations: 0,
             timer_lag_seconds: HistogramSnapshot::with_bounds(&TIMER_LAG_BUCKETS_SECONDS),
             rejections: BTreeMap::new(),
             runs_cached: 0,
@@ -99,6 +103,7 @@ impl ShardStats {
         self.lease_expiries += other.lease_expiries;
         self.redeliveries += other.redeliveries;
         self.passivations += other.passivations;
+        self.activations += other.activations;
         self.timer_lag_seconds.merge(&other.timer_lag_seconds);
         for (k, n) in &other.rejections {
             *self.rejections.entry(k.clone()).or_default() += n;
