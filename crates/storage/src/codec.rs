@@ -10,8 +10,9 @@
 //! [8..]    body: msgpack (see below)
 //! ```
 //!
-//! The body of a history event (from event version 8) and of every
-//! derived-state record (from state version 4) is positional: each struct
+//! The body of a history event (from event version 8) and of every other
+//! store record (derived state, park markers, shard leases, members, the
+//! shard count: from state version 4) is positional: each struct
 //! is a msgpack array of its fields in declaration order, enum variants
 //! keep their names (`rmp_serde::encode::write`). The store's own metadata
 //! record, exported bundles, and older events and state records are maps

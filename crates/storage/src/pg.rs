@@ -1162,6 +1162,18 @@ fn read_version(shared: &Shared, conn: &Conn) -> Result<Option<u32>> {
 /// since they cannot read the rows this build writes.
 fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
     if let Some(found) = read_version(shared, conn)? {
+        if found == crate::SCHEMA_VERSION_READ_AS_IS && schema_complete(shared, conn)? {
+            // Only the version row changes: no CREATE or ownership needed.
+            let script = format!(
+                "begin;\nselect pg_advisory_xact_lock(hashtext('keel-create:{s}')::int8);\n\
+                 update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
+                 where schema_version = {found};\ncommit;",
+                s = shared.schema
+            );
+            block(conn.client.batch_execute(&script)).map_err(|e| shared.error(&e))?;
+            let now = read_version(shared, conn)?.unwrap_or(found);
+            return check_version(shared, now);
+        }
         if found != crate::SCHEMA_VERSION_READ_AS_IS {
             check_version(shared, found)?;
             if schema_complete(shared, conn)? {

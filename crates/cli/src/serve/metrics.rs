@@ -202,7 +202,7 @@ fn write_engine(out: &mut String, e: &EngineStats) {
         s.runs_cached,
     );
     counter(out, "keel_passivations_total", "Runs dropped from memory (idle past the cache's limit); they replay from the log when needed.", s.passivations);
-    counter(out, "keel_activations_total", "Histories read to bring an open run back into memory by replay (a closed run is answered from its run record).", s.activations);
+    counter(out, "keel_activations_total", "Histories read to bring a run back into memory by replay (an open or parked run; a closed one is answered from its run record).", s.activations);
     counters(
         out,
         "keel_inputs_total",

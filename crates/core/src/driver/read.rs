@@ -17,8 +17,7 @@ use super::{shard_of, ShardId};
 /// What to read.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ReadQuery {
-    /// A run's whole history (to replay a closed run for a query, or to
-    /// find what a closed run committed).
+    /// A run's whole history (to replay a closed run for a query).
     History(RunId),
     /// What activating a run needs: its whole history to replay, unless
     /// its run record says it closed and it is not marked parked, when
@@ -162,10 +161,24 @@ impl ReadQuery {
             ReadQuery::Committed { run, key } => {
                 let mut found = None;
                 if let Some(seq) = store.committed(*run, key)? {
-                    store.for_each_event(*run, seq, &mut |e| {
-                        found = Some(e);
-                        false
-                    })?;
+                    // One point read (a scan would fetch a page of events).
+                    let bytes = store.view().get(
+                        keel_storage::keys::Cf::Events,
+                        &keel_storage::keys::event_key(*run, seq),
+                    )?;
+                    if let Some(bytes) = bytes {
+                        let event: Event = keel_storage::codec::decode(
+                            keel_storage::codec::RecordKind::Event,
+                            &bytes,
+                        )
+                        .map_err(|source| StoreError::Corrupt {
+                            cf: "events",
+                            run: Some(*run),
+                            seq: Some(seq),
+                            source,
+                        })?;
+                        found = (event.seq == seq).then_some(event);
+                    }
                 }
                 ReadResult::Committed(found)
             }

@@ -43,8 +43,9 @@ pub struct ShardStats {
     pub redeliveries: u64,
     /// Runs dropped from memory (an idle run, a full cache).
     pub passivations: u64,
-    /// Histories read to bring a run into memory by replay. A closed run
-    /// is not replayed: its run record answers (see `ReadQuery::Activation`).
+    /// Histories read to bring a run into memory by replay (open or
+    /// parked). A closed run is not replayed: its run record answers (see
+    /// `ReadQuery::Activation`).
     pub activations: u64,
     /// Seconds from a timer's due time to the commit of its firing.
     pub timer_lag_seconds: HistogramSnapshot,
