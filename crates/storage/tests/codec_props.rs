@@ -272,7 +272,13 @@ fn envelope_of(kind: RecordKind, body: &[u8]) -> Vec<u8> {
 
 fn run_meta() -> impl Strategy<Value = RunMeta> {
     (
-        (run_id(), text(), text(), 0usize..7, any::<u64>()),
+        (
+            run_id(),
+            text(),
+            text(),
+            0..RunStatus::ALL.len(),
+            any::<u64>(),
+        ),
         proptest::option::of((run_id(), text(), any::<u32>())),
         (
             any::<u64>(),
@@ -303,15 +309,7 @@ fn run_meta() -> impl Strategy<Value = RunMeta> {
                     run_id: run,
                     instance_id: InstanceId(instance),
                     workflow_type: ty,
-                    status: [
-                        RunStatus::Running,
-                        RunStatus::Completed,
-                        RunStatus::Failed,
-                        RunStatus::Cancelled,
-                        RunStatus::Terminated,
-                        RunStatus::ContinuedAsNew,
-                        RunStatus::TimedOut,
-                    ][status],
+                    status: RunStatus::ALL[status],
                     next_seq: Seq(next),
                     parent: parent.map(|(run_id, instance, step)| ParentRef {
                         instance_id: InstanceId(instance),
