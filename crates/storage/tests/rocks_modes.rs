@@ -239,6 +239,25 @@ fn write_store_meta(path: &Path, bytes: Vec<u8>) {
     db.put_cf(&cf, STORE_META_KEY, bytes).unwrap();
 }
 
+/// Records an older schema version in a closed directory's metadata, and
+/// checks that inspection then refuses it, naming both versions and
+/// saying that an engine's open migrates it.
+fn mark_older_schema(path: &Path, version: u32) {
+    let old = StoreMeta {
+        format: "keel".into(),
+        schema_version: version,
+        created_by: format!("keel 0.1.0 (schema {version})"),
+    };
+    write_store_meta(path, codec::encode(RecordKind::StoreMeta, &old).unwrap());
+    let err = RocksStore::open_read_only(path).unwrap_err();
+    assert!(
+        matches!(err, Error::SchemaVersion { found, expected }
+            if found == version && expected == SCHEMA_VERSION),
+        "{err}"
+    );
+    assert!(err.to_string().contains("migrates"), "{err}");
+}
+
 #[test]
 fn another_schema_version_is_refused_naming_both() {
     let dir = tempfile::tempdir().unwrap();
@@ -422,22 +441,7 @@ fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
         store.history(b.run).unwrap(),
     );
     store.close().unwrap();
-    let old = StoreMeta {
-        format: "keel".into(),
-        schema_version: SCHEMA_VERSION_READ_AS_IS - 1,
-        created_by: "keel 0.1.0 (schema 3)".into(),
-    };
-    write_store_meta(
-        dir.path(),
-        codec::encode(RecordKind::StoreMeta, &old).unwrap(),
-    );
-    let err = RocksStore::open_read_only(dir.path()).unwrap_err();
-    assert!(
-        matches!(err, Error::SchemaVersion { found, expected }
-            if found == SCHEMA_VERSION_READ_AS_IS - 1 && expected == SCHEMA_VERSION),
-        "{err}"
-    );
-    assert!(err.to_string().contains("migrates"), "{err}");
+    mark_older_schema(dir.path(), SCHEMA_VERSION_READ_AS_IS - 1);
 
     let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
     let after = (
@@ -525,21 +529,7 @@ fn a_schema_4_directory_is_read_as_it_is_and_only_its_version_migrates() {
         }
         assert!(rewritten >= 6, "{rewritten} records rewritten");
     }
-    let old = StoreMeta {
-        format: "keel".into(),
-        schema_version: SCHEMA_VERSION_READ_AS_IS,
-        created_by: "keel 0.1.0 (schema 4)".into(),
-    };
-    write_store_meta(
-        dir.path(),
-        codec::encode(RecordKind::StoreMeta, &old).unwrap(),
-    );
-    let err = RocksStore::open_read_only(dir.path()).unwrap_err();
-    assert!(
-        matches!(err, Error::SchemaVersion { found, expected }
-            if found == SCHEMA_VERSION_READ_AS_IS && expected == SCHEMA_VERSION),
-        "{err}"
-    );
+    mark_older_schema(dir.path(), SCHEMA_VERSION_READ_AS_IS);
 
     let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
     let after = (

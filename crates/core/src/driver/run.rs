@@ -258,22 +258,23 @@ impl Shard {
             // A repeat of something the run committed before it closed gets
             // the first outcome: looked up by its durable id once every
             // commit in flight is durable.
-            RunOp::Input(input) if repeat_key(&input).is_some() => {
-                let slot = self.slot(run);
-                if slot.inflight.is_empty() && slot.markers.is_empty() {
-                    let key = repeat_key(&input).expect("matched above");
-                    self.read(
-                        ReadQuery::Committed { run, key },
-                        ReadFor::ClosedInput { run, input, origin },
-                    );
-                } else {
-                    slot.wait_drained(RunOp::Input(input), origin);
+            RunOp::Input(input) => match repeat_key(&input) {
+                Some(key) => {
+                    let slot = self.slot(run);
+                    if slot.inflight.is_empty() && slot.markers.is_empty() {
+                        self.read(
+                            ReadQuery::Committed { run, key },
+                            ReadFor::ClosedInput { run, input, origin },
+                        );
+                    } else {
+                        slot.wait_drained(RunOp::Input(input), origin);
+                    }
                 }
-            }
-            RunOp::Input(_) => {
-                let answer = Answer::Refused(Refusal::RunClosed(run));
-                self.answer_when_durable(run, origin, answer);
-            }
+                None => {
+                    let answer = Answer::Refused(Refusal::RunClosed(run));
+                    self.answer_when_durable(run, origin, answer);
+                }
+            },
             RunOp::Describe => self.describe_when_drained(run, origin),
             RunOp::Query { name, args } => self.query_closed(run, name, args, origin),
             RunOp::Activate | RunOp::Result | RunOp::Resume => {}
