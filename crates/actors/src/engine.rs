@@ -16,8 +16,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix::{Actor, Addr, Arbiter, ArbiterHandle};
 use keel_core::driver::{
-    AttemptKey, AttemptOrder, DriverConfig, Message, Shard, ShardId, ShardInput, LEASE_MS_DEFAULT,
-    RUN_CACHE_MAX_DEFAULT, SHARD_LEASE_MS_DEFAULT, TIMERS_IN_MEMORY_MAX, WORKER_CONCURRENCY_MAX,
+    AttemptKey, AttemptOrder, DriverConfig, Message, Shard, ShardId, ShardInput,
+    INTENTS_IN_MEMORY_MAX, LEASE_MS_DEFAULT, RUN_CACHE_MAX_DEFAULT, SHARD_LEASE_MS_DEFAULT,
+    TIMERS_IN_MEMORY_MAX, WORKER_CONCURRENCY_MAX,
 };
 use keel_core::{Activity, ActivityRegistry, CancelSignal, Workflow, WorkflowRegistry};
 use keel_resilience::CompiledPipeline;
@@ -64,6 +65,10 @@ pub struct EngineConfig {
     /// holds at most twice its share; the rest stay in the store until
     /// they come near).
     pub timers_in_memory_max: usize,
+    /// Pending attempts, and outbox messages, read into memory per window
+    /// at recovery, over all shards (the next window is read as those are
+    /// done; the rest stay in the store).
+    pub intents_in_memory_max: usize,
     /// How commits are made durable.
     pub durability: Durability,
     /// On a store several engine processes share: how long a shard lease
@@ -89,6 +94,7 @@ impl Default for EngineConfig {
             lease_ms_default: LEASE_MS_DEFAULT,
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
             timers_in_memory_max: TIMERS_IN_MEMORY_MAX,
+            intents_in_memory_max: INTENTS_IN_MEMORY_MAX,
             durability: Durability::Sync,
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
             attempts_anywhere: true,
@@ -527,6 +533,7 @@ impl Engine {
             lease_ms_default: config.lease_ms_default,
             worker_concurrency_max: (config.worker_concurrency_max / shards).max(1),
             timers_in_memory_max: (config.timers_in_memory_max / shards).max(1),
+            intents_in_memory_max: (config.intents_in_memory_max / shards).max(1),
             profiles: host.profiles.clone(),
             shard_lease_ms: config.shard_lease_ms,
             breaks: None,

@@ -1,19 +1,26 @@
 //! `keel bench restart`: an engine reopened over many open runs.
 //!
 //! Fills a data directory with `--runs` runs waiting on a signal, of which
-//! `--timers` first wait on a durable timer due within the next hour, and
-//! stops that engine. Then a fresh process (so its memory is its own)
-//! opens the directory and measures how long until a new start is
-//! accepted, how long a waiting run takes to complete once signalled, and
-//! its resident memory; the same process over an empty directory gives
-//! the baseline the memory is compared with.
+//! `--timers` first wait on a durable timer due within the next hour and
+//! the next `--tasks` first call an activity, and stops that engine. The
+//! filling engine runs one activity at a time and that one never ends, so
+//! the tasks are left in the store as pending attempts, due at once.
+//! Then a fresh process (so its memory is its own) opens the directory
+//! and measures how long until a new start is accepted, how long a waiting
+//! run takes to complete once signalled, how long until every left-over
+//! attempt completed, and its resident memory (at the end and the most it
+//! was while the attempts ran); the same process over an empty directory
+//! gives the baseline the memory is compared with.
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use keel::{Engine, Workflow, WorkflowContext, WorkflowError};
+use keel::{
+    Activity, ActivityContext, ActivityError, Engine, EngineConfig, Workflow, WorkflowContext,
+    WorkflowError,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::output::progress;
@@ -25,6 +32,14 @@ const FILL_STARTS_IN_FLIGHT: usize = 512;
 /// The longest a timer of the fill waits, ms: they are spread over it.
 const FILL_TIMER_SPREAD_MS: u64 = 3_600_000;
 
+/// How often the reopened engine's progress and memory are sampled while
+/// the left-over attempts run, ms.
+const DRAIN_SAMPLE_MS: u64 = 20;
+
+/// The longest the reopened engine is given to complete the left-over
+/// attempts, s.
+const DRAIN_WAIT_S_MAX: u64 = 600;
+
 /// Arguments of `keel bench restart`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct RestartArgs {
@@ -34,6 +49,10 @@ pub(crate) struct RestartArgs {
     /// Of those, how many wait on a timer first (spread over an hour).
     #[arg(long, default_value_t = 100_000)]
     timers: u64,
+    /// Of those, how many (after the timers' runs) call an activity first,
+    /// left pending in the store when the filling engine stops.
+    #[arg(long, default_value_t = 0)]
+    tasks: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -48,19 +67,55 @@ pub(crate) struct RestartOpenArgs {
     /// The run to signal, if any.
     #[arg(long)]
     signal: Option<String>,
+    /// Left-over attempts to wait for.
+    #[arg(long, default_value_t = 0)]
+    tasks: u64,
 }
 
-/// Waits on a timer (when given one) and then on the signal `go`.
+/// What a waiting run does before it waits on the signal `go`.
+#[derive(Serialize, Deserialize, Clone, Copy)]
+enum Before {
+    Nothing,
+    Timer(u64),
+    Activity,
+}
+
+/// Waits on a timer or an activity (if told to) and then on the signal
+/// `go`.
 struct Waiter;
 impl Workflow for Waiter {
     const NAME: &'static str = "bench.waiter";
-    type Input = Option<u64>;
+    type Input = Before;
     type Output = ();
-    async fn run(ctx: WorkflowContext, timer_ms: Option<u64>) -> Result<(), WorkflowError> {
-        if let Some(ms) = timer_ms {
-            ctx.timer(Duration::from_millis(ms)).await;
+    async fn run(ctx: WorkflowContext, before: Before) -> Result<(), WorkflowError> {
+        match before {
+            Before::Nothing => {}
+            Before::Timer(ms) => {
+                ctx.timer(Duration::from_millis(ms)).await;
+            }
+            Before::Activity => {
+                ctx.activity::<Step>(()).await?;
+            }
         }
         ctx.wait_signal::<()>("go").await?;
+        Ok(())
+    }
+}
+
+/// The activity a waiting run calls first. In the filling engine it never
+/// ends (it is dropped when that engine stops); in the reopened one it
+/// returns at once.
+struct Step {
+    stalls: bool,
+}
+impl Activity for Step {
+    const NAME: &'static str = "bench.step";
+    type Input = ();
+    type Output = ();
+    async fn run(&self, _ctx: ActivityContext, _: ()) -> Result<(), ActivityError> {
+        if self.stalls {
+            std::future::pending::<()>().await;
+        }
         Ok(())
     }
 }
@@ -76,12 +131,23 @@ impl Workflow for Quick {
     }
 }
 
-fn engine(dir: &std::path::Path) -> anyhow::Result<Engine> {
-    Ok(Engine::builder()
+/// The engine over `dir`; a filling one runs one attempt at a time, and
+/// that one stalls.
+fn engine(dir: &std::path::Path, filling: bool) -> anyhow::Result<Engine> {
+    let builder = Engine::builder()
         .data_dir(dir)
         .register_workflow::<Waiter>()
         .register_workflow::<Quick>()
-        .build()?)
+        .activity(Step { stalls: filling });
+    let builder = if filling {
+        builder.config(EngineConfig {
+            worker_concurrency_max: 1,
+            ..EngineConfig::default()
+        })
+    } else {
+        builder
+    };
+    Ok(builder.build()?)
 }
 
 /// What one reopening measured.
@@ -97,22 +163,35 @@ struct Reopened {
     rss_mb: f64,
     /// Durable timers the engine held in memory then (a window of them).
     timers_in_memory: u64,
+    /// From the start of the open until every left-over attempt
+    /// completed, ms.
+    tasks_done_ms: Option<f64>,
+    /// The most resident memory seen while they ran, MiB.
+    peak_rss_mb: f64,
+    /// The most attempts the engine held in memory at a sample.
+    attempts_in_memory_max: u64,
 }
 
 #[derive(Serialize)]
 struct RestartReport {
     runs: u64,
     timers: u64,
+    tasks: u64,
     fill_s: f64,
     empty: Reopened,
     full: Reopened,
     /// `full.rss_mb - empty.rss_mb`.
     rss_growth_mb: f64,
+    /// `full.peak_rss_mb - empty.peak_rss_mb`.
+    peak_rss_growth_mb: f64,
 }
 
 pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
-    anyhow::ensure!(args.timers <= args.runs, "--timers cannot exceed --runs");
+    anyhow::ensure!(
+        args.timers + args.tasks < args.runs,
+        "--timers and --tasks together must leave at least one run waiting on the signal alone"
+    );
     let empty_dir = tempfile::Builder::new()
         .prefix("keel-bench-restart")
         .tempdir()?;
@@ -120,11 +199,12 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
         .prefix("keel-bench-restart")
         .tempdir()?;
 
-    // Fill: the first `timers` runs wait on a timer first; the last run
-    // (no timer) is the one the reopened engine signals.
+    // Fill: the first `timers` runs wait on a timer first, the next
+    // `tasks` on an activity; the last run (neither) is the one the
+    // reopened engine signals.
     let t0 = Instant::now();
     {
-        let engine = engine(full_dir.path())?;
+        let engine = engine(full_dir.path(), true)?;
         let client = engine.client();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -135,9 +215,14 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
                 .map(|i| {
                     let client = client.clone();
                     async move {
-                        let timer =
-                            (i < args.timers).then(|| 60_000 + i * 7919 % FILL_TIMER_SPREAD_MS);
-                        client.start::<Waiter>(&format!("wait-{i}"), &timer).await
+                        let before = if i < args.timers {
+                            Before::Timer(60_000 + i * 7919 % FILL_TIMER_SPREAD_MS)
+                        } else if i < args.timers + args.tasks {
+                            Before::Activity
+                        } else {
+                            Before::Nothing
+                        };
+                        client.start::<Waiter>(&format!("wait-{i}"), &before).await
                     }
                 })
                 .buffer_unordered(FILL_STARTS_IN_FLIGHT);
@@ -153,13 +238,15 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
     let fill_s = t0.elapsed().as_secs_f64();
 
     let last = format!("wait-{}", args.runs - 1);
-    let empty = reopen(empty_dir.path(), None)?;
-    let full = reopen(full_dir.path(), Some(&last))?;
+    let empty = reopen(empty_dir.path(), None, 0)?;
+    let full = reopen(full_dir.path(), Some(&last), args.tasks)?;
     let report = RestartReport {
         runs: args.runs,
         timers: args.timers,
+        tasks: args.tasks,
         fill_s,
         rss_growth_mb: full.rss_mb - empty.rss_mb,
+        peak_rss_growth_mb: full.peak_rss_mb - empty.peak_rss_mb,
         empty,
         full,
     };
@@ -168,40 +255,52 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{} runs waiting ({} on timers first), filled in {:.1} s",
-        report.runs, report.timers, report.fill_s
+        "{} runs waiting ({} on timers first, {} on left-over attempts), filled in {:.1} s",
+        report.runs, report.timers, report.tasks, report.fill_s
     );
     println!(
-        "{:>22}  {:>9}  {:>15}  {:>16}  {:>8}  {:>16}",
-        "reopened", "open ms", "new start ms", "signalled ms", "rss MiB", "timers in memory"
+        "{:>18}  {:>8}  {:>12}  {:>12}  {:>13}  {:>8}  {:>9}  {:>16}  {:>18}",
+        "reopened",
+        "open ms",
+        "new start ms",
+        "signalled ms",
+        "attempts done",
+        "rss MiB",
+        "peak MiB",
+        "timers in memory",
+        "attempts in memory"
     );
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |ms| format!("{ms:.1}"));
     for (name, r) in [
         ("empty directory", &report.empty),
         ("filled directory", &report.full),
     ] {
         println!(
-            "{:>22}  {:>9.1}  {:>15.1}  {:>16}  {:>8.1}  {:>16}",
+            "{:>18}  {:>8.1}  {:>12.1}  {:>12}  {:>13}  {:>8.1}  {:>9.1}  {:>16}  {:>18}",
             name,
             r.open_ms,
             r.start_accepted_ms,
-            r.signalled_done_ms
-                .map_or("-".to_string(), |ms| format!("{ms:.1}")),
+            ms(r.signalled_done_ms),
+            ms(r.tasks_done_ms),
             r.rss_mb,
-            r.timers_in_memory
+            r.peak_rss_mb,
+            r.timers_in_memory,
+            r.attempts_in_memory_max
         );
     }
     println!(
-        "memory over the empty directory: {:.1} MiB",
-        report.rss_growth_mb
+        "memory over the empty directory: {:.1} MiB at the end, {:.1} MiB at the most",
+        report.rss_growth_mb, report.peak_rss_growth_mb
     );
     Ok(ExitCode::SUCCESS)
 }
 
 /// Runs `keel bench restart-open` on `dir` and reads what it measured.
-fn reopen(dir: &std::path::Path, signal: Option<&str>) -> anyhow::Result<Reopened> {
+fn reopen(dir: &std::path::Path, signal: Option<&str>, tasks: u64) -> anyhow::Result<Reopened> {
     let exe = std::env::current_exe().context("locating the keel binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(["bench", "restart-open", "--data"]).arg(dir);
+    cmd.args(["--tasks", &tasks.to_string()]);
     if let Some(run) = signal {
         cmd.args(["--signal", run]);
     }
@@ -218,10 +317,11 @@ fn reopen(dir: &std::path::Path, signal: Option<&str>) -> anyhow::Result<Reopene
 }
 
 /// The reopening process: opens `--data`, starts a new run, signals one
-/// waiting run, and prints what it measured as JSON.
+/// waiting run, waits for the left-over attempts, and prints what it
+/// measured as JSON.
 pub(crate) fn restart_open(args: RestartOpenArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let engine = engine(&args.data)?;
+    let engine = engine(&args.data, false)?;
     let open_ms = t0.elapsed().as_secs_f64() * 1000.0;
     let client = engine.client();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -242,6 +342,26 @@ pub(crate) fn restart_open(args: RestartOpenArgs) -> anyhow::Result<ExitCode> {
         client.result::<Quick>("after-restart").await?;
         anyhow::Ok((start_accepted_ms, signalled))
     })?;
+    // The left-over attempts: sampled until every one completed.
+    let mut peak_rss_mb = rss_mb();
+    let mut attempts_in_memory_max = 0;
+    let tasks_done_ms = rt.block_on(async {
+        loop {
+            let stats = engine.stats().await.shards;
+            attempts_in_memory_max = attempts_in_memory_max.max(stats.attempts_supervised);
+            peak_rss_mb = peak_rss_mb.max(rss_mb());
+            let done = stats.attempts.get("completed").copied().unwrap_or(0);
+            if done >= args.tasks {
+                break anyhow::Ok((args.tasks > 0).then(|| t0.elapsed().as_secs_f64() * 1000.0));
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(DRAIN_WAIT_S_MAX),
+                "only {done} of {} left-over attempts completed in {DRAIN_WAIT_S_MAX} s",
+                args.tasks
+            );
+            tokio::time::sleep(Duration::from_millis(DRAIN_SAMPLE_MS)).await;
+        }
+    })?;
     let rss_mb = rss_mb();
     let timers_in_memory = rt.block_on(engine.stats()).shards.timers_armed;
     engine.shutdown_blocking();
@@ -251,6 +371,9 @@ pub(crate) fn restart_open(args: RestartOpenArgs) -> anyhow::Result<ExitCode> {
         signalled_done_ms,
         rss_mb,
         timers_in_memory,
+        tasks_done_ms,
+        peak_rss_mb: peak_rss_mb.max(rss_mb),
+        attempts_in_memory_max,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(ExitCode::SUCCESS)

@@ -313,6 +313,39 @@ pub trait Store: Send + Sync + 'static {
         scan_typed(self.view(), Cf::Tasks, RecordKind::Task, &[], limit)
     }
 
+    /// Pending activity attempts in the store's order (run, step), from
+    /// the first whose key follows `after` (from the first without it),
+    /// that `keep` accepts, at most `limit`: a window of the attempts a
+    /// shard holds in memory. Rows `keep` refuses are read past, not
+    /// counted.
+    fn tasks_after(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+        keep: &mut dyn FnMut(&TaskEntry) -> bool,
+    ) -> Result<Vec<TaskEntry>> {
+        scan_after(self.view(), Cf::Tasks, RecordKind::Task, after, limit, keep)
+    }
+
+    /// Outbox messages in the store's order, from the first whose key
+    /// follows `after`, that `keep` accepts, at most `limit` (see
+    /// [`Store::tasks_after`]).
+    fn outbox_after(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+        keep: &mut dyn FnMut(&OutboxMessage) -> bool,
+    ) -> Result<Vec<OutboxMessage>> {
+        scan_after(
+            self.view(),
+            Cf::Outbox,
+            RecordKind::Outbox,
+            after,
+            limit,
+            keep,
+        )
+    }
+
     /// The pending attempt of the execution at `step`, if it is open.
     fn task(&self, run: RunId, step: crate::ids::Step) -> Result<Option<TaskEntry>> {
         read_record(
@@ -424,6 +457,46 @@ fn corrupt(cf: Cf, key: &[u8], source: codec::Error) -> Error {
         seq: None,
         source,
     }
+}
+
+/// Records of `cf` in key order after the key `after`, those `keep`
+/// accepts, at most `limit`.
+fn scan_after<T: serde::de::DeserializeOwned>(
+    view: &dyn KvRead,
+    cf: Cf,
+    kind: RecordKind,
+    after: Option<&[u8]>,
+    limit: usize,
+    keep: &mut dyn FnMut(&T) -> bool,
+) -> Result<Vec<T>> {
+    let from = after.map_or_else(Vec::new, |k| {
+        let mut k = k.to_vec();
+        k.push(0);
+        k
+    });
+    let mut out = Vec::new();
+    let mut failure = None;
+    if limit == 0 {
+        return Ok(out);
+    }
+    view.scan(
+        cf,
+        &[],
+        &from,
+        &mut |k, v| match codec::decode::<T>(kind, v) {
+            Ok(t) => {
+                if keep(&t) {
+                    out.push(t);
+                }
+                out.len() < limit
+            }
+            Err(source) => {
+                failure = Some(corrupt(cf, k, source));
+                false
+            }
+        },
+    )?;
+    failure.map_or(Ok(out), Err)
 }
 
 fn scan_typed<T: serde::de::DeserializeOwned>(

@@ -66,6 +66,9 @@ struct Attempt {
     stopped: Vec<LeaseEpoch>,
     cause: Cause,
     start_deadline_armed: bool,
+    /// A window of the shard's backlog brought its row in (see
+    /// `backlog.rs`): it counts against the room for the next window.
+    windowed: bool,
 }
 
 /// The attempts one shard supervises.
@@ -74,11 +77,37 @@ pub(super) struct Attempts {
     map: BTreeMap<AttemptKey, Attempt>,
     running: usize,
     queue: VecDeque<(AttemptKey, AttemptNo)>,
+    /// Attempts in `map` a backlog window brought in.
+    windowed: usize,
 }
 
 impl Attempts {
     pub(super) fn len(&self) -> usize {
         self.map.len()
+    }
+
+    /// Attempts held that a backlog window brought in.
+    pub(super) fn windowed(&self) -> usize {
+        self.windowed
+    }
+
+    fn insert(&mut self, key: AttemptKey, attempt: Attempt) {
+        if attempt.windowed {
+            self.windowed += 1;
+        }
+        if let Some(old) = self.map.insert(key, attempt) {
+            if old.windowed {
+                self.windowed -= 1;
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &AttemptKey) -> Option<Attempt> {
+        let a = self.map.remove(key)?;
+        if a.windowed {
+            self.windowed -= 1;
+        }
+        Some(a)
     }
 
     /// Every copy delivered under a lease that has not reported yet.
@@ -138,8 +167,9 @@ fn bounded(mut failure: Failure) -> Failure {
 }
 
 impl Shard {
-    /// A task row was written (or read back): drive its attempt.
-    pub(super) fn task_intent(&mut self, task: TaskEntry, cause: Cause) {
+    /// A task row was written (or read back; `windowed` when a backlog
+    /// window brought it): drive its attempt.
+    pub(super) fn task_intent(&mut self, task: TaskEntry, cause: Cause, windowed: bool) {
         let key = key_of(&task);
         if let Some(a) = self.attempts.map.get_mut(&key) {
             if a.task.attempt == task.attempt {
@@ -160,7 +190,7 @@ impl Shard {
         let attempt = task.attempt;
         let due = task.due;
         let cancel = task.cancel_requested;
-        self.attempts.map.insert(
+        self.attempts.insert(
             key,
             Attempt {
                 details: task.heartbeat.clone(),
@@ -171,6 +201,7 @@ impl Shard {
                 stopped: Vec::new(),
                 cause,
                 start_deadline_armed: false,
+                windowed,
             },
         );
         if cancel {
@@ -193,7 +224,7 @@ impl Shard {
                 return; // its own report; removed when answered
             }
         }
-        if let Some(a) = self.attempts.map.remove(&key) {
+        if let Some(a) = self.attempts.remove(&key) {
             if let State::Running { epoch, .. } = a.state {
                 self.actions.push_back(Action::StopAttempt { key, epoch });
                 self.attempts.running -= 1;
@@ -799,7 +830,7 @@ impl Shard {
             // Committed, a duplicate, the run closed, parked (a resume
             // drives the task row again), nothing open at the step.
             _ => {
-                self.attempts.map.remove(&key);
+                self.attempts.remove(&key);
             }
         }
     }

@@ -31,6 +31,7 @@
 //! as a duplicate, or with its run parked and the reason recorded.
 
 mod attempts;
+mod backlog;
 mod describe;
 mod due;
 mod handlers;
@@ -61,10 +62,13 @@ pub use ownership::{
     leases_unheld, member_gone, shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT,
     SHARD_LEASE_RENEW_PERCENT, SHARD_LEASE_RETRY_MS,
 };
-pub use read::{DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX};
+pub use read::{
+    BacklogOf, DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX,
+};
 pub use stats::{ShardStats, REJECTION_POLICIES_MAX, TIMER_LAG_BUCKETS_SECONDS};
 
 use attempts::Attempts;
+use backlog::Backlog;
 pub use due::DUE_SWEEP_ENTRIES_MIN;
 use due::{Due, DueQueue};
 use outbox::Outbox;
@@ -87,6 +91,20 @@ pub const TIMERS_IN_MEMORY_MAX: usize = 10_000;
 /// How long before the last timer in memory comes due the next window is
 /// read.
 pub const TIMER_WINDOW_LEAD_MS: u64 = 2_000;
+/// Pending attempts, and outbox messages, one read brings into a shard's
+/// memory by default (the window): the next window is read once fewer
+/// than this many of the rows windows brought in are still held, so a
+/// restart over a million queued attempts holds a window of them, not a
+/// million (see `backlog.rs`).
+pub const INTENTS_IN_MEMORY_MAX: usize = 10_000;
+/// How far ahead of now a window takes attempts that wait out a retry
+/// backoff; later ones stay in the store until a pass reaches them in
+/// time.
+pub const BACKLOG_LEAD_MS: u64 = 2_000;
+/// How long a window of task or outbox rows may hold the room for the
+/// next without getting any of its rows done before the next is read
+/// anyway (its rows may wait on rows not read yet).
+pub const BACKLOG_STALL_MS: u64 = 5_000;
 /// Failed activations (unreadable history) before a run is parked.
 pub const RUN_RESTARTS_MAX: u32 = 5;
 /// How long a run whose store is out of reach (a database restarting)
@@ -964,6 +982,9 @@ pub struct DriverConfig {
     /// Durable timers one window read brings into memory (memory holds at
     /// most twice as many; see [`TIMERS_IN_MEMORY_MAX`]).
     pub timers_in_memory_max: usize,
+    /// Pending attempts, and outbox messages, one window read brings into
+    /// memory at recovery (see [`INTENTS_IN_MEMORY_MAX`]).
+    pub intents_in_memory_max: usize,
     /// Resilience profiles activities may name. The driver reads their
     /// attempt timeout, retry policy, classifier and fallback switch; the
     /// host admits attempts through them.
@@ -983,6 +1004,7 @@ impl std::fmt::Debug for DriverConfig {
             .field("lease_ms_default", &self.lease_ms_default)
             .field("worker_concurrency_max", &self.worker_concurrency_max)
             .field("timers_in_memory_max", &self.timers_in_memory_max)
+            .field("intents_in_memory_max", &self.intents_in_memory_max)
             .field("shard_lease_ms", &self.shard_lease_ms)
             .field("profiles", &self.profiles.keys().collect::<Vec<_>>())
             .field("breaks", &self.breaks)
@@ -998,6 +1020,7 @@ impl Default for DriverConfig {
             lease_ms_default: LEASE_MS_DEFAULT,
             worker_concurrency_max: WORKER_CONCURRENCY_MAX,
             timers_in_memory_max: TIMERS_IN_MEMORY_MAX,
+            intents_in_memory_max: INTENTS_IN_MEMORY_MAX,
             profiles: BTreeMap::new(),
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
             breaks: None,
@@ -1019,7 +1042,8 @@ enum ReadFor {
     Result(RunId, Token),
     Continuation(Token),
     Describe(RunId, Option<MachineView>, ReplyTo),
-    Recover,
+    /// A window of a shard's task or outbox rows.
+    Backlog(BacklogOf),
     RunIntents(RunId),
     TimerWindow,
     List(ReplyTo),
@@ -1042,7 +1066,7 @@ impl ReadFor {
     fn reads_intents(&self) -> bool {
         matches!(
             self,
-            ReadFor::Recover | ReadFor::RunIntents(_) | ReadFor::TimerWindow
+            ReadFor::Backlog(_) | ReadFor::RunIntents(_) | ReadFor::TimerWindow
         )
     }
 }
@@ -1106,6 +1130,10 @@ pub struct Shard {
     timers: Timers,
     attempts: Attempts,
     outbox: Outbox,
+    /// The task rows not read yet (see `backlog.rs`).
+    task_backlog: Backlog,
+    /// The outbox rows not read yet.
+    outbox_backlog: Backlog,
     shut_down: bool,
     /// Whether the store accepts writes, as last learned.
     store_health: keel_storage::StoreHealth,
@@ -1148,6 +1176,7 @@ impl Shard {
         epoch_base: u64,
     ) -> Shard {
         let timers = Timers::new(config.timers_in_memory_max.max(1));
+        let intents_window = config.intents_in_memory_max.max(1);
         Shard {
             id,
             config,
@@ -1175,6 +1204,8 @@ impl Shard {
             timers,
             attempts: Attempts::default(),
             outbox: Outbox::default(),
+            task_backlog: Backlog::new(intents_window),
+            outbox_backlog: Backlog::new(intents_window),
             shut_down: false,
             store_health: keel_storage::StoreHealth::Healthy,
             lease: None,
@@ -1195,19 +1226,78 @@ impl Shard {
         &self.workflows
     }
 
-    /// Starts recovery: reads every intent row this shard owns (pending
-    /// attempts, outbox messages) and the first window of its timers, and
-    /// drives each exactly as if a commit had just written it. Call once,
-    /// after [`Shard::new`].
+    /// Starts recovery: reads the first window of the intent rows this
+    /// shard owns (pending attempts, outbox messages, timers) and drives
+    /// each exactly as if a commit had just written it; the next windows
+    /// follow as those are done (see `backlog.rs` and `timers.rs`). Call
+    /// once, after [`Shard::new`].
     pub fn recover(&mut self, now: Timestamp) {
         self.now = self.now.max(now);
-        let query = ReadQuery::Intents {
-            shard: self.id,
-            shards: self.config.shards,
-        };
-        self.read(query, ReadFor::Recover);
+        self.task_backlog.start_recovery();
+        self.outbox_backlog.start_recovery();
+        self.read_backlogs();
         let after = self.timers.start_recovery();
         self.read_timer_window(after);
+    }
+
+    /// Reads the next window of task rows, and of outbox rows, when one
+    /// is due and memory has room for it.
+    fn read_backlogs(&mut self) {
+        let now = self.now;
+        let held = self.attempts.windowed();
+        if let Some(after) = self.task_backlog.start_window(now, held) {
+            let query = ReadQuery::Backlog {
+                shard: self.id,
+                shards: self.config.shards,
+                of: BacklogOf::Tasks,
+                after,
+                limit: self.task_backlog.window_rows(),
+                due_before: now.plus_ms(BACKLOG_LEAD_MS),
+            };
+            self.read(query, ReadFor::Backlog(BacklogOf::Tasks));
+        }
+        let held = self.outbox.windowed();
+        if let Some(after) = self.outbox_backlog.start_window(now, held) {
+            let query = ReadQuery::Backlog {
+                shard: self.id,
+                shards: self.config.shards,
+                of: BacklogOf::Outbox,
+                after,
+                limit: self.outbox_backlog.window_rows(),
+                due_before: now,
+            };
+            self.read(query, ReadFor::Backlog(BacklogOf::Outbox));
+        }
+    }
+
+    fn backlog_read(&mut self, of: BacklogOf, result: Result<ReadResult, StoreError>) {
+        let retry_at = self.now.plus_ms(RUN_UNREACHABLE_RETRY_MS);
+        let shard = self.id;
+        let backlog = match of {
+            BacklogOf::Tasks => &mut self.task_backlog,
+            BacklogOf::Outbox => &mut self.outbox_backlog,
+        };
+        match result {
+            Ok(ReadResult::Backlog {
+                rows,
+                last,
+                skipped_due,
+            }) => {
+                let pass_at = skipped_due.map(|d| Timestamp(d.0.saturating_sub(BACKLOG_LEAD_MS)));
+                backlog.window_read(last, pass_at);
+                tracing::debug!(%shard, ?of, rows = rows.len(), "read a window of durable work");
+                self.intents_read_back(rows, true);
+            }
+            Ok(other) => {
+                tracing::error!(?other, "a backlog read answered the wrong query");
+                backlog.window_failed(retry_at);
+            }
+            Err(e) => {
+                // Without its rows the shard would forget work: try again.
+                tracing::warn!(%shard, ?of, error = %e, "reading durable work failed; retrying");
+                backlog.window_failed(retry_at);
+            }
+        }
     }
 
     fn read_timer_window(&mut self, after: Option<timers::TimerKey>) {
@@ -1365,6 +1455,8 @@ impl Shard {
             self.due.next(),
             self.timers.next_due(),
             self.timers.window_at(TIMER_WINDOW_LEAD_MS),
+            self.task_backlog.window_at(self.attempts.windowed()),
+            self.outbox_backlog.window_at(self.outbox.windowed()),
         ]
         .into_iter()
         .flatten()
@@ -1421,6 +1513,7 @@ impl Shard {
             if let Some(after) = self.timers.start_window(self.now, TIMER_WINDOW_LEAD_MS) {
                 self.read_timer_window(after);
             }
+            self.read_backlogs();
         }
         self.passivate();
     }
@@ -1578,7 +1671,7 @@ impl Shard {
             ReadFor::Result(run, waiter) => self.result_read(run, waiter, result),
             ReadFor::Continuation(token) => self.continuation_read(token, result),
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
-            ReadFor::Recover => self.recovered(result),
+            ReadFor::Backlog(of) => self.backlog_read(of, result),
             ReadFor::TimerWindow => self.timer_window_read(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
             ReadFor::ClosedInput { run, input, origin } => {
@@ -1616,7 +1709,7 @@ impl Shard {
     /// just answered (`cause` names it) or read back at recovery.
     fn intents(&mut self, rows: Vec<keel_storage::Intent>, cause: Cause) {
         for row in rows {
-            self.intent(row, cause);
+            self.intent(row, cause, false);
         }
     }
 
@@ -1624,7 +1717,9 @@ impl Shard {
     /// it was asked for, while commits went on: a row a commit removed
     /// meanwhile is done (a child started, an attempt completed) and is
     /// skipped; one still in memory is merged with what memory knows.
-    fn intents_read_back(&mut self, rows: Vec<keel_storage::Intent>) {
+    /// `windowed`: a window of the shard's backlog brought them (they
+    /// count against its room until done).
+    fn intents_read_back(&mut self, rows: Vec<keel_storage::Intent>, windowed: bool) {
         let mut stale = 0;
         for row in rows {
             let key = row.key();
@@ -1639,7 +1734,7 @@ impl Shard {
             if driven || self.removed_while_reading.contains(&key) {
                 stale += 1;
             } else {
-                self.intent(row, None);
+                self.intent(row, None, windowed);
             }
         }
         if stale > 0 {
@@ -1647,11 +1742,11 @@ impl Shard {
         }
     }
 
-    fn intent(&mut self, row: keel_storage::Intent, cause: Cause) {
+    fn intent(&mut self, row: keel_storage::Intent, cause: Cause, windowed: bool) {
         match row {
-            keel_storage::Intent::Task(task) => self.task_intent(task, cause),
+            keel_storage::Intent::Task(task) => self.task_intent(task, cause, windowed),
             keel_storage::Intent::Timer(t) => self.timers.arm(t.run_id, t.step, t.fire_at),
-            keel_storage::Intent::Outbox(msg) => self.outbox_intent(msg, cause),
+            keel_storage::Intent::Outbox(msg) => self.outbox_intent(msg, cause, windowed),
         }
     }
 
@@ -1666,25 +1761,6 @@ impl Shard {
                 }
                 keel_storage::IntentKey::Timer(run, step) => self.timers.remove(run, step),
                 keel_storage::IntentKey::Outbox(key) => self.outbox_removed(&key),
-            }
-        }
-    }
-
-    fn recovered(&mut self, result: Result<ReadResult, StoreError>) {
-        match result {
-            Ok(ReadResult::Intents(rows)) => {
-                tracing::info!(shard = %self.id, intents = rows.len(), "recovering durable work");
-                self.intents_read_back(rows);
-            }
-            Ok(other) => tracing::error!(?other, "recovery read answered the wrong query"),
-            Err(e) => {
-                // Without its intents the shard would forget work: try again.
-                tracing::error!(shard = %self.id, error = %e, "recovery read failed; retrying");
-                let query = ReadQuery::Intents {
-                    shard: self.id,
-                    shards: self.config.shards,
-                };
-                self.read(query, ReadFor::Recover);
             }
         }
     }

@@ -44,6 +44,8 @@ struct Row {
     /// Times a send was delivered again because its target answered
     /// "closed" or "unknown" (see [`super::SEND_CLOSED_FOLLOWS_MAX`]).
     follows: u32,
+    /// A window of the shard's backlog brought it in (see `backlog.rs`).
+    windowed: bool,
 }
 
 /// The outbox rows one shard delivers.
@@ -51,11 +53,35 @@ struct Row {
 pub(super) struct Outbox {
     rows: BTreeMap<Vec<u8>, Row>,
     pending: BTreeMap<Token, Vec<u8>>,
+    /// Rows in `rows` a backlog window brought in.
+    windowed: usize,
 }
 
 impl Outbox {
     pub(super) fn len(&self) -> usize {
         self.rows.len()
+    }
+
+    /// Rows held that a backlog window brought in.
+    pub(super) fn windowed(&self) -> usize {
+        self.windowed
+    }
+
+    fn insert(&mut self, key: Vec<u8>, row: Row) {
+        if row.windowed {
+            self.windowed += 1;
+        }
+        if let Some(old) = self.rows.insert(key, row) {
+            if old.windowed {
+                self.windowed -= 1;
+            }
+        }
+    }
+
+    fn remove(&mut self, key: &[u8]) {
+        if self.rows.remove(key).is_some_and(|row| row.windowed) {
+            self.windowed -= 1;
+        }
     }
 
     /// Whether a row with this key is in memory (being delivered).
@@ -85,15 +111,16 @@ fn cancel_input(
 }
 
 impl Shard {
-    /// An outbox row was written (or read back): deliver it.
-    pub(super) fn outbox_intent(&mut self, msg: OutboxMessage, cause: Cause) {
+    /// An outbox row was written (or read back; `windowed` when a backlog
+    /// window brought it): deliver it.
+    pub(super) fn outbox_intent(&mut self, msg: OutboxMessage, cause: Cause, windowed: bool) {
         if matches!(msg, OutboxMessage::CancelChild { .. })
             && self.breaks(BreakMode::SkipClosePolicy)
         {
             return; // broken on purpose: cancellations are never delivered
         }
         let key = msg.key();
-        self.outbox.rows.insert(
+        self.outbox.insert(
             key.clone(),
             Row {
                 msg,
@@ -104,6 +131,7 @@ impl Shard {
                 awaiting: None,
                 consumed: false,
                 follows: 0,
+                windowed,
             },
         );
         self.deliver_outbox(&key);
@@ -116,7 +144,7 @@ impl Shard {
         match self.outbox.rows.get_mut(key) {
             Some(row) if row.awaiting.is_some() => row.consumed = true,
             Some(_) => {
-                self.outbox.rows.remove(key);
+                self.outbox.remove(key);
             }
             None => {}
         }
@@ -128,7 +156,7 @@ impl Shard {
         };
         let cause = row.cause;
         if row.consumed && row.stage == Stage::Deliver {
-            self.outbox.rows.remove(key);
+            self.outbox.remove(key);
             return;
         }
         if row.stage == Stage::Notify {
@@ -194,7 +222,7 @@ impl Shard {
                 outcome,
             } => {
                 let Some(input) = Input::child_closed(parent.step, child_run_id, outcome) else {
-                    self.outbox.rows.remove(key);
+                    self.outbox.remove(key);
                     return;
                 };
                 self.send(parent.run_id, RunOp::Input(input), reply, cause);
@@ -339,14 +367,14 @@ impl Shard {
                     self.due.push(at, Due::Outbox(key.to_vec()));
                 }
                 _ => {
-                    self.outbox.rows.remove(key);
+                    self.outbox.remove(key);
                 }
             }
             return;
         }
         match (&row.msg, answer) {
             (_, Answer::Retry(_)) if row.consumed => {
-                self.outbox.rows.remove(key);
+                self.outbox.remove(key);
             }
             (_, Answer::Retry(_)) => {
                 let at = again(row);
@@ -432,7 +460,7 @@ impl Shard {
             // Delivered for good: committed, a duplicate, closed, parked (a
             // resume drives the rows addressed to it again).
             _ => {
-                self.outbox.rows.remove(key);
+                self.outbox.remove(key);
             }
         }
     }

@@ -45,14 +45,25 @@ pub enum ReadQuery {
     RunMeta(RunId),
     /// What `describe` shows of a run that the store knows.
     Describe(RunId),
-    /// Every intent row a shard owns but its timers: pending attempts of
-    /// its runs, outbox messages its runs wrote. (Timers come in windows:
-    /// [`ReadQuery::Timers`].)
-    Intents {
+    /// The next window of a shard's pending attempts or of the outbox
+    /// messages its runs wrote, in the store's order (see `backlog.rs`):
+    /// the rows after the key `after` (from the first without it) that
+    /// belong to the shard, at most `limit`. Attempts due at or after
+    /// `due_before` (and not asked to cancel) are read past, and the
+    /// earliest of their due times is answered instead.
+    Backlog {
         /// The shard.
         shard: ShardId,
         /// Shards in the engine.
         shards: u16,
+        /// Task rows or outbox rows.
+        of: BacklogOf,
+        /// The key of the last row the pass read.
+        after: Option<Vec<u8>>,
+        /// At most this many.
+        limit: usize,
+        /// Attempts due from this time on are not taken.
+        due_before: keel_storage::Timestamp,
     },
     /// A run's intent rows, and the outbox messages addressed to it (to
     /// drive them again after the run is resumed).
@@ -78,6 +89,15 @@ pub enum ReadQuery {
         /// The token the page before handed out.
         after: Option<keel_storage::PageToken>,
     },
+}
+
+/// Which intent rows a [`ReadQuery::Backlog`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BacklogOf {
+    /// Pending activity attempts.
+    Tasks,
+    /// Outbox messages.
+    Outbox,
 }
 
 /// An instance's current run as a start sees it.
@@ -140,8 +160,18 @@ pub enum ReadResult {
     RunMeta(Option<RunMeta>),
     /// See [`ReadQuery::Describe`]; `None` when the store has no such run.
     Describe(Option<Box<DescribeFacts>>),
-    /// See [`ReadQuery::Intents`] and [`ReadQuery::IntentsOf`].
+    /// See [`ReadQuery::IntentsOf`].
     Intents(Vec<Intent>),
+    /// See [`ReadQuery::Backlog`].
+    Backlog {
+        /// The rows taken, in the store's order.
+        rows: Vec<Intent>,
+        /// The key of the last row taken when the read stopped at its
+        /// limit (the store may hold more); `None` when it read to the end.
+        last: Option<Vec<u8>>,
+        /// The earliest due time of the attempts read past.
+        skipped_due: Option<keel_storage::Timestamp>,
+    },
     /// See [`ReadQuery::Timers`], in due order.
     Timers(Vec<keel_storage::TimerEntry>),
     /// See [`ReadQuery::List`].
@@ -280,20 +310,51 @@ impl ReadQuery {
                     })))
                 }
             },
-            ReadQuery::Intents { shard, shards } => {
+            ReadQuery::Backlog {
+                shard,
+                shards,
+                of,
+                after,
+                limit,
+                due_before,
+            } => {
                 let mine = |run: RunId| shard_of(run, *shards) == *shard;
-                let mut rows = Vec::new();
-                for t in store.tasks(usize::MAX)? {
-                    if mine(t.execution_id.run_id) {
-                        rows.push(Intent::Task(t));
+                let mut skipped_due: Option<keel_storage::Timestamp> = None;
+                let (rows, last): (Vec<Intent>, Option<Vec<u8>>) = match of {
+                    BacklogOf::Tasks => {
+                        let tasks = store.tasks_after(after.as_deref(), *limit, &mut |t| {
+                            if !mine(t.execution_id.run_id) {
+                                return false;
+                            }
+                            if t.due >= *due_before && !t.cancel_requested {
+                                skipped_due = Some(skipped_due.map_or(t.due, |s| s.min(t.due)));
+                                return false;
+                            }
+                            true
+                        })?;
+                        let last = tasks.last().filter(|_| tasks.len() >= *limit).map(|t| {
+                            keel_storage::keys::run_step_key(
+                                t.execution_id.run_id,
+                                t.execution_id.step,
+                            )
+                        });
+                        (tasks.into_iter().map(Intent::Task).collect(), last)
                     }
-                }
-                for m in store.outbox(usize::MAX)? {
-                    if mine(m.owner()) {
-                        rows.push(Intent::Outbox(m));
+                    BacklogOf::Outbox => {
+                        let msgs = store
+                            .outbox_after(after.as_deref(), *limit, &mut |m| mine(m.owner()))?;
+                        let last = msgs
+                            .last()
+                            .filter(|_| msgs.len() >= *limit)
+                            .map(OutboxMessage::key);
+                        (msgs.into_iter().map(Intent::Outbox).collect(), last)
                     }
+                };
+                ReadResult::Backlog {
+                    rows,
+                    last,
+                    skipped_due,
                 }
-                ReadResult::Intents(rows)
             }
             ReadQuery::Timers {
                 shard,

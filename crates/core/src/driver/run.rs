@@ -721,7 +721,7 @@ impl Shard {
                         heartbeat: None,
                     };
                     let _ = step;
-                    self.task_intent(task, Some((run, e.seq)));
+                    self.task_intent(task, Some((run, e.seq)), false);
                 }
             }
         }
@@ -1098,7 +1098,7 @@ impl Shard {
     /// A resumed run's intent rows, read back: drive them again.
     pub(super) fn run_intents_read(&mut self, run: RunId, result: Result<ReadResult, StoreError>) {
         match result {
-            Ok(ReadResult::Intents(rows)) => self.intents_read_back(rows),
+            Ok(ReadResult::Intents(rows)) => self.intents_read_back(rows, false),
             Ok(_) => {}
             Err(e) => {
                 tracing::warn!(run_id = %run, error = %e, "intents of a run unreadable; reading them again later");

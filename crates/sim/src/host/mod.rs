@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 
 use keel_core::driver::{
     Action, AttemptKey, BreakMode, DriverConfig, RequestId, Shard, ShardId, ShardInput,
-    TIMERS_IN_MEMORY_MAX,
+    INTENTS_IN_MEMORY_MAX, TIMERS_IN_MEMORY_MAX,
 };
 use keel_core::WorkflowRegistry;
 use keel_resilience::{Clock, CompiledPipeline, ManualClock};
@@ -441,22 +441,28 @@ impl<'a> World<'a> {
             .iter()
             .map(|(name, build)| (name.clone(), Arc::new(build(clock.clone()))))
             .collect();
+        // The draws keep their order, so a seed keeps its shape.
+        let run_cache_max = if shape.random_bool(0.5) {
+            shape.random_range(2..=8)
+        } else {
+            10_000
+        };
+        let worker_concurrency_max = shape.random_range(2..=16);
+        // Small windows half the time, so that timers, attempts and
+        // outbox messages come in by window reads (timers are also dropped
+        // from memory past the horizon).
+        let small_window = if shape.random_bool(0.5) {
+            Some(shape.random_range(1..=4))
+        } else {
+            None
+        };
         let config = DriverConfig {
             shards,
-            run_cache_max: if shape.random_bool(0.5) {
-                shape.random_range(2..=8)
-            } else {
-                10_000
-            },
+            run_cache_max,
             lease_ms_default: LEASE_MS,
-            worker_concurrency_max: shape.random_range(2..=16),
-            // Small windows half the time, so that timers come in by
-            // window reads and are dropped from memory past the horizon.
-            timers_in_memory_max: if shape.random_bool(0.5) {
-                shape.random_range(1..=4)
-            } else {
-                TIMERS_IN_MEMORY_MAX
-            },
+            worker_concurrency_max,
+            timers_in_memory_max: small_window.unwrap_or(TIMERS_IN_MEMORY_MAX),
+            intents_in_memory_max: small_window.unwrap_or(INTENTS_IN_MEMORY_MAX),
             profiles,
             shard_lease_ms: SHARD_LEASE_MS,
             breaks: setup.breaks,
