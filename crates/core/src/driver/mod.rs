@@ -82,6 +82,11 @@ pub const LEASE_REDELIVERIES_MAX: u32 = 3;
 /// Runs a shard keeps in memory by default; beyond its share of the limit
 /// the least recently used idle run is passivated (replayed when needed).
 pub const RUN_CACHE_MAX_DEFAULT: usize = 10_000;
+/// Least recently used runs one passivation looks at (it runs after every
+/// input): while the cache is far over its limit with runs that are busy
+/// and cannot leave, looking at all of them after each input made the
+/// shard's work grow with the square of the backlog.
+pub const PASSIVATE_SCAN_RUNS_MAX: usize = 256;
 /// Attempts running at once in one engine process by default.
 pub const WORKER_CONCURRENCY_MAX: usize = 1024;
 /// Durable timers one read brings into a shard's memory by default (the

@@ -18,8 +18,8 @@ use keel_storage::{
 use super::{
     Answer, BreakMode, Cause, CommitFor, Due, Origin, ReadFor, ReadQuery, ReadResult, Refusal,
     ReplyTo, Resumed, RunOp, Shard, Token, ASYNC_BIND_RETRY_MS, ASYNC_BIND_TRIES_MAX,
-    CONTINUATION_CHECKS_MAX, CONTINUATION_CHECK_MS, RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX,
-    RUN_RESTARTS_MAX,
+    CONTINUATION_CHECKS_MAX, CONTINUATION_CHECK_MS, PASSIVATE_SCAN_RUNS_MAX,
+    RESULT_WAITERS_PER_RUN_MAX, RUN_QUEUE_MAX, RUN_RESTARTS_MAX,
 };
 use crate::concurrency::ASYNC_WORKFLOW_TYPE;
 use crate::machine::{Input, MachineError, RunMachine, Verdict};
@@ -1237,7 +1237,7 @@ impl Shard {
         let candidates: Vec<(u64, RunId)> = self
             .lru
             .iter()
-            .take(over * 4 + 16)
+            .take((over * 4 + 16).min(PASSIVATE_SCAN_RUNS_MAX))
             .map(|(t, r)| (*t, *r))
             .collect();
         for (_, run) in candidates {
