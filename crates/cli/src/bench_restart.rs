@@ -53,6 +53,11 @@ pub(crate) struct RestartArgs {
     /// left pending in the store when the filling engine stops.
     #[arg(long, default_value_t = 0)]
     tasks: u64,
+    /// Pending attempts (and outbox rows) the reopened engine reads per
+    /// window, over all shards; a number above `--tasks` reads them all at
+    /// once, as recovery did before it read in windows.
+    #[arg(long, default_value_t = keel::driver::INTENTS_IN_MEMORY_MAX)]
+    intents_window: usize,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -70,6 +75,9 @@ pub(crate) struct RestartOpenArgs {
     /// Left-over attempts to wait for.
     #[arg(long, default_value_t = 0)]
     tasks: u64,
+    /// Pending attempts read per window.
+    #[arg(long, default_value_t = keel::driver::INTENTS_IN_MEMORY_MAX)]
+    intents_window: usize,
 }
 
 /// What a waiting run does before it waits on the signal `go`.
@@ -133,21 +141,23 @@ impl Workflow for Quick {
 
 /// The engine over `dir`; a filling one runs one attempt at a time, and
 /// that one stalls.
-fn engine(dir: &std::path::Path, filling: bool) -> anyhow::Result<Engine> {
-    let builder = Engine::builder()
+fn engine(dir: &std::path::Path, filling: bool, intents_window: usize) -> anyhow::Result<Engine> {
+    let config = EngineConfig {
+        worker_concurrency_max: if filling {
+            1
+        } else {
+            EngineConfig::default().worker_concurrency_max
+        },
+        intents_in_memory_max: intents_window,
+        ..EngineConfig::default()
+    };
+    Ok(Engine::builder()
         .data_dir(dir)
+        .config(config)
         .register_workflow::<Waiter>()
         .register_workflow::<Quick>()
-        .activity(Step { stalls: filling });
-    let builder = if filling {
-        builder.config(EngineConfig {
-            worker_concurrency_max: 1,
-            ..EngineConfig::default()
-        })
-    } else {
-        builder
-    };
-    Ok(builder.build()?)
+        .activity(Step { stalls: filling })
+        .build()?)
 }
 
 /// What one reopening measured.
@@ -204,7 +214,7 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
     // reopened engine signals.
     let t0 = Instant::now();
     {
-        let engine = engine(full_dir.path(), true)?;
+        let engine = engine(full_dir.path(), true, args.intents_window)?;
         let client = engine.client();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -238,8 +248,13 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
     let fill_s = t0.elapsed().as_secs_f64();
 
     let last = format!("wait-{}", args.runs - 1);
-    let empty = reopen(empty_dir.path(), None, 0)?;
-    let full = reopen(full_dir.path(), Some(&last), args.tasks)?;
+    let empty = reopen(empty_dir.path(), None, 0, args.intents_window)?;
+    let full = reopen(
+        full_dir.path(),
+        Some(&last),
+        args.tasks,
+        args.intents_window,
+    )?;
     let report = RestartReport {
         runs: args.runs,
         timers: args.timers,
@@ -296,11 +311,17 @@ pub(crate) fn restart(args: RestartArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Runs `keel bench restart-open` on `dir` and reads what it measured.
-fn reopen(dir: &std::path::Path, signal: Option<&str>, tasks: u64) -> anyhow::Result<Reopened> {
+fn reopen(
+    dir: &std::path::Path,
+    signal: Option<&str>,
+    tasks: u64,
+    intents_window: usize,
+) -> anyhow::Result<Reopened> {
     let exe = std::env::current_exe().context("locating the keel binary")?;
     let mut cmd = Command::new(exe);
     cmd.args(["bench", "restart-open", "--data"]).arg(dir);
     cmd.args(["--tasks", &tasks.to_string()]);
+    cmd.args(["--intents-window", &intents_window.to_string()]);
     if let Some(run) = signal {
         cmd.args(["--signal", run]);
     }
@@ -321,7 +342,7 @@ fn reopen(dir: &std::path::Path, signal: Option<&str>, tasks: u64) -> anyhow::Re
 /// measured as JSON.
 pub(crate) fn restart_open(args: RestartOpenArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let engine = engine(&args.data, false)?;
+    let engine = engine(&args.data, false, args.intents_window)?;
     let open_ms = t0.elapsed().as_secs_f64() * 1000.0;
     let client = engine.client();
     let rt = tokio::runtime::Builder::new_current_thread()
