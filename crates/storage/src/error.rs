@@ -358,6 +358,9 @@ pub enum DatabaseFault {
     /// trusted or names another host (`sslmode=verify-*`), or the two sides
     /// share no protocol.
     Tls,
+    /// Engine processes hold the database (shard leases, memberships), so
+    /// what was asked (a schema migration) must wait until they stop.
+    InUse,
 }
 
 impl std::fmt::Display for DatabaseFault {
@@ -370,6 +373,7 @@ impl std::fmt::Display for DatabaseFault {
             DatabaseFault::Missing => "no keel tables",
             DatabaseFault::Config => "invalid connection settings",
             DatabaseFault::Tls => "TLS to the server failed",
+            DatabaseFault::InUse => "engine processes hold the database",
         })
     }
 }

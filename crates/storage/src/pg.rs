@@ -116,6 +116,8 @@ pub const PG_LEASE_POLL_MS: u64 = 250;
 /// rewrites (runs, instances, tasks): the rest is room for the next
 /// version of a row beside the old one.
 const PG_UPDATED_FILLFACTOR_PERCENT: u32 = 70;
+/// Engine processes a refused migration names at most.
+const PG_LIVE_OWNERS_NAMED_MAX: usize = 8;
 
 /// The SQLSTATE `fence` raises when the lease is no longer this process's.
 const FENCED_SQLSTATE: &str = "KL001";
@@ -1163,14 +1165,30 @@ fn read_version(shared: &Shared, conn: &Conn) -> Result<Option<u32>> {
 fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
     if let Some(found) = read_version(shared, conn)? {
         if found == crate::SCHEMA_VERSION_READ_AS_IS && schema_complete(shared, conn)? {
+            // Engines of the older version still at work would read rows
+            // they cannot decode: migrate only when none holds a shard
+            // lease or a membership (checked again under the lock).
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            refuse_if_live(shared, conn, found, now_ms)?;
             // Only the version row changes: no CREATE or ownership needed.
             let script = format!(
                 "begin;\nselect pg_advisory_xact_lock(hashtext('keel-create:{s}')::int8);\n\
+                 do $$ begin if exists (select 1 from \"{s}\".shard_lease \
+                 where owner <> '' and expires_at_ms > {now_ms}) \
+                 or exists (select 1 from \"{s}\".member where expires_at_ms > {now_ms}) \
+                 then raise exception 'keel: engine processes hold the database'; \
+                 end if; end $$;\n\
                  update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
                  where schema_version = {found};\ncommit;",
                 s = shared.schema
             );
-            block(conn.client.batch_execute(&script)).map_err(|e| shared.error(&e))?;
+            if let Err(e) = block(conn.client.batch_execute(&script)) {
+                // One joined between the check and the lock.
+                refuse_if_live(shared, conn, found, now_ms)?;
+                return Err(shared.error(&e));
+            }
             let now = read_version(shared, conn)?.unwrap_or(found);
             return check_version(shared, now);
         }
@@ -1208,6 +1226,42 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             "the tables were created but the version row is missing",
         )),
     }
+}
+
+/// Refuses to migrate a database of schema `found` while engine processes
+/// hold shard leases or memberships that end after `now_ms`: naming them.
+fn refuse_if_live(shared: &Shared, conn: &Conn, found: u32, now_ms: i64) -> Result<()> {
+    let s = &shared.schema;
+    let rows = block(conn.client.query(
+        &format!(
+            "select owner, expires_at_ms from \"{s}\".shard_lease \
+             where owner <> '' and expires_at_ms > $1 \
+             union select owner, expires_at_ms from \"{s}\".member where expires_at_ms > $1 \
+             order by 1 limit {PG_LIVE_OWNERS_NAMED_MAX}"
+        ),
+        &[&now_ms],
+    ))
+    .map_err(|e| shared.error(&e))?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut owners: Vec<String> = rows.iter().map(|r| r.get::<_, String>(0)).collect();
+    owners.dedup();
+    let until_ms = rows
+        .iter()
+        .map(|r| r.get::<_, i64>(1))
+        .max()
+        .unwrap_or(now_ms);
+    Err(shared.fault(
+        DatabaseFault::InUse,
+        format!(
+            "schema {found} migrates to {SCHEMA_VERSION} only when no engine process of the \
+             older version is running, and {} still hold leases (for up to {} ms more): stop \
+             them, or wait for their leases to end, then open again",
+            owners.join(", "),
+            until_ms.saturating_sub(now_ms)
+        ),
+    ))
 }
 
 /// Whether the objects added within this schema version (for engine

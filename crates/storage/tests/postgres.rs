@@ -248,6 +248,33 @@ fn a_schema_4_database_is_read_as_it_is_and_only_its_version_migrates() {
     );
     assert!(err.to_string().contains("migrates"), "{err}");
 
+    // An engine process of the older version still at work (its
+    // membership renewed into the future) holds the migration back, named.
+    let far = i64::MAX / 2;
+    admin(
+        &url,
+        &format!("insert into \"{s}\".member values ('old-engine-7', {far})"),
+    );
+    let err = PgStore::open(scratch.0.clone()).expect_err("an older engine is live");
+    assert!(
+        matches!(
+            err,
+            Error::Database {
+                fault: DatabaseFault::InUse,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("old-engine-7"), "{err}");
+    let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 4");
+    assert!(matches!(err, Error::DatabaseSchemaVersion { .. }), "{err}");
+    // Its membership ends: the migration goes ahead.
+    admin(
+        &url,
+        &format!("update \"{s}\".member set expires_at_ms = 0 where owner = 'old-engine-7'"),
+    );
+
     let store = PgStore::open(scratch.0.clone()).expect("an engine's open migrates");
     assert_eq!(store.run_meta(run.run).unwrap(), Some(before));
     assert!(

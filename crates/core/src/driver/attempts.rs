@@ -79,6 +79,8 @@ pub(super) struct Attempts {
     queue: VecDeque<(AttemptKey, AttemptNo)>,
     /// Attempts in `map` a backlog window brought in.
     windowed: usize,
+    /// When one of them was last done (left memory).
+    windowed_done_at: Timestamp,
 }
 
 impl Attempts {
@@ -86,26 +88,28 @@ impl Attempts {
         self.map.len()
     }
 
-    /// Attempts held that a backlog window brought in.
-    pub(super) fn windowed(&self) -> usize {
-        self.windowed
+    /// Attempts held that a backlog window brought in, and when one of
+    /// them was last done.
+    pub(super) fn windowed(&self) -> (usize, Timestamp) {
+        (self.windowed, self.windowed_done_at)
     }
 
-    fn insert(&mut self, key: AttemptKey, attempt: Attempt) {
-        if attempt.windowed {
+    /// Holds `attempt`. One that takes the place of an attempt a window
+    /// brought in (its retry) still counts against the window.
+    fn insert(&mut self, key: AttemptKey, mut attempt: Attempt) {
+        let was = self.map.get(&key).is_some_and(|a| a.windowed);
+        attempt.windowed |= was;
+        if attempt.windowed && !was {
             self.windowed += 1;
         }
-        if let Some(old) = self.map.insert(key, attempt) {
-            if old.windowed {
-                self.windowed -= 1;
-            }
-        }
+        self.map.insert(key, attempt);
     }
 
-    fn remove(&mut self, key: &AttemptKey) -> Option<Attempt> {
+    fn remove(&mut self, key: &AttemptKey, now: Timestamp) -> Option<Attempt> {
         let a = self.map.remove(key)?;
         if a.windowed {
             self.windowed -= 1;
+            self.windowed_done_at = now;
         }
         Some(a)
     }
@@ -224,7 +228,7 @@ impl Shard {
                 return; // its own report; removed when answered
             }
         }
-        if let Some(a) = self.attempts.remove(&key) {
+        if let Some(a) = self.attempts.remove(&key, self.now) {
             if let State::Running { epoch, .. } = a.state {
                 self.actions.push_back(Action::StopAttempt { key, epoch });
                 self.attempts.running -= 1;
@@ -830,7 +834,7 @@ impl Shard {
             // Committed, a duplicate, the run closed, parked (a resume
             // drives the task row again), nothing open at the step.
             _ => {
-                self.attempts.remove(&key);
+                self.attempts.remove(&key, now);
             }
         }
     }

@@ -21,10 +21,10 @@
 //!
 //! Rows held may wait on rows not read yet: a child's cancellation is
 //! delivered again and again while the start of that child sits further
-//! on in the outbox. So a window that makes no room within
-//! `BACKLOG_STALL_MS` of its read lets the next one in regardless: memory
-//! follows the window while rows get done, and grows by a window per
-//! stall only while they cannot be.
+//! on in the outbox. So when none of the rows windows brought in got done
+//! for `BACKLOG_STALL_MS` (since the last read, or the last row done), the
+//! next window comes in regardless: memory follows the window while rows
+//! get done, and grows by a window per stall only while none can be.
 //!
 //! A window read races commits exactly as every intent read does: rows
 //! removed while it is in flight are filtered by the shard, and a row it
@@ -83,11 +83,12 @@ impl Backlog {
     }
 
     /// When the next window is to be read, given how many rows windows
-    /// brought in are still held: never while a read is in flight; at once
-    /// while a pass is under way, otherwise when a new pass is due; while a
-    /// window's worth is held, not before [`BACKLOG_STALL_MS`] after the
-    /// last read. Not before a failed read's retry time.
-    pub(super) fn window_at(&self, held: usize) -> Option<Timestamp> {
+    /// brought in are still held and when one of them was last done: never
+    /// while a read is in flight; at once while a pass is under way,
+    /// otherwise when a new pass is due; while a window's worth is held,
+    /// not before [`BACKLOG_STALL_MS`] after the last read or the last row
+    /// done, whichever is later. Not before a failed read's retry time.
+    pub(super) fn window_at(&self, (held, done_at): (usize, Timestamp)) -> Option<Timestamp> {
         if self.reading {
             return None;
         }
@@ -96,7 +97,7 @@ impl Backlog {
             None => self.next_pass_at?,
         };
         if held >= self.limit {
-            at = at.max(self.read_at.plus_ms(BACKLOG_STALL_MS));
+            at = at.max(self.read_at.max(done_at).plus_ms(BACKLOG_STALL_MS));
         }
         Some(at.max(self.retry_at))
     }
@@ -104,7 +105,11 @@ impl Backlog {
     /// Whether the next window should be read at `now` (see
     /// [`Backlog::window_at`]); if so the read is taken as started and the
     /// key it reads after is returned.
-    pub(super) fn start_window(&mut self, now: Timestamp, held: usize) -> Option<Option<Vec<u8>>> {
+    pub(super) fn start_window(
+        &mut self,
+        now: Timestamp,
+        held: (usize, Timestamp),
+    ) -> Option<Option<Vec<u8>>> {
         if self.window_at(held)? > now {
             return None;
         }
@@ -150,55 +155,61 @@ mod tests {
 
     #[test]
     fn passes_windows_and_notes() {
+        let none = (0, Timestamp(0));
         let mut b = Backlog::new(2);
-        assert_eq!(b.window_at(0), None, "nothing to read before recovery");
+        assert_eq!(b.window_at(none), None, "nothing to read before recovery");
         b.start_recovery();
         assert_eq!(
-            b.start_window(Timestamp(5), 0),
+            b.start_window(Timestamp(5), none),
             Some(None),
             "first window from the start"
         );
-        assert_eq!(b.window_at(0), None, "one read at a time");
+        assert_eq!(b.window_at(none), None, "one read at a time");
         b.window_read(Some(vec![7]), Some(Timestamp(100)));
         assert_eq!(
-            b.window_at(2),
+            b.window_at((2, Timestamp(0))),
             Some(Timestamp(5 + BACKLOG_STALL_MS)),
             "a window's worth held: wait, unless it stalls"
         );
         assert_eq!(
-            b.start_window(Timestamp(6), 1),
+            b.window_at((2, Timestamp(9))),
+            Some(Timestamp(9 + BACKLOG_STALL_MS)),
+            "a row done is progress: the stall counts from it"
+        );
+        assert_eq!(
+            b.start_window(Timestamp(6), (1, Timestamp(0))),
             Some(Some(vec![7])),
             "the pass goes on"
         );
         b.window_failed(Timestamp(50));
         assert_eq!(
-            b.start_window(Timestamp(20), 0),
+            b.start_window(Timestamp(20), none),
             None,
             "not before the retry time"
         );
         assert_eq!(
-            b.start_window(Timestamp(50), 0),
+            b.start_window(Timestamp(50), none),
             Some(Some(vec![7])),
             "same place again"
         );
         b.window_read(None, None);
         assert_eq!(
-            b.window_at(0),
+            b.window_at(none),
             Some(Timestamp(100)),
             "the skipped row's pass"
         );
         b.note(Timestamp(80));
         assert_eq!(
-            b.window_at(0),
+            b.window_at(none),
             Some(Timestamp(80)),
             "the earliest note wins"
         );
         assert_eq!(
-            b.start_window(Timestamp(80), 0),
+            b.start_window(Timestamp(80), none),
             Some(None),
             "a new pass from the start"
         );
         b.window_read(None, None);
-        assert_eq!(b.window_at(0), None, "nothing left to read");
+        assert_eq!(b.window_at(none), None, "nothing left to read");
     }
 }

@@ -1115,6 +1115,9 @@ pub struct Shard {
     /// it closes or is forgotten.
     open_instances: BTreeMap<String, RunId>,
     lru: BTreeMap<u64, RunId>,
+    /// Where the next passivation walk starts in `lru` (see
+    /// `Shard::passivate`).
+    passivate_from: u64,
     tick: u64,
     reads: BTreeMap<Token, ReadFor>,
     /// Reads of intent rows in flight (recovery, or one run's rows).
@@ -1198,6 +1201,7 @@ impl Shard {
             runs: BTreeMap::new(),
             open_instances: BTreeMap::new(),
             lru: BTreeMap::new(),
+            passivate_from: 0,
             tick: 0,
             reads: BTreeMap::new(),
             intent_reads: 0,

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use keel_storage::keys;
 use keel_storage::{
-    CommandId, Delivery, Failure, FailureKind, OutboxMessage, ParentClosePolicy, RunId,
+    CommandId, Delivery, Failure, FailureKind, OutboxMessage, ParentClosePolicy, RunId, Timestamp,
 };
 
 use super::{
@@ -55,6 +55,8 @@ pub(super) struct Outbox {
     pending: BTreeMap<Token, Vec<u8>>,
     /// Rows in `rows` a backlog window brought in.
     windowed: usize,
+    /// When one of them was last done (left memory).
+    windowed_done_at: Timestamp,
 }
 
 impl Outbox {
@@ -62,25 +64,27 @@ impl Outbox {
         self.rows.len()
     }
 
-    /// Rows held that a backlog window brought in.
-    pub(super) fn windowed(&self) -> usize {
-        self.windowed
+    /// Rows held that a backlog window brought in, and when one of them
+    /// was last done.
+    pub(super) fn windowed(&self) -> (usize, Timestamp) {
+        (self.windowed, self.windowed_done_at)
     }
 
-    fn insert(&mut self, key: Vec<u8>, row: Row) {
-        if row.windowed {
+    /// Holds `row`. One that takes the place of a row a window brought in
+    /// (rewritten by a commit) still counts against the window.
+    fn insert(&mut self, key: Vec<u8>, mut row: Row) {
+        let was = self.rows.get(&key).is_some_and(|r| r.windowed);
+        row.windowed |= was;
+        if row.windowed && !was {
             self.windowed += 1;
         }
-        if let Some(old) = self.rows.insert(key, row) {
-            if old.windowed {
-                self.windowed -= 1;
-            }
-        }
+        self.rows.insert(key, row);
     }
 
-    fn remove(&mut self, key: &[u8]) {
+    fn remove(&mut self, key: &[u8], now: Timestamp) {
         if self.rows.remove(key).is_some_and(|row| row.windowed) {
             self.windowed -= 1;
+            self.windowed_done_at = now;
         }
     }
 
@@ -144,7 +148,7 @@ impl Shard {
         match self.outbox.rows.get_mut(key) {
             Some(row) if row.awaiting.is_some() => row.consumed = true,
             Some(_) => {
-                self.outbox.remove(key);
+                self.outbox.remove(key, self.now);
             }
             None => {}
         }
@@ -156,7 +160,7 @@ impl Shard {
         };
         let cause = row.cause;
         if row.consumed && row.stage == Stage::Deliver {
-            self.outbox.remove(key);
+            self.outbox.remove(key, self.now);
             return;
         }
         if row.stage == Stage::Notify {
@@ -222,7 +226,7 @@ impl Shard {
                 outcome,
             } => {
                 let Some(input) = Input::child_closed(parent.step, child_run_id, outcome) else {
-                    self.outbox.remove(key);
+                    self.outbox.remove(key, self.now);
                     return;
                 };
                 self.send(parent.run_id, RunOp::Input(input), reply, cause);
@@ -367,14 +371,14 @@ impl Shard {
                     self.due.push(at, Due::Outbox(key.to_vec()));
                 }
                 _ => {
-                    self.outbox.remove(key);
+                    self.outbox.remove(key, self.now);
                 }
             }
             return;
         }
         match (&row.msg, answer) {
             (_, Answer::Retry(_)) if row.consumed => {
-                self.outbox.remove(key);
+                self.outbox.remove(key, self.now);
             }
             (_, Answer::Retry(_)) => {
                 let at = again(row);
@@ -460,7 +464,7 @@ impl Shard {
             // Delivered for good: committed, a duplicate, closed, parked (a
             // resume drives the rows addressed to it again).
             _ => {
-                self.outbox.remove(key);
+                self.outbox.remove(key, self.now);
             }
         }
     }

@@ -1234,12 +1234,19 @@ impl Shard {
             return;
         }
         let mut over = self.runs.len() - limit;
+        let want = (over * 4 + 16).min(PASSIVATE_SCAN_RUNS_MAX);
+        // A walk that looked at its most and still left the cache over its
+        // limit goes on behind where it stopped next time, so that busy runs
+        // at the front (waited on for a long time) do not hide the idle
+        // ones behind them; one that reaches the end starts at the front.
         let candidates: Vec<(u64, RunId)> = self
             .lru
-            .iter()
-            .take((over * 4 + 16).min(PASSIVATE_SCAN_RUNS_MAX))
+            .range(self.passivate_from..)
+            .take(want)
             .map(|(t, r)| (*t, *r))
             .collect();
+        let capped = candidates.len() == want;
+        let last = candidates.last().map(|(t, _)| *t);
         for (_, run) in candidates {
             if over == 0 {
                 break;
@@ -1253,6 +1260,10 @@ impl Shard {
                 over -= 1;
             }
         }
+        self.passivate_from = match last {
+            Some(t) if over > 0 && capped => t + 1,
+            _ => 0,
+        };
     }
 }
 
