@@ -9,7 +9,7 @@
 //! a window of two rows, reopens the directory while we sample how many
 //! attempts it holds in memory, and every run must complete.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use keel::storage::EventKind;
@@ -189,5 +189,110 @@ async fn an_attempt_in_a_long_backoff_waits_in_the_store_until_near_due() -> any
     assert!(engine.store().tasks(usize::MAX)?.is_empty());
     engine.shutdown().await;
     FAIL_FIRST.store(false, Ordering::SeqCst);
+    Ok(())
+}
+
+/// How often `Count` ran.
+static COUNTED: AtomicU32 = AtomicU32::new(0);
+/// Whether `Count` stalls after counting (the first engine).
+static COUNT_STALLS: AtomicBool = AtomicBool::new(true);
+
+/// Counts its runs; stalls while `COUNT_STALLS` is set.
+#[derive(Default)]
+struct Count;
+impl Activity for Count {
+    const NAME: &'static str = "count";
+    type Input = ();
+    type Output = ();
+    async fn run(&self, _ctx: ActivityContext, _: ()) -> Result<(), ActivityError> {
+        COUNTED.fetch_add(1, Ordering::SeqCst);
+        if COUNT_STALLS.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+}
+
+/// Calls `Count`, then waits for a signal.
+struct CountsV1;
+impl Workflow for CountsV1 {
+    const NAME: &'static str = "counts";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        ctx.activity::<Count>(()).await?;
+        ctx.wait_signal::<()>("go").await?;
+        Ok(())
+    }
+}
+
+/// The same workflow changed incompatibly: a timer where `Count` was.
+struct CountsV2;
+impl Workflow for CountsV2 {
+    const NAME: &'static str = "counts";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        ctx.timer(Duration::from_millis(10)).await;
+        ctx.wait_signal::<()>("go").await?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_runs_attempt_is_not_dispatched_by_a_restart() -> anyhow::Result<()> {
+    // Goal: the attempt a parked run left pending waits for the run's
+    // resume; a restart's backlog does not run it again and again. Method:
+    // v1 leaves its attempt pending; v2's restart runs it, its report
+    // replays the run, which parks (the code changed); a second v2 restart
+    // must not run it again.
+    let dir = tempfile::tempdir()?;
+    let build = |v2: bool| {
+        let b = Engine::builder()
+            .data_dir(dir.path())
+            .register_activity::<Count>();
+        if v2 {
+            b.register_workflow::<CountsV2>().build()
+        } else {
+            b.register_workflow::<CountsV1>().build()
+        }
+    };
+    let run = {
+        let engine = build(false)?;
+        let run = engine.client().start::<CountsV1>("p", &()).await?.run_id();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while COUNTED.load(Ordering::SeqCst) < 1 {
+            anyhow::ensure!(Instant::now() < deadline, "the attempt never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        engine.shutdown().await;
+        run
+    };
+    COUNT_STALLS.store(false, Ordering::SeqCst);
+    {
+        let engine = build(true)?;
+        let store = engine.store();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while store.parked(run)?.is_none() {
+            anyhow::ensure!(Instant::now() < deadline, "the run never parked");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            COUNTED.load(Ordering::SeqCst),
+            2,
+            "run once more, then parked"
+        );
+        assert_eq!(store.tasks(usize::MAX)?.len(), 1, "its task row waits");
+        engine.shutdown().await;
+    }
+    let engine = build(true)?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        COUNTED.load(Ordering::SeqCst),
+        2,
+        "a parked run's attempt is not dispatched at a restart"
+    );
+    assert!(engine.store().parked(run)?.is_some(), "still parked");
+    engine.shutdown().await;
     Ok(())
 }

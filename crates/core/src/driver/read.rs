@@ -50,7 +50,8 @@ pub enum ReadQuery {
     /// the rows after the key `after` (from the first without it) that
     /// belong to the shard, at most `limit`. Attempts due at or after
     /// `due_before` (and not asked to cancel) are read past, and the
-    /// earliest of their due times is answered instead.
+    /// earliest of their due times is answered instead; attempts of parked
+    /// runs are left out (a resume reads them).
     Backlog {
         /// The shard.
         shard: ShardId,
@@ -338,7 +339,26 @@ impl ReadQuery {
                                 t.execution_id.step,
                             )
                         });
-                        (tasks.into_iter().map(Intent::Task).collect(), last)
+                        // A parked run's attempts wait for its resume, which
+                        // reads them again (`IntentsOf`): dispatched now they
+                        // would run only to be refused, on every pass.
+                        let mut parked = std::collections::BTreeMap::new();
+                        let mut rows = Vec::with_capacity(tasks.len());
+                        for t in tasks {
+                            let run = t.execution_id.run_id;
+                            let is_parked = match parked.get(&run) {
+                                Some(p) => *p,
+                                None => {
+                                    let p = store.parked(run)?.is_some();
+                                    parked.insert(run, p);
+                                    p
+                                }
+                            };
+                            if !is_parked {
+                                rows.push(Intent::Task(t));
+                            }
+                        }
+                        (rows, last)
                     }
                     BacklogOf::Outbox => {
                         let msgs = store
