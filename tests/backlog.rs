@@ -119,6 +119,24 @@ async fn queued_attempts_come_back_a_window_at_a_time() -> anyhow::Result<()> {
     STALL.store(false, Ordering::SeqCst);
     let engine = engine(dir.path(), 1024)?;
     let c = engine.client();
+    // Describe shows every run's pending attempt, also those no window
+    // has brought in yet (`stored`): a window of two cannot have reached
+    // most of the forty while we ask.
+    let mut stored = 0;
+    for i in 0..QUEUED_RUNS {
+        let d = c.describe(&format!("q-{i}")).await?;
+        assert!(
+            d.attempts.len() <= 1,
+            "q-{i}: one execution, {:?}",
+            d.attempts
+        );
+        if d.status.is_closed() {
+            continue;
+        }
+        assert_eq!(d.attempts.len(), 1, "q-{i}: its attempt is shown");
+        stored += usize::from(d.attempts[0].state == "stored");
+    }
+    assert!(stored > 0, "no attempt was shown as still in the store");
     let mut held_max = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -293,6 +311,14 @@ async fn a_parked_runs_attempt_is_not_dispatched_by_a_restart() -> anyhow::Resul
         "a parked run's attempt is not dispatched at a restart"
     );
     assert!(engine.store().parked(run)?.is_some(), "still parked");
+    // Describe still shows the attempt the parked run waits with.
+    let d = engine.client().describe("p").await?;
+    assert!(d.parked.is_some());
+    assert_eq!(
+        d.attempts.iter().map(|a| a.state).collect::<Vec<_>>(),
+        ["stored"],
+        "the parked run's attempt is shown from the store"
+    );
     engine.shutdown().await;
     Ok(())
 }

@@ -142,7 +142,7 @@ fn key_of(task: &TaskEntry) -> AttemptKey {
     }
 }
 
-fn attempt_id(task: &TaskEntry) -> AttemptId {
+pub(super) fn attempt_id(task: &TaskEntry) -> AttemptId {
     AttemptId {
         execution: task.execution_id,
         attempt: task.attempt,

@@ -46,7 +46,10 @@ pub struct AttemptView {
     /// The resilience policy that refused it, while it waits to be offered
     /// again.
     pub delayed_by: Option<String>,
-    /// `waiting`, `queued`, `running`, `refused`, `reporting` or `fallback`.
+    /// `waiting`, `queued`, `running`, `refused`, `reporting` or
+    /// `fallback`; `stored` for an attempt the store holds that the engine
+    /// has not read into memory (a backlog window still to come after a
+    /// restart, or a parked run's): no lease, due at `expires_at`.
     #[serde(deserialize_with = "super::wire::attempt_state")]
     pub state: super::wire::Word,
     /// Whether its execution was asked to cancel.
@@ -186,7 +189,7 @@ impl Shard {
             attempts: if closed {
                 Vec::new()
             } else {
-                self.attempt_views(run)
+                self.attempt_views_with(run, &facts.tasks)
             },
             children: facts
                 .children
@@ -207,6 +210,35 @@ impl Shard {
         };
         self.reply(reply, Answer::Described(Box::new(description)), None);
         self.forget_if_unused(run);
+    }
+
+    /// The attempts the shard supervises for `run` and those of `stored`
+    /// (the run's task rows) it does not hold, in step order.
+    fn attempt_views_with(
+        &self,
+        run: RunId,
+        stored: &[keel_storage::TaskEntry],
+    ) -> Vec<AttemptView> {
+        let mut views = self.attempt_views(run);
+        let held: std::collections::BTreeSet<Step> = views.iter().map(|v| v.step).collect();
+        views.extend(
+            stored
+                .iter()
+                .filter(|t| !held.contains(&t.execution_id.step))
+                .map(|t| AttemptView {
+                    step: t.execution_id.step,
+                    attempt_id: super::attempts::attempt_id(t).to_string(),
+                    lease_owner: String::new(),
+                    epoch: 0,
+                    expires_at: t.due,
+                    deliveries: 0,
+                    delayed_by: None,
+                    state: "stored",
+                    cancel_requested: t.cancel_requested,
+                }),
+        );
+        views.sort_by_key(|v| v.step);
+        views
     }
 
     /// A run described from the store alone leaves no slot behind.

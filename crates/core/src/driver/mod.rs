@@ -1252,31 +1252,29 @@ impl Shard {
     /// Reads the next window of task rows, and of outbox rows, when one
     /// is due and memory has room for it.
     fn read_backlogs(&mut self) {
+        self.read_backlog(BacklogOf::Tasks);
+        self.read_backlog(BacklogOf::Outbox);
+    }
+
+    fn read_backlog(&mut self, of: BacklogOf) {
         let now = self.now;
-        let held = self.attempts.windowed();
-        if let Some(after) = self.task_backlog.start_window(now, held) {
-            let query = ReadQuery::Backlog {
-                shard: self.id,
-                shards: self.config.shards,
-                of: BacklogOf::Tasks,
-                after,
-                limit: self.task_backlog.window_rows(),
-                due_before: now.plus_ms(BACKLOG_LEAD_MS),
-            };
-            self.read(query, ReadFor::Backlog(BacklogOf::Tasks));
-        }
-        let held = self.outbox.windowed();
-        if let Some(after) = self.outbox_backlog.start_window(now, held) {
-            let query = ReadQuery::Backlog {
-                shard: self.id,
-                shards: self.config.shards,
-                of: BacklogOf::Outbox,
-                after,
-                limit: self.outbox_backlog.window_rows(),
-                due_before: now,
-            };
-            self.read(query, ReadFor::Backlog(BacklogOf::Outbox));
-        }
+        let (backlog, held) = match of {
+            BacklogOf::Tasks => (&mut self.task_backlog, self.attempts.windowed()),
+            BacklogOf::Outbox => (&mut self.outbox_backlog, self.outbox.windowed()),
+        };
+        let Some(after) = backlog.start_window(now, held) else {
+            return;
+        };
+        let query = ReadQuery::Backlog {
+            shard: self.id,
+            shards: self.config.shards,
+            of,
+            after,
+            limit: backlog.window_rows(),
+            // Outbox rows are due at once: only attempts are read past.
+            due_before: now.plus_ms(BACKLOG_LEAD_MS),
+        };
+        self.read(query, ReadFor::Backlog(of));
     }
 
     fn backlog_read(&mut self, of: BacklogOf, result: Result<ReadResult, StoreError>) {

@@ -133,6 +133,10 @@ pub struct DescribeFacts {
     pub children: Vec<(ChildRecord, Option<RunMeta>)>,
     /// Why it is parked, if it is.
     pub parked: Option<ParkInfo>,
+    /// Its pending attempts as the store holds them (none once it is
+    /// closed): the shard may not hold them all (a backlog window not
+    /// read yet, a parked run), and describe shows every one.
+    pub tasks: Vec<keel_storage::TaskEntry>,
 }
 
 /// What a read found.
@@ -303,11 +307,17 @@ impl ReadQuery {
                         kids.push((c, m));
                     }
                     let parked = store.parked(*run)?;
+                    let tasks = if meta.status.is_closed() {
+                        Vec::new()
+                    } else {
+                        store.run_tasks(*run)?
+                    };
                     ReadResult::Describe(Some(Box::new(DescribeFacts {
                         meta,
                         pending,
                         children: kids,
                         parked,
+                        tasks,
                     })))
                 }
             },

@@ -49,6 +49,7 @@ pub(crate) fn attempt_state<'de, D: Deserializer<'de>>(d: D) -> Result<&'static 
             "refused",
             "reporting",
             "fallback",
+            "stored",
         ],
     )
 }
