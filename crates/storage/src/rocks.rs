@@ -648,6 +648,48 @@ fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
 
 struct DbView<'a>(&'a DB);
 
+impl DbView<'_> {
+    /// [`KvRead::scan`], with `fill_cache` saying whether the blocks it
+    /// reads go into the block cache: an inspection open scans whole
+    /// families once, and caching them would only evict block after block.
+    fn scan_filling(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        fill_cache: bool,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
+        let mut ro = ReadOptions::default();
+        // Our records carry their own checksums: let a damaged record reach
+        // the codec so the error names the run and seq.
+        ro.set_verify_checksums(false);
+        ro.fill_cache(fill_cache);
+        // With an upper bound every key the iterator yields has the
+        // prefix (it starts at or after it): no comparison per record.
+        let mut check_prefix = !prefix.is_empty();
+        if let Some(end) = prefix_end(prefix) {
+            ro.set_iterate_upper_bound(end);
+            check_prefix = false;
+        }
+        let start = if from > prefix { from } else { prefix };
+        // A raw iterator hands out borrowed slices: no allocation or copy per
+        // record (the boxed iterator costs both, which dominates long scans).
+        let mut it = self.0.raw_iterator_cf_opt(&h, ro);
+        it.seek(start);
+        while let Some((k, v)) = it.item() {
+            if (check_prefix && !k.starts_with(prefix)) || !visit(k, v) {
+                return Ok(());
+            }
+            it.next();
+        }
+        // The iterator stops on an error as on the end: tell them apart.
+        it.status()?;
+        Ok(())
+    }
+}
+
 impl KvRead for DbView<'_> {
     fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
@@ -670,28 +712,7 @@ impl KvRead for DbView<'_> {
         from: &[u8],
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<()> {
-        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
-        let mut ro = ReadOptions::default();
-        // Our records carry their own checksums: let a damaged record reach
-        // the codec so the error names the run and seq.
-        ro.set_verify_checksums(false);
-        if let Some(end) = prefix_end(prefix) {
-            ro.set_iterate_upper_bound(end);
-        }
-        let start = if from > prefix { from } else { prefix };
-        // A raw iterator hands out borrowed slices: no allocation or copy per
-        // record (the boxed iterator costs both, which dominates long scans).
-        let mut it = self.0.raw_iterator_cf_opt(&h, ro);
-        it.seek(start);
-        while let Some((k, v)) = it.item() {
-            if !k.starts_with(prefix) || !visit(k, v) {
-                return Ok(());
-            }
-            it.next();
-        }
-        // The iterator stops on an error as on the end: tell them apart.
-        it.status()?;
-        Ok(())
+        self.scan_filling(cf, prefix, from, true, visit)
     }
 }
 
@@ -711,7 +732,10 @@ impl KvRead for RocksStore {
         from: &[u8],
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<()> {
-        DbView(&self.db).scan(cf, prefix, from, visit)
+        // A read-only open is an inspection (replay, verify, export) that
+        // reads each block once; engines and followers read them again.
+        let fill_cache = self.mode != OpenMode::ReadOnly;
+        DbView(&self.db).scan_filling(cf, prefix, from, fill_cache, visit)
     }
 }
 
