@@ -1167,7 +1167,8 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
         if found == crate::SCHEMA_VERSION_READ_AS_IS && schema_complete(shared, conn)? {
             // Engines of the older version still at work would read rows
             // they cannot decode: migrate only when none holds a shard
-            // lease or a membership (checked again under the lock).
+            // lease, a membership or the single writer's lease (checked
+            // again under the lock).
             let now_ms = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
@@ -1178,11 +1179,16 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
                  do $$ begin if exists (select 1 from \"{s}\".shard_lease \
                  where owner <> '' and expires_at_ms > {now_ms}) \
                  or exists (select 1 from \"{s}\".member where expires_at_ms > {now_ms}) \
+                 or exists (select 1 from \"{s}\".lease where shard = 0 \
+                     and owner not in ('', '{sharded}', '{me}') \
+                     and expires_at > clock_timestamp()) \
                  then raise exception 'keel: engine processes hold the database'; \
                  end if; end $$;\n\
                  update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
                  where schema_version = {found};\ncommit;",
-                s = shared.schema
+                s = shared.schema,
+                sharded = SHARDED_OWNER,
+                me = shared.owner.replace('\'', "''"),
             );
             if let Err(e) = block(conn.client.batch_execute(&script)) {
                 // One joined between the check and the lock.
@@ -1229,7 +1235,8 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
 }
 
 /// Refuses to migrate a database of schema `found` while engine processes
-/// hold shard leases or memberships that end after `now_ms`: naming them.
+/// hold shard leases or memberships that end after `now_ms`, or a single
+/// writer holds the write lease (by the database's clock): naming them.
 fn refuse_if_live(shared: &Shared, conn: &Conn, found: u32, now_ms: i64) -> Result<()> {
     let s = &shared.schema;
     let rows = block(conn.client.query(
@@ -1237,9 +1244,13 @@ fn refuse_if_live(shared: &Shared, conn: &Conn, found: u32, now_ms: i64) -> Resu
             "select owner, expires_at_ms from \"{s}\".shard_lease \
              where owner <> '' and expires_at_ms > $1 \
              union select owner, expires_at_ms from \"{s}\".member where expires_at_ms > $1 \
+             union select owner, $1 + (extract(epoch from least(expires_at, \
+                 clock_timestamp() + interval '1 day') - clock_timestamp()) * 1000)::int8 \
+             from \"{s}\".lease where shard = 0 and owner not in ('', $2, $3) \
+                 and expires_at > clock_timestamp() \
              order by 1 limit {PG_LIVE_OWNERS_NAMED_MAX}"
         ),
-        &[&now_ms],
+        &[&now_ms, &SHARDED_OWNER, &shared.owner],
     ))
     .map_err(|e| shared.error(&e))?;
     if rows.is_empty() {

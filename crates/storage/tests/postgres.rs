@@ -269,10 +269,35 @@ fn a_schema_4_database_is_read_as_it_is_and_only_its_version_migrates() {
     assert!(err.to_string().contains("old-engine-7"), "{err}");
     let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 4");
     assert!(matches!(err, Error::DatabaseSchemaVersion { .. }), "{err}");
-    // Its membership ends: the migration goes ahead.
+    // Its membership ends; a single writer of the older version still
+    // holds the write lease: held back too.
     admin(
         &url,
         &format!("update \"{s}\".member set expires_at_ms = 0 where owner = 'old-engine-7'"),
+    );
+    admin(
+        &url,
+        &format!(
+            "update \"{s}\".lease set owner = 'old-writer-3', \
+             expires_at = clock_timestamp() + interval '1 hour' where shard = 0"
+        ),
+    );
+    let err = PgStore::open(scratch.0.clone()).expect_err("an older writer is live");
+    assert!(
+        matches!(
+            err,
+            Error::Database {
+                fault: DatabaseFault::InUse,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("old-writer-3"), "{err}");
+    // Its lease ends: the migration goes ahead.
+    admin(
+        &url,
+        &format!("update \"{s}\".lease set expires_at = '-infinity' where shard = 0"),
     );
 
     let store = PgStore::open(scratch.0.clone()).expect("an engine's open migrates");
