@@ -255,18 +255,22 @@ fn a_schema_4_database_is_read_as_it_is_and_only_its_version_migrates() {
         &url,
         &format!("insert into \"{s}\".member values ('old-engine-7', {far})"),
     );
-    let err = PgStore::open(scratch.0.clone()).expect_err("an older engine is live");
-    assert!(
-        matches!(
-            err,
-            Error::Database {
-                fault: DatabaseFault::InUse,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(err.to_string().contains("old-engine-7"), "{err}");
+    // An engine's open is refused as in use, naming the live `owner`.
+    let refused_naming = |owner: &str| {
+        let err = PgStore::open(scratch.0.clone()).expect_err("an older process is live");
+        assert!(
+            matches!(
+                err,
+                Error::Database {
+                    fault: DatabaseFault::InUse,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains(owner), "{err}");
+    };
+    refused_naming("old-engine-7");
     let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 4");
     assert!(matches!(err, Error::DatabaseSchemaVersion { .. }), "{err}");
     // Its membership ends; a single writer of the older version still
@@ -282,18 +286,7 @@ fn a_schema_4_database_is_read_as_it_is_and_only_its_version_migrates() {
              expires_at = clock_timestamp() + interval '1 hour' where shard = 0"
         ),
     );
-    let err = PgStore::open(scratch.0.clone()).expect_err("an older writer is live");
-    assert!(
-        matches!(
-            err,
-            Error::Database {
-                fault: DatabaseFault::InUse,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(err.to_string().contains("old-writer-3"), "{err}");
+    refused_naming("old-writer-3");
     // Its lease ends: the migration goes ahead.
     admin(
         &url,
