@@ -55,10 +55,12 @@ pub fn open_for_reading(data: &Path) -> Result<Box<dyn Store>, keel_storage::Err
 /// Opens a data directory for inspection (see [`open_for_reading`]).
 pub fn open_dir_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
     match RocksStore::open_secondary(data) {
-        Ok(s) => {
-            s.catch_up()?;
-            Ok(s)
-        }
+        // A catch-up that fails beside a live writer: a read-only open
+        // (which retries what a writer causes for a moment) still reads.
+        Ok(s) => match s.catch_up() {
+            Ok(()) => Ok(s),
+            Err(_) => RocksStore::open_read_only(data),
+        },
         Err(
             e @ (keel_storage::Error::NotFound { .. }
             | keel_storage::Error::NotKeel { .. }

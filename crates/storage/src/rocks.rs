@@ -88,9 +88,10 @@ impl std::fmt::Debug for RocksStore {
     }
 }
 
-/// Times a read-only or secondary open is tried before it reports
-/// [`Error::LostCommits`] (a live writer's flush can race the open).
-const LOST_COMMITS_OPEN_TRIES: u32 = 5;
+/// Times a read-only or secondary open is tried before it reports an
+/// error a live writer can cause for a moment ([`Error::LostCommits`], or
+/// a write-ahead log deleted between RocksDB listing and reading it).
+const READER_OPEN_TRIES: u32 = 5;
 
 /// Times [`RocksStore::copy_live`] starts over because the writer changed
 /// the directory's MANIFEST during the copy.
@@ -228,6 +229,19 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
     }
 }
 
+/// Whether a read-only or secondary open failed for a reason a live writer
+/// causes for a moment and a fresh open does not meet again: a flush that
+/// hid the newest commits from the open's view, or a write-ahead log the
+/// writer deleted (its memtable flushed) between RocksDB listing the
+/// directory and reading the file.
+fn raced_by_writer(e: &Error) -> bool {
+    match e {
+        Error::LostCommits { .. } => true,
+        Error::Rocks(text) => text.starts_with("IO error") && text.contains("No such file"),
+        _ => false,
+    }
+}
+
 impl RocksStore {
     /// Opens `path` read-write and exclusively, creating it if missing.
     pub fn open(path: impl AsRef<Path>, durability: Durability) -> Result<Self> {
@@ -305,12 +319,13 @@ impl RocksStore {
         let mut result = Self::open_mode_inner(path, mode, durability);
         // Beside a live writer, a flush that ends while a read-only or
         // secondary open reads the log can hide the newest commits from
-        // this open's view: a fresh open sees them. A directory that lost
-        // commits keeps failing.
+        // this open's view, or delete a write-ahead log the open listed a
+        // moment before: a fresh open sees the directory as it is now. A
+        // directory that lost commits keeps failing.
         let mut tries = 1;
         while mode != OpenMode::ReadWrite
-            && tries < LOST_COMMITS_OPEN_TRIES
-            && matches!(result, Err(Error::LostCommits { .. }))
+            && tries < READER_OPEN_TRIES
+            && result.as_ref().is_err_and(raced_by_writer)
         {
             std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(tries)));
             result = Self::open_mode_inner(path, mode, durability);
@@ -1553,5 +1568,31 @@ mod live_copy {
             "the engine changed {} during each of {LIVE_COPY_ATTEMPTS_MAX} copies (flushes or compactions); try again",
             src.display()
         ))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Goal: a reader's open retries exactly the failures a live writer
+    /// causes for a moment. Method: RocksDB's own text for a write-ahead
+    /// log deleted under a read-only open (seen in CI beside a writing
+    /// engine) is retried; a missing directory, damage and a lock are not.
+    #[test]
+    fn a_reader_retries_only_what_a_writer_causes() {
+        let vanished = Error::Rocks(
+            "IO error: No such file or directory: while stat a file for size: /tmp/d/000009.log: No such file or directory".into(),
+        );
+        assert!(raced_by_writer(&vanished));
+        assert!(!raced_by_writer(&Error::Rocks(
+            "Corruption: block checksum mismatch".into()
+        )));
+        assert!(!raced_by_writer(&Error::Locked {
+            path: "/tmp/d".into()
+        }));
+        assert!(!raced_by_writer(&Error::NotFound {
+            path: "/tmp/d".into()
+        }));
     }
 }
