@@ -266,7 +266,8 @@ impl WriterCache {
 
     /// The rows validating `batches` will read for certain and this cache
     /// does not know, by family: each run's record, a new run's instance,
-    /// and the durable ids of terminal events of runs not born here. A
+    /// and, of runs not born here, the durable ids of terminal events and
+    /// the pending attempt each attempt's answer or cancel checks. A
     /// store where a read is a round trip reads them in one
     /// ([`CachedView::ahead`]).
     pub fn wanted<'a>(
@@ -291,6 +292,15 @@ impl WriterCache {
                 }
                 for key in event.kind.terminal_keys() {
                     want(Cf::Dedupe, keys::dedupe_key(run, &key));
+                }
+                // What an attempt's answer or a cancel validates against:
+                // the execution's pending attempt.
+                if let EventKind::ActivityAttemptFailed { step, .. }
+                | EventKind::ActivityCompleted { step, .. }
+                | EventKind::ActivityCancelRequested { step, .. }
+                | EventKind::ActivityCancelled { step, .. } = &event.kind
+                {
+                    want(Cf::Tasks, keys::run_step_key(run, *step));
                 }
             }
         }
@@ -587,6 +597,29 @@ mod tests {
             wanted.get(&Cf::Dedupe).map(Vec::len),
             Some(1),
             "its durable id"
+        );
+        // An attempt's answer also wants the pending attempt it checks.
+        let answered = PreparedBatch::new(crate::CommitBatch::append(
+            run(1),
+            vec![crate::Event {
+                seq: Seq(3),
+                at: crate::Timestamp(5),
+                kind: EventKind::ActivityCompleted {
+                    step: Step(2),
+                    attempt_id: crate::event::attempt_of(
+                        run(1),
+                        Step(2),
+                        crate::ids::AttemptNo::FIRST,
+                    ),
+                    result: crate::Payload(Vec::new()),
+                },
+            }],
+        ))
+        .unwrap();
+        assert_eq!(
+            cache.wanted([&answered]).get(&Cf::Tasks),
+            Some(&vec![keys::run_step_key(run(1), Step(2))]),
+            "the pending attempt"
         );
         // Once its close is written the run's rows are no longer kept.
         cache.learn(Learned::of(&Writes::new(), [&closing]));

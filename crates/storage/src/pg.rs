@@ -41,7 +41,11 @@
 //! shard's, so the commit of a process that lost the shard writes nothing
 //! whatever the timing. A group holds commits of one fence only, and the
 //! writer's cache of its own writes is not trusted across groups (other
-//! processes write too).
+//! processes write too). A process's shards share one commit queue, so
+//! their commits come interleaved: the writer holds back those of other
+//! fences ([`Held`]) while it fills a group, rather than closing the group
+//! at the first one, and each later group takes its fence's held commits
+//! first, so a run's commits keep their order.
 //!
 //! When the connection breaks while a group's transaction is in flight,
 //! the writer reconnects and reads one of the group's rows back to learn
@@ -55,7 +59,7 @@
 //! callers block on its futures, so the store works from any thread, inside
 //! an async runtime or not.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -2273,23 +2277,70 @@ impl Group {
     }
 }
 
-/// Takes the commits queued behind `first` that fit in `group` (one fence
-/// per group: a commit under another is held for the next).
+/// Most commits the writer holds back because their fence is not the one
+/// of the group it is filling; the queue is not read further while this
+/// many wait.
+pub const PG_HELD_COMMITS_MAX: usize = GROUP_COMMITS_MAX;
+
+/// Commits taken from the queue under another fence than the group being
+/// filled, in the order they came. All of them came before anything still
+/// queued, so a group that takes its fence's held commits before the
+/// queue's keeps every run's commits in order (a run's commits share its
+/// shard's fence).
+#[derive(Default)]
+struct Held(VecDeque<Request>);
+
+impl Held {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn is_full(&self) -> bool {
+        self.0.len() >= PG_HELD_COMMITS_MAX
+    }
+
+    /// The oldest held commit: the first of the next group.
+    fn pop_front(&mut self) -> Option<Request> {
+        self.0.pop_front()
+    }
+
+    fn push(&mut self, r: Request) {
+        self.0.push_back(r);
+    }
+
+    /// Takes the oldest held commit under `fence`.
+    fn take(&mut self, fence: Option<Fence>) -> Option<Request> {
+        let i = self.0.iter().position(|r| r.fence == fence)?;
+        self.0.remove(i)
+    }
+}
+
+/// Takes the commits that fit in `group` behind `first`: those of its
+/// fence held back, oldest first, then those queued; a queued commit under
+/// another fence is held for a later group. `first` must be the oldest
+/// commit of its fence not yet in a group.
 fn take_queued(
     rx: &Receiver<Request>,
-    held: &mut Option<Request>,
+    held: &mut Held,
     group: &Group,
     first: Request,
 ) -> Vec<Request> {
     let mut count = group.requests.len() + 1;
     let mut bytes = group.bytes + first.prepared.bytes();
     let mut out = vec![first];
-    while count < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
+    let fits =
+        |count: usize, bytes: usize| count < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX;
+    while fits(count, bytes) {
+        let Some(r) = held.take(group.fence) else {
+            break;
+        };
+        count += 1;
+        bytes += r.prepared.bytes();
+        out.push(r);
+    }
+    while fits(count, bytes) && !held.is_full() {
         match rx.try_recv() {
-            Ok(r) if r.fence != group.fence => {
-                *held = Some(r);
-                break;
-            }
+            Ok(r) if r.fence != group.fence => held.push(r),
             Ok(r) => {
                 count += 1;
                 bytes += r.prepared.bytes();
@@ -2732,8 +2783,8 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         woken,
     };
     let never = crossbeam_channel::never::<Request>();
-    // A commit under another fence than its group's: it starts the next.
-    let mut held: Option<Request> = None;
+    // Commits under another fence than the group being filled.
+    let mut held = Held::default();
     let mut flight: Option<Flight> = None;
     let mut closed = false;
     loop {
@@ -2742,7 +2793,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
         let health = shared.health.get();
         let due = renewed.elapsed() >= renew_every && !health.is_failed();
         let Some(mut in_flight) = flight.take() else {
-            if closed && held.is_none() {
+            if closed && held.is_empty() {
                 break;
             }
             if due {
@@ -2756,7 +2807,7 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             } else {
                 renew_every.saturating_sub(renewed.elapsed())
             };
-            let first = match held.take() {
+            let first = match held.pop_front() {
                 Some(r) => r,
                 None => match rx.recv_timeout(wait) {
                     Ok(r) => r,
@@ -2797,13 +2848,23 @@ fn writer_loop(shared: &Shared, conn: Conn, rx: Receiver<Request>) {
             if in_flight.poll(&w.waker) {
                 break;
             }
-            let taking = !closed && held.is_none() && !next.as_ref().is_some_and(Group::is_full);
+            if next.is_none() {
+                // Commits held back start the next group, before any
+                // queued after them.
+                if let Some(first) = held.pop_front() {
+                    let mut group = Group::new(first.fence);
+                    let batch = take_queued(&rx, &mut held, &group, first);
+                    w.check(true, &mut group, batch, &in_flight.group.writes);
+                    next = Some(group);
+                }
+            }
+            let taking = !closed && !held.is_full() && !next.as_ref().is_some_and(Group::is_full);
             crossbeam_channel::select! {
                 recv(if taking { &rx } else { &never }) -> r => match r {
                     Ok(r) => {
                         let group = next.get_or_insert_with(|| Group::new(r.fence));
                         if r.fence != group.fence {
-                            held = Some(r);
+                            held.push(r);
                             continue;
                         }
                         let batch = take_queued(&rx, &mut held, group, r);
@@ -2886,5 +2947,73 @@ impl Error {
             },
             other => Error::CommitFailed(other.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A commit of `run` (its first event) under `fence`.
+    fn request(run: u64, fence: Option<Fence>) -> Request {
+        let batch = crate::CommitBatch::append(
+            crate::RunId::from_u64_pair(run, 1),
+            vec![crate::Event {
+                seq: crate::Seq(1),
+                at: Timestamp(1),
+                kind: crate::EventKind::WorkflowCompleted {
+                    result: crate::Payload(Vec::new()),
+                },
+            }],
+        );
+        Request {
+            prepared: PreparedBatch::new(batch).unwrap(),
+            fence,
+            reply: oneshot::channel().0,
+        }
+    }
+
+    fn runs(batch: &[Request]) -> Vec<u64> {
+        batch
+            .iter()
+            .map(|r| r.prepared.batch.appends[0].run_id.0.as_u64_pair().0)
+            .collect()
+    }
+
+    /// Goal: a sharded process's commits, queued with their shards
+    /// interleaved, fill one group per fence instead of a group per run of
+    /// equal fences, and every fence's commits keep the order they came in.
+    /// Method: queue commits of two fences alternately (odd runs under one,
+    /// even under the other), take groups as the writer does (the oldest
+    /// held commit starts the next), and compare each group's runs.
+    #[test]
+    fn interleaved_fences_fill_one_group_each_in_order() {
+        let a = Some(Fence { shard: 0, epoch: 1 });
+        let b = Some(Fence { shard: 1, epoch: 1 });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        for run in 1..=8u64 {
+            tx.send(request(run, if run % 2 == 1 { a } else { b }))
+                .unwrap();
+        }
+        let mut held = Held::default();
+        let first = rx.try_recv().unwrap();
+        let group = Group::new(first.fence);
+        assert_eq!(
+            runs(&take_queued(&rx, &mut held, &group, first)),
+            [1, 3, 5, 7]
+        );
+        // Arriving meanwhile, after the held ones of its fence.
+        tx.send(request(10, b)).unwrap();
+        tx.send(request(9, a)).unwrap();
+        let first = held.pop_front().unwrap();
+        let group = Group::new(first.fence);
+        assert_eq!(
+            runs(&take_queued(&rx, &mut held, &group, first)),
+            [2, 4, 6, 8, 10]
+        );
+        let first = held.pop_front().unwrap();
+        let group = Group::new(first.fence);
+        assert_eq!(runs(&take_queued(&rx, &mut held, &group, first)), [9]);
+        assert!(held.is_empty());
     }
 }
