@@ -74,6 +74,14 @@ fn owner(cf: Cf, key: &[u8]) -> Option<[u8; 16]> {
 /// Rows read ahead for a group: found (`Some`) or known absent (`None`).
 pub type ReadAhead = HashMap<(Cf, Vec<u8>), Option<Vec<u8>>>;
 
+/// Prefix scans read ahead for a group, whole: (family, prefix) → every
+/// row under the prefix, in key order.
+pub type ScanAhead = HashMap<(Cf, Vec<u8>), Vec<(Vec<u8>, Vec<u8>)>>;
+
+/// The families a run's close scans by the run's prefix (its attempts,
+/// timers and children are dropped or given their close policy).
+pub const CLOSE_SCANNED_CFS: [Cf; 3] = [Cf::Tasks, Cf::RunTimers, Cf::Children];
+
 /// The rows of one run born here: (family, key) → value.
 type OwnedRows = BTreeMap<(Cf, Vec<u8>), Vec<u8>>;
 
@@ -264,6 +272,25 @@ impl WriterCache {
         self.born.contains_key(run.as_bytes())
     }
 
+    /// The prefix scans validating `batches` will make for certain and this
+    /// cache cannot answer: the [`CLOSE_SCANNED_CFS`] of each run not born
+    /// here that closes. A store where a scan is a round trip reads them
+    /// with the rows read ahead ([`CachedView::scans`]).
+    pub fn scans_wanted<'a>(
+        &self,
+        batches: impl IntoIterator<Item = &'a PreparedBatch>,
+    ) -> Vec<(Cf, Vec<u8>)> {
+        let mut wanted = Vec::new();
+        for append in batches.into_iter().flat_map(|b| &b.batch.appends) {
+            let run = append.run_id;
+            if !self.knows_rows_of(run) && append.events.iter().any(|e| e.kind.closes_run()) {
+                let prefix = run.as_bytes().to_vec();
+                wanted.extend(CLOSE_SCANNED_CFS.map(|cf| (cf, prefix.clone())));
+            }
+        }
+        wanted
+    }
+
     /// The rows validating `batches` will read for certain and this cache
     /// does not know, by family: each run's record, a new run's instance,
     /// and, of runs not born here, the durable ids of terminal events and
@@ -321,6 +348,8 @@ pub struct CachedView<'a> {
     pub cache: &'a WriterCache,
     /// Rows read ahead for this group.
     pub ahead: &'a ReadAhead,
+    /// Prefix scans read ahead for this group.
+    pub scans: &'a ScanAhead,
 }
 
 impl std::fmt::Debug for CachedView<'_> {
@@ -328,6 +357,7 @@ impl std::fmt::Debug for CachedView<'_> {
         f.debug_struct("CachedView")
             .field("cache", self.cache)
             .field("ahead", &self.ahead.len())
+            .field("scans", &self.scans.len())
             .finish()
     }
 }
@@ -367,6 +397,15 @@ impl KvRead for CachedView<'_> {
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<()> {
         let Some(rows) = owner(cf, prefix).and_then(|run| self.cache.born.get(&run)) else {
+            if let Some(rows) = self.scans.get(&(cf, prefix.to_vec())) {
+                let from = from.max(prefix);
+                for (k, v) in rows.iter().filter(|(k, _)| k.as_slice() >= from) {
+                    if !visit(k, v) {
+                        break;
+                    }
+                }
+                return Ok(());
+            }
             return self.base.scan(cf, prefix, from, visit);
         };
         let start = (cf, from.max(prefix).to_vec());
@@ -422,10 +461,24 @@ mod tests {
 
     fn check_agrees(base: &Maps, cache: &WriterCache) {
         let ahead = ReadAhead::new();
+        // The close scans of the last run read ahead from the base, as a
+        // group's would be: answered from them unless the run is born here.
+        let mut scans = ScanAhead::new();
+        for cf in CLOSE_SCANNED_CFS {
+            let prefix = run(2).as_bytes().to_vec();
+            let mut rows = Vec::new();
+            base.scan(cf, &prefix, &prefix, &mut |k, v| {
+                rows.push((k.to_vec(), v.to_vec()));
+                true
+            })
+            .unwrap();
+            scans.insert((cf, prefix), rows);
+        }
         let view = CachedView {
             base,
             cache,
             ahead: &ahead,
+            scans: &scans,
         };
         for r in 0..3 {
             for kind in 0..7 {
@@ -556,6 +609,7 @@ mod tests {
             base: &Unreachable,
             cache: &cache,
             ahead: &ahead,
+            scans: &ScanAhead::new(),
         };
         let dk = keys::dedupe_key(r, &crate::DurableKey::Run);
         assert_eq!(view.get(Cf::Dedupe, &dk).unwrap(), None);
@@ -598,6 +652,12 @@ mod tests {
             Some(1),
             "its durable id"
         );
+        // Its close scans are read ahead too; those of a run born here not.
+        assert_eq!(
+            cache.scans_wanted([&other]),
+            CLOSE_SCANNED_CFS.map(|cf| (cf, run(1).as_bytes().to_vec()))
+        );
+        assert!(cache.scans_wanted([&closing]).is_empty());
         // An attempt's answer also wants the pending attempt it checks.
         let answered = PreparedBatch::new(crate::CommitBatch::append(
             run(1),

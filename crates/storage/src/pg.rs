@@ -75,7 +75,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 use tracing::{debug, info_span, warn};
 
-use crate::cache::{CachedView, Learned, ReadAhead, WriterCache};
+use crate::cache::{CachedView, Learned, ReadAhead, ScanAhead, WriterCache};
 use crate::derive::{apply_batch_checked, Checks, CommitAck, CommitBatch, PreparedBatch};
 use crate::error::{DatabaseFault, Error, Result};
 use crate::health::{HealthCell, StoreHealth, WriteFault};
@@ -1356,16 +1356,22 @@ impl ConnView<'_> {
         if cf == Cf::Events || keys.is_empty() {
             return keys.iter().map(|k| self.get(cf, k)).collect();
         }
-        let found = self.read_ahead(&BTreeMap::from([(cf, keys.to_vec())]))?;
+        let (found, _) = self.read_ahead(&BTreeMap::from([(cf, keys.to_vec())]), &[])?;
         Ok(keys
             .iter()
             .map(|k| found.get(&(cf, k.clone())).cloned().flatten())
             .collect())
     }
 
-    /// Reads `wanted` (keys by family; not `events`) in one round trip:
-    /// every key, found or known absent.
-    fn read_ahead(&self, wanted: &BTreeMap<Cf, Vec<Vec<u8>>>) -> Result<ReadAhead> {
+    /// Reads `wanted` (keys by family; not `events`) and the prefix scans
+    /// `scans` in one round trip: every key, found or known absent, and
+    /// every scan that fits in one page ([`PG_SCAN_PAGE_ROWS`]; a longer
+    /// one is left to be read when it is made).
+    fn read_ahead(
+        &self,
+        wanted: &BTreeMap<Cf, Vec<Vec<u8>>>,
+        scans: &[(Cf, Vec<u8>)],
+    ) -> Result<(ReadAhead, ScanAhead)> {
         let sql = &self.shared.sql;
         let mut statements = Vec::with_capacity(wanted.len());
         for (cf, keys) in wanted {
@@ -1377,15 +1383,48 @@ impl ConnView<'_> {
                     .statement(self.shared, &sql.get_many[cf.index()])?,
             ));
         }
+        let mut scanning = Vec::with_capacity(scans.len());
+        for (cf, prefix) in scans {
+            debug_assert!(*cf != Cf::Events, "events are never read ahead");
+            let Some(end) = prefix_end(prefix) else {
+                continue;
+            };
+            scanning.push((
+                (*cf, prefix.clone()),
+                end,
+                self.conn
+                    .statement(self.shared, &sql.scan_bounded[cf.index()])?,
+            ));
+        }
         let client = &self.conn.client;
         let params: Vec<[&(dyn ToSql + Sync); 1]> =
             statements.iter().map(|(_, keys, _)| [*keys as _]).collect();
-        let answers = block(futures::future::join_all(
-            statements
-                .iter()
-                .zip(&params)
-                .map(|((_, _, st), p)| client.query(st, p)),
+        let scan_params: Vec<[&(dyn ToSql + Sync); 3]> = scanning
+            .iter()
+            .map(|((_, prefix), end, _)| [prefix as _, end as _, &PG_SCAN_PAGE_ROWS as _])
+            .collect();
+        // Both sets go out together: one round trip.
+        let (answers, scanned) = block(futures::future::join(
+            futures::future::join_all(
+                statements
+                    .iter()
+                    .zip(&params)
+                    .map(|((_, _, st), p)| client.query(st, p)),
+            ),
+            futures::future::join_all(
+                scanning
+                    .iter()
+                    .zip(&scan_params)
+                    .map(|((_, _, st), p)| client.query(st, p)),
+            ),
         ));
+        let mut whole = ScanAhead::new();
+        for ((at, _, _), rows) in scanning.into_iter().zip(scanned) {
+            let rows = rows.map_err(|e| self.shared.error(&e))?;
+            if (rows.len() as i64) < PG_SCAN_PAGE_ROWS {
+                whole.insert(at, rows.iter().map(|r| (r.get(0), r.get(1))).collect());
+            }
+        }
         let mut out = ReadAhead::new();
         for ((cf, keys, _), rows) in statements.iter().zip(answers) {
             let rows = rows.map_err(|e| self.shared.error(&e))?;
@@ -1396,7 +1435,7 @@ impl ConnView<'_> {
                 out.insert((*cf, r.get(0)), Some(r.get(1)));
             }
         }
-        Ok(out)
+        Ok((out, whole))
     }
 
     /// One page of a scan: rows with key `>= start` (and under `end`), in
@@ -2215,6 +2254,7 @@ struct Group {
     results: Vec<Result<CommitAck>>,
     writes: Writes,
     ahead: ReadAhead,
+    scans: ScanAhead,
     bytes: usize,
     fence: Option<Fence>,
     /// A read failed while validating (the connection broke), or the
@@ -2234,6 +2274,7 @@ impl Group {
             results: Vec::new(),
             writes: Writes::new(),
             ahead: ReadAhead::new(),
+            scans: ScanAhead::new(),
             bytes: 0,
             fence,
             stale: false,
@@ -2552,9 +2593,14 @@ impl Writer<'_> {
             });
         }
         wanted.retain(|_, keys| !keys.is_empty());
-        if !wanted.is_empty() {
-            match view.read_ahead(&wanted) {
-                Ok(ahead) => group.ahead.extend(ahead),
+        let mut scans = self.cache.scans_wanted(batch.iter().map(|r| &r.prepared));
+        scans.retain(|s| !group.scans.contains_key(s));
+        if !wanted.is_empty() || !scans.is_empty() {
+            match view.read_ahead(&wanted, &scans) {
+                Ok((ahead, scanned)) => {
+                    group.ahead.extend(ahead);
+                    group.scans.extend(scanned);
+                }
                 Err(e) => return fail(group, batch, &e),
             }
         }
@@ -2562,6 +2608,7 @@ impl Writer<'_> {
             base: &view,
             cache: &self.cache,
             ahead: &group.ahead,
+            scans: &group.scans,
         };
         let under = Overlay::over(&cached, prior);
         let mut overlay = Overlay::with(&under, std::mem::take(&mut group.writes));

@@ -28,7 +28,7 @@ use rocksdb::{
 use tracing::{debug, info_span};
 
 use crate::acked;
-use crate::cache::{CachedView, Learned, ReadAhead, WriterCache};
+use crate::cache::{CachedView, Learned, ReadAhead, ScanAhead, WriterCache};
 use crate::codec::{self, RecordKind};
 use crate::derive::{apply_batch_raw, Checks, CommitAck, CommitBatch, PreparedBatch, RawAck};
 use crate::error::{Error, Result};
@@ -883,6 +883,7 @@ fn writer_loop(
     let mut cache = WriterCache::default();
     // RocksDB reads are local: nothing is read ahead.
     let ahead = ReadAhead::new();
+    let scans = ScanAhead::new();
     loop {
         let first = if watch.stopped() {
             match rx.recv_timeout(std::time::Duration::from_millis(STORE_PROBE_INTERVAL_MS)) {
@@ -929,6 +930,7 @@ fn writer_loop(
             base: &db_view,
             cache: &cache,
             ahead: &ahead,
+            scans: &scans,
         };
         let mut overlay = Overlay::new(&view);
         let mut results = Vec::with_capacity(group.len());
