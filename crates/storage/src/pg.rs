@@ -126,6 +126,16 @@ const PG_LIVE_OWNERS_NAMED_MAX: usize = 8;
 /// The SQLSTATE `fence` raises when the lease is no longer this process's.
 const FENCED_SQLSTATE: &str = "KL001";
 
+/// What every connection of keel's sets first. keel reads by primary key
+/// only (single keys, key lists, key ranges), but the planner's statistics
+/// of the tables that churn (the relay, the search index, attempts, the
+/// outbox) lag far behind them between autovacuum's rounds: with a stale
+/// row count or many dead rows it chose sequential scans for
+/// `k = any($1)`, 1,038 of them against 346 index scans on `kv_dedupe` in
+/// one two-process benchmark, each slower as the table grew. Off, the
+/// planner keeps a sequential scan only where no index serves.
+const PG_SESSION_SETUP: &str = "set enable_seqscan = off";
+
 /// The SQLSTATE `shard_fence()` raises when a commit's shard lease moved on.
 const SHARD_FENCED_SQLSTATE: &str = "KL002";
 
@@ -583,6 +593,7 @@ impl Shared {
                     debug!(error = %e, "postgres connection ended");
                 }
             });
+            client.batch_execute(PG_SESSION_SETUP).await?;
             Ok::<_, tokio_postgres::Error>(client)
         });
         let client = match block(task) {
