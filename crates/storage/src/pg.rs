@@ -126,8 +126,10 @@ const PG_LIVE_OWNERS_NAMED_MAX: usize = 8;
 /// The SQLSTATE `fence` raises when the lease is no longer this process's.
 const FENCED_SQLSTATE: &str = "KL001";
 
-/// What every connection of keel's sets first. keel reads by primary key
-/// only (single keys, key lists, key ranges), but the planner's statistics
+/// What every connection of keel's sets first. keel's reads and writes go
+/// by primary key (single keys, key lists, key ranges) save a few rare
+/// statements no index serves (forgetting old relay notes, purging members,
+/// the version row), which still scan. The planner's statistics
 /// of the tables that churn (the relay, the search index, attempts, the
 /// outbox) lag far behind them between autovacuum's rounds: with a stale
 /// row count or many dead rows it chose sequential scans for
@@ -2360,10 +2362,31 @@ impl Held {
         self.0.push_back(r);
     }
 
-    /// Takes the oldest held commit under `fence`.
-    fn take(&mut self, fence: Option<Fence>) -> Option<Request> {
-        let i = self.0.iter().position(|r| r.fence == fence)?;
-        self.0.remove(i)
+    /// Takes the held commits under `fence`, oldest first, while `fits`
+    /// says the group has room for the next one; one pass.
+    fn take(
+        &mut self,
+        fence: Option<Fence>,
+        mut fits: impl FnMut(&Request) -> bool,
+    ) -> Vec<Request> {
+        if !self.0.iter().any(|r| r.fence == fence) {
+            return Vec::new();
+        }
+        let mut taken = Vec::new();
+        let mut room = true;
+        let mut kept = VecDeque::with_capacity(self.0.len());
+        for r in self.0.drain(..) {
+            if room && r.fence == fence {
+                room = fits(&r);
+                if room {
+                    taken.push(r);
+                    continue;
+                }
+            }
+            kept.push_back(r);
+        }
+        self.0 = kept;
+        taken
     }
 }
 
@@ -2382,14 +2405,14 @@ fn take_queued(
     let mut out = vec![first];
     let fits =
         |count: usize, bytes: usize| count < GROUP_COMMITS_MAX && bytes < GROUP_COMMIT_BYTES_MAX;
-    while fits(count, bytes) {
-        let Some(r) = held.take(group.fence) else {
-            break;
-        };
-        count += 1;
-        bytes += r.prepared.bytes();
-        out.push(r);
-    }
+    out.extend(held.take(group.fence, |r| {
+        let room = fits(count, bytes);
+        if room {
+            count += 1;
+            bytes += r.prepared.bytes();
+        }
+        room
+    }));
     while fits(count, bytes) && !held.is_full() {
         match rx.try_recv() {
             Ok(r) if r.fence != group.fence => held.push(r),
