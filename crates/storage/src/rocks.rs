@@ -91,7 +91,7 @@ impl std::fmt::Debug for RocksStore {
 /// Times a read-only or secondary open is tried before it reports an
 /// error a live writer can cause for a moment ([`Error::LostCommits`], or
 /// a write-ahead log deleted between RocksDB listing and reading it).
-const READER_OPEN_TRIES: u32 = 5;
+const READER_OPEN_TRIES: u32 = 8;
 
 /// Times [`RocksStore::copy_live`] starts over because the writer changed
 /// the directory's MANIFEST during the copy.
