@@ -405,8 +405,18 @@ impl RocksStore {
                 // Compared before a read-write open, which would replay
                 // and remove the logs (the evidence `recover` reads) and
                 // could write (a migration) before the comparison.
-                let ro = DB::open_cf_for_read_only(&opts, path, &names, false)
-                    .map_err(|e| map_open_error(path, e))?;
+                // A write-ahead log deleted under this look means another
+                // process is writing the directory now: it is locked, as
+                // the read-write open would say (seen in CI beside a
+                // running engine, where this open came first).
+                let ro = DB::open_cf_for_read_only(&opts, path, &names, false).map_err(|e| {
+                    match map_open_error(path, e) {
+                        e if raced_by_writer(&e) => Error::Locked {
+                            path: path.to_path_buf(),
+                        },
+                        e => e,
+                    }
+                })?;
                 let found = ro.latest_sequence_number();
                 drop(ro);
                 acked::check(path, recorded, found)?;
