@@ -26,8 +26,6 @@ use crate::output::{max_rss_mb, percentile, progress};
 const WAITING_RUNS: u64 = 100;
 /// How often the scraper fetches `/metrics`, in milliseconds.
 const SCRAPE_INTERVAL_MS: u64 = 1_000;
-/// Walks through every page of the filter, for the whole-list latency.
-const LIST_WALKS: usize = 10;
 
 /// Arguments of `keel bench serve`.
 #[derive(clap::Args, Debug)]
@@ -41,6 +39,10 @@ pub(crate) struct ServeBenchArgs {
     /// List calls measured per page size.
     #[arg(long, default_value_t = 200)]
     lists: u64,
+    /// Walks over every page of the filter, per state of the store (the
+    /// memtables, then flushed).
+    #[arg(long, default_value_t = 10)]
+    walks: usize,
     /// W1 workflows per round of the scraper comparison.
     #[arg(long, default_value_t = 10_000)]
     workflows: u64,
@@ -92,8 +94,10 @@ struct ServeReport {
     list_filtered_page_50: Latency,
     list_filtered_page_1000: Latency,
     /// Every page of the filter (pages of 1,000): all `runs_in_store` runs,
-    /// one walk per call; p50 and p99 over [`LIST_WALKS`] walks.
+    /// one walk per call; p50 and p99 over `--walks` walks.
     list_filtered_all: Latency,
+    /// The same after the memtables were flushed to SST files.
+    list_filtered_all_flushed: Latency,
     counts: Latency,
     metrics: Latency,
     /// One scrape's p50 over the scrape interval: the share of one core a
@@ -112,15 +116,20 @@ struct ServeReport {
 
 pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCode> {
     anyhow::ensure!(
-        args.runs > 0 && args.rounds > 0,
-        "--runs and --rounds must be positive"
+        args.runs > 0 && args.rounds > 0 && args.walks > 0,
+        "--runs, --rounds and --walks must be positive"
     );
     let dir = tempfile::Builder::new()
         .prefix("keel-bench-serve")
         .tempdir()?;
+    // The bench opens the store itself to flush it between the two walks.
+    let store = Arc::new(keel_storage::RocksStore::open(
+        dir.path(),
+        keel::EngineConfig::default().durability,
+    )?);
     let engine = Arc::new(
         Engine::builder()
-            .data_dir(dir.path())
+            .store(store.clone())
             .register_workflow::<ThreeSteps>()
             .register_workflow::<Parked>()
             .register_activity::<Noop>()
@@ -155,7 +164,7 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
         .build();
     let get = |path: &str| -> anyhow::Result<f64> {
         let t0 = Instant::now();
-        let body = agent.get(&format!("{base}{path}")).call()?.into_string()?;
+        let body = body_of(agent.get(&format!("{base}{path}")).call()?)?;
         let ms = t0.elapsed().as_secs_f64() * 1000.0;
         anyhow::ensure!(!body.is_empty(), "{path}: empty answer");
         Ok(ms)
@@ -203,31 +212,38 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
         runs: Vec<serde::de::IgnoredAny>,
         next: Option<String>,
     }
-    let mut walks = Vec::with_capacity(LIST_WALKS);
-    for _ in 0..LIST_WALKS {
-        let t0 = Instant::now();
-        let mut after: Option<String> = None;
-        let mut listed = 0u64;
-        loop {
-            let mut url = format!("{base}/api/v1/runs?{filter}&page_size=1000");
-            if let Some(a) = &after {
-                url.push_str(&format!("&after={a}"));
+    let walk = || -> anyhow::Result<Latency> {
+        let mut walks = Vec::with_capacity(args.walks);
+        for _ in 0..args.walks {
+            let t0 = Instant::now();
+            let mut after: Option<String> = None;
+            let mut listed = 0u64;
+            loop {
+                let mut url = format!("{base}/api/v1/runs?{filter}&page_size=1000");
+                if let Some(a) = &after {
+                    url.push_str(&format!("&after={a}"));
+                }
+                let page: WalkPage = serde_json::from_slice(&body_of(agent.get(&url).call()?)?)?;
+                listed += page.runs.len() as u64;
+                match page.next {
+                    Some(next) => after = Some(next),
+                    None => break,
+                }
             }
-            let page: WalkPage = serde_json::from_str(&agent.get(&url).call()?.into_string()?)?;
-            listed += page.runs.len() as u64;
-            match page.next {
-                Some(next) => after = Some(next),
-                None => break,
-            }
+            walks.push(t0.elapsed().as_secs_f64() * 1000.0);
+            anyhow::ensure!(
+                listed == args.runs,
+                "the filter listed {listed} runs, the store holds {}",
+                args.runs
+            );
         }
-        walks.push(t0.elapsed().as_secs_f64() * 1000.0);
-        anyhow::ensure!(
-            listed == args.runs,
-            "the filter listed {listed} runs, the store holds {}",
-            args.runs
-        );
-    }
-    let list_filtered_all = Latency::of(walks);
+        Ok(Latency::of(walks))
+    };
+    // Just filled, the runs are in the memtables; a store that has lived a
+    // while (or was opened again) holds them in SST files.
+    let list_filtered_all = walk()?;
+    store.flush()?;
+    let list_filtered_all_flushed = walk()?;
     let mut ms = Vec::new();
     for _ in 0..args.lists {
         ms.push(get("/api/v1/counts")?);
@@ -302,6 +318,7 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
         list_filtered_page_50,
         list_filtered_page_1000,
         list_filtered_all,
+        list_filtered_all_flushed,
         counts,
         metrics,
         scrape_core_percent,
@@ -339,11 +356,15 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
                 l.p50_ms, l.p99_ms, l.calls
             );
         }
-        println!(
-            "  list, filter, all {} runs    p50 {:>7.1} ms  p99 {:>7.1} ms  ({} walks, pages of 1000)",
-            r.runs_in_store, r.list_filtered_all.p50_ms, r.list_filtered_all.p99_ms,
-            r.list_filtered_all.calls
-        );
+        for (state, l) in [
+            ("memtables", &r.list_filtered_all),
+            ("flushed", &r.list_filtered_all_flushed),
+        ] {
+            println!(
+                "  list, filter, all {} runs, {state:<9} p50 {:>7.1} ms  p99 {:>7.1} ms  ({} walks, pages of 1000)",
+                r.runs_in_store, l.p50_ms, l.p99_ms, l.calls
+            );
+        }
         println!(
             "W1 ({} workflows per round): without scraper {:.0}/s, with /metrics every {} ms {:.0}/s (medians of {}); cost {:.1} % (median of pairs {:?}); {} scrapes",
             r.w1_workflows_per_round, m_without, SCRAPE_INTERVAL_MS, m_with, args.rounds,
@@ -358,6 +379,27 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
+
+/// The body of `response`, read into a buffer of its announced length (a
+/// client that reads it in small growing steps, as `into_string` does,
+/// spends as much time copying a page of 1,000 runs as the server takes to
+/// write it).
+fn body_of(response: ureq::Response) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let announced: usize = response
+        .header("content-length")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0);
+    let mut body = Vec::with_capacity(announced.min(BODY_BYTES_MAX));
+    response
+        .into_reader()
+        .take(BODY_BYTES_MAX as u64)
+        .read_to_end(&mut body)?;
+    Ok(body)
+}
+
+/// The largest answer the bench reads.
+const BODY_BYTES_MAX: usize = 64 << 20;
 
 /// One W1 round of `n` workflows, closed loop; workflows per second.
 fn w1_round(
