@@ -832,7 +832,7 @@ impl Client {
         let home = keel_core::driver::shard_of_target(instance, shards);
         let request = Request::Start {
             run_id: keel_core::driver::run_id_on_shard(
-                self.core.random(),
+                keel_core::driver::run_id_high(crate::engine::now().0, self.core.random()),
                 self.core.random(),
                 home,
                 shards,
