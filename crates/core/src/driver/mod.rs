@@ -1871,15 +1871,21 @@ mod shard_tests {
             later in 1u64..86_400_000,
             r1 in any::<u64>(),
             r2 in any::<u64>(),
-            low in any::<u64>(),
-            shards in 1u16..=256,
+            l1 in any::<u64>(),
+            l2 in any::<u64>(),
+            shards in 1u16..=u16::MAX,
+            p1 in any::<u16>(),
+            p2 in any::<u16>(),
         ) {
             let later = (at + later).min((1 << RUN_ID_TIME_BITS) - 1);
             prop_assume!(later > at);
-            let shard = ShardId(0);
-            let a = run_id_on_shard(run_id_high(at, r1), low, shard, shards);
-            let b = run_id_on_shard(run_id_high(later, r2), low, shard, shards);
+            // Different shards and low words: the time decides the order.
+            let (s1, s2) = (ShardId(p1 % shards), ShardId(p2 % shards));
+            let a = run_id_on_shard(run_id_high(at, r1), l1, s1, shards);
+            let b = run_id_on_shard(run_id_high(later, r2), l2, s2, shards);
             prop_assert!(a < b, "{a:?} made before {b:?}");
+            prop_assert_eq!(shard_of(a, shards), s1);
+            prop_assert_eq!(shard_of(b, shards), s2);
             prop_assert_eq!(run_id_high(at, r1) >> (64 - RUN_ID_TIME_BITS), at);
         }
     }
