@@ -390,16 +390,20 @@ fn body_of(response: ureq::Response) -> anyhow::Result<Vec<u8>> {
         .header("content-length")
         .and_then(|l| l.parse().ok())
         .unwrap_or(0);
-    let mut body = Vec::with_capacity(announced.min(BODY_BYTES_MAX));
+    let mut body = Vec::with_capacity(announced.min(ANSWER_BYTES_MAX));
     response
         .into_reader()
-        .take(BODY_BYTES_MAX as u64)
+        .take(ANSWER_BYTES_MAX as u64 + 1)
         .read_to_end(&mut body)?;
+    anyhow::ensure!(
+        body.len() <= ANSWER_BYTES_MAX,
+        "an answer over {ANSWER_BYTES_MAX} bytes"
+    );
     Ok(body)
 }
 
-/// The largest answer the bench reads.
-const BODY_BYTES_MAX: usize = 64 << 20;
+/// The largest answer the bench reads, in bytes.
+const ANSWER_BYTES_MAX: usize = 64 << 20;
 
 /// One W1 round of `n` workflows, closed loop; workflows per second.
 fn w1_round(

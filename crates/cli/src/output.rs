@@ -52,38 +52,30 @@ pub fn open_for_reading(data: &Path) -> Result<Box<dyn Store>, keel_storage::Err
     Ok(Box::new(open_dir_for_reading(data)?))
 }
 
-/// Times an inspection opens a data directory as a secondary again after
-/// its first catch-up failed, before it tries a read-only open.
-const SECONDARY_OPEN_TRIES: u32 = 5;
-
 /// Opens a data directory for inspection (see [`open_for_reading`]).
 pub fn open_dir_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
-    for attempt in 1..=SECONDARY_OPEN_TRIES {
-        match RocksStore::open_secondary(data) {
-            // Beside a live writer, the first catch-up can meet a
-            // write-ahead log the writer deleted since the open listed it
-            // (seen in CI beside `keel demo-worker`): a new secondary
-            // lists the directory again.
-            Ok(s) => match s.catch_up() {
-                Ok(()) => return Ok(s),
-                Err(e) => {
-                    tracing::debug!(error = %e, attempt, "a secondary's first catch-up failed; opening it again");
-                    drop(s);
-                    std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(attempt)));
-                }
-            },
-            Err(
-                e @ (keel_storage::Error::NotFound { .. }
-                | keel_storage::Error::NotKeel { .. }
-                | keel_storage::Error::SchemaVersion { .. }),
-            ) => return Err(e),
+    match RocksStore::open_secondary(data) {
+        // A catch-up that fails beside a live writer (a write-ahead log it
+        // deleted since the open listed it): a read-only open, which
+        // retries what a writer causes for a moment, still reads.
+        Ok(s) => match s.catch_up() {
+            Ok(()) => Ok(s),
             Err(e) => {
-                tracing::debug!(error = %e, "a secondary open failed; opening read-only");
-                break;
+                tracing::info!(error = %e, "a secondary's catch-up failed; opening read-only");
+                drop(s);
+                RocksStore::open_read_only(data)
             }
+        },
+        Err(
+            e @ (keel_storage::Error::NotFound { .. }
+            | keel_storage::Error::NotKeel { .. }
+            | keel_storage::Error::SchemaVersion { .. }),
+        ) => Err(e),
+        Err(e) => {
+            tracing::info!(error = %e, "a secondary open failed; opening read-only");
+            RocksStore::open_read_only(data)
         }
     }
-    RocksStore::open_read_only(data)
 }
 
 /// Peak resident memory of this process in MiB (Linux), 0 where unknown.
