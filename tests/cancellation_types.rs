@@ -149,7 +149,7 @@ fn order(history: &[Event]) -> Order {
     let child = history
         .iter()
         .find_map(|e| match &e.kind {
-            EventKind::ChildScheduled { step, .. } => Some(*step),
+            EventKind::ChildScheduled(child) => Some(child.step),
             _ => None,
         })
         .expect("child scheduled");

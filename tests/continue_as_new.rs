@@ -62,7 +62,7 @@ async fn at_generation(e: &Engine, g: u32) -> anyhow::Result<()> {
         let store = e.store();
         let started = store.history(d.run_id)?.into_iter().next();
         let generation = match started.map(|s| s.kind) {
-            Some(EventKind::WorkflowStarted { input, .. }) => input.decode::<(u64, u32)>()?.1 / 2,
+            Some(EventKind::WorkflowStarted(start)) => start.input.decode::<(u64, u32)>()?.1 / 2,
             _ => u32::MAX,
         };
         if generation == g && d.signal_waits.iter().any(|(n, _)| n == "next") {
@@ -132,7 +132,7 @@ async fn the_next_run_takes_over_unread_signals_and_command_ids() -> anyhow::Res
                     name, command_id, ..
                 } if name == "item" => items.push(command_id.expect("sent with ids").to_string()),
                 EventKind::SignalReceived { name, .. } if name == "next" => nexts += 1,
-                EventKind::WorkflowStarted { continued_from, .. } => run = continued_from,
+                EventKind::WorkflowStarted(start) => run = start.continued_from,
                 _ => {}
             }
         }

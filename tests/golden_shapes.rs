@@ -146,7 +146,7 @@ async fn bless() -> anyhow::Result<()> {
                 .events
                 .iter()
                 .find_map(|e| match &e.kind {
-                    EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
+                    EventKind::ChildScheduled(child) => Some(child.child_run_id),
                     _ => None,
                 })
                 .expect("children schedules children");

@@ -143,7 +143,7 @@ async fn a_workflow_sends_messages_and_signals_to_another_across_a_restart() -> 
         for ev in store.history(r)? {
             match ev.kind {
                 EventKind::SignalReceived { name, .. } if name == "hello" => signals += 1,
-                EventKind::WorkflowStarted { continued_from, .. } => run = continued_from,
+                EventKind::WorkflowStarted(start) => run = start.continued_from,
                 _ => {}
             }
         }
@@ -205,7 +205,7 @@ async fn messages_are_read_in_order_once_across_restarts_and_continue_as_new() -
     while let Some(r) = run {
         runs.push(r);
         run = match store.history(r)?.first().map(|e| e.kind.clone()) {
-            Some(EventKind::WorkflowStarted { continued_from, .. }) => continued_from,
+            Some(EventKind::WorkflowStarted(start)) => start.continued_from,
             _ => None,
         };
     }

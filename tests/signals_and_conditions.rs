@@ -168,10 +168,9 @@ async fn a_signal_during_continue_as_new_reaches_the_next_run() -> anyhow::Resul
         let store = engine.store();
         let last = c.describe(&id).await?.run_id;
         let first_run = match &store.history(last)?[0].kind {
-            keel::storage::EventKind::WorkflowStarted {
-                continued_from: Some(r),
-                ..
-            } => *r,
+            keel::storage::EventKind::WorkflowStarted(start) if start.continued_from.is_some() => {
+                start.continued_from.expect("checked")
+            }
             other => panic!("{id}: the result comes from the next run, not {other:?}"),
         };
         let read_first: Vec<u32> = store

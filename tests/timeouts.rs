@@ -150,7 +150,8 @@ async fn an_execution_timeout_spans_continue_as_new_and_a_restart() -> anyhow::R
     let mut timed_out = 0;
     for r in &runs {
         let history = e.store().history(r.run_id)?;
-        if let EventKind::WorkflowStarted { timeouts, .. } = &history[0].kind {
+        if let EventKind::WorkflowStarted(start) = &history[0].kind {
+            let keel::storage::WorkflowStart { timeouts, .. } = &**start;
             deadlines.insert(timeouts.execution_deadline);
         }
         if let Some(EventKind::WorkflowTimedOut { timeout, .. }) = history.last().map(|e| &e.kind) {

@@ -187,11 +187,11 @@ impl Bundle {
             return Err(Error::Inconsistent("no events".into()));
         };
         match &first.kind {
-            EventKind::WorkflowStarted { run_id, .. } if *run_id == self.run.run_id => {}
-            EventKind::WorkflowStarted { run_id, .. } => {
+            EventKind::WorkflowStarted(start) if start.run_id == self.run.run_id => {}
+            EventKind::WorkflowStarted(start) => {
                 return Err(Error::Inconsistent(format!(
-                    "metadata is for run {}, the history starts run {run_id}",
-                    self.run.run_id
+                    "metadata is for run {}, the history starts run {}",
+                    self.run.run_id, start.run_id
                 )))
             }
             other => {

@@ -27,8 +27,8 @@ use keel_storage::codec::{self, RecordKind};
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::keys::Cf;
 use keel_storage::{
-    ActivityOptions, AttemptNo, CommitBatch, Durability, Event, EventKind, InstanceId, Payload,
-    RocksStore, RunFilter, RunId, Seq, Step, Store, Timestamp,
+    AttemptNo, CommitBatch, Durability, Event, EventKind, InstanceId, Payload, RocksStore,
+    RunFilter, RunId, Seq, Step, Store, Timestamp,
 };
 use serde::Serialize;
 
@@ -176,7 +176,7 @@ fn started_event(run: RunId, instance: String, at: u64) -> Event {
     Event {
         seq: Seq::FIRST,
         at: Timestamp(at),
-        kind: EventKind::WorkflowStarted {
+        kind: EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
             instance_id: InstanceId::new(instance),
             run_id: run,
             workflow_type: "bench.append".into(),
@@ -190,7 +190,7 @@ fn started_event(run: RunId, instance: String, at: u64) -> Event {
             memo: Vec::new(),
             search_attributes: Vec::new(),
             timeouts: Default::default(),
-        },
+        })),
     }
 }
 
@@ -349,7 +349,7 @@ fn read_log_event(run: RunId, i: u64, len: u64, at: u64) -> Event {
                 execution_id: execution_of(run, step),
                 activity_type: "bench.noop".into(),
                 input: Payload::from_bytes(vec![1, 2, 3, 4]),
-                options: ActivityOptions::default(),
+                options: Box::default(),
             }
         } else {
             EventKind::ActivityCompleted {

@@ -364,17 +364,18 @@ fn text(s: impl ToString) -> Field<'static> {
 fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
     use EventKind as K;
     match &e.kind {
-        K::WorkflowStarted {
-            instance_id,
-            run_id,
-            workflow_type,
-            input,
-            command_id,
-            parent,
-            continued_from,
-            timeouts,
-            ..
-        } => {
+        K::WorkflowStarted(start) => {
+            let keel_storage::WorkflowStart {
+                instance_id,
+                run_id,
+                workflow_type,
+                input,
+                command_id,
+                parent,
+                continued_from,
+                timeouts,
+                ..
+            } = &**start;
             let mut f = vec![
                 ("instance", text(instance_id)),
                 ("run", text(run_id)),
@@ -466,19 +467,12 @@ fn fields(e: &Event) -> Vec<(&'static str, Field<'_>)> {
         K::TimerStarted { fire_at, .. }
         | K::TimerFired { fire_at, .. }
         | K::TimerCancelled { fire_at, .. } => vec![("fire_at", text(time(*fire_at)))],
-        K::ChildScheduled {
-            child_instance_id,
-            child_run_id,
-            workflow_type,
-            input,
-            close_policy,
-            ..
-        } => vec![
-            ("type", text(workflow_type)),
-            ("child_instance", text(child_instance_id)),
-            ("child_run", text(child_run_id)),
-            ("close_policy", text(format!("{close_policy:?}"))),
-            ("input", Field::Payload(input)),
+        K::ChildScheduled(child) => vec![
+            ("type", text(&child.workflow_type)),
+            ("child_instance", text(&child.child_instance_id)),
+            ("child_run", text(child.child_run_id)),
+            ("close_policy", text(format!("{:?}", child.close_policy))),
+            ("input", Field::Payload(&child.input)),
         ],
         K::ChildStarted { child_run_id, .. } => vec![("child_run", text(child_run_id))],
         K::ChildCancelRequested {

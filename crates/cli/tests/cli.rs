@@ -612,7 +612,7 @@ fn ev(seq: u64, kind: EventKind) -> Event {
 }
 
 fn started(instance: &InstanceId, run: RunId, ty: &str, parent: Option<ParentRef>) -> EventKind {
-    EventKind::WorkflowStarted {
+    EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
         instance_id: instance.clone(),
         run_id: run,
         workflow_type: ty.into(),
@@ -626,11 +626,11 @@ fn started(instance: &InstanceId, run: RunId, ty: &str, parent: Option<ParentRef
         memo: Vec::new(),
         search_attributes: Vec::new(),
         timeouts: Default::default(),
-    }
+    }))
 }
 
 fn schedule_child(step: u32, parent: RunId, child: RunId) -> EventKind {
-    EventKind::ChildScheduled {
+    EventKind::ChildScheduled(Box::new(keel_storage::ChildSchedule {
         step: Step(step),
         group: Vec::new(),
         child_instance_id: InstanceId::for_child(parent, Step(step)),
@@ -641,7 +641,7 @@ fn schedule_child(step: u32, parent: RunId, child: RunId) -> EventKind {
         memo: Vec::new(),
         search_attributes: Vec::new(),
         timeouts: Default::default(),
-    }
+    }))
 }
 
 #[test]
@@ -761,12 +761,12 @@ fn list_finds_runs_by_search_attributes_and_pages() {
                 "test.order",
                 None,
             );
-            if let EventKind::WorkflowStarted {
-                search_attributes,
-                memo,
-                ..
-            } = &mut start
-            {
+            if let EventKind::WorkflowStarted(start) = &mut start {
+                let keel_storage::WorkflowStart {
+                    search_attributes,
+                    memo,
+                    ..
+                } = &mut **start;
                 search_attributes.push((
                     "customer".into(),
                     keel_storage::SearchValue::from(customer).to_payload(),

@@ -203,7 +203,7 @@ impl<W: ChildOutput> ChildCall<W> {
             .instance_id
             .clone()
             .unwrap_or_else(|| InstanceId::for_child(core.run_id, step));
-        let kind = EventKind::ChildScheduled {
+        let kind = EventKind::ChildScheduled(Box::new(keel_storage::ChildSchedule {
             step,
             group: group.clone(),
             child_instance_id,
@@ -220,12 +220,12 @@ impl<W: ChildOutput> ChildCall<W> {
             memo: std::mem::take(&mut self.memo),
             search_attributes: std::mem::take(&mut self.search_attributes),
             timeouts: self.timeouts,
-        };
+        }));
         self.step = Some(step);
         match core.issue(kind) {
             Issued::Live(e) | Issued::Replayed(e) => {
                 let child_run = match &e.kind {
-                    EventKind::ChildScheduled { child_run_id, .. } => Some(*child_run_id),
+                    EventKind::ChildScheduled(child) => Some(child.child_run_id),
                     _ => None,
                 };
                 let name = self.workflow_type.clone();

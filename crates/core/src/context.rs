@@ -478,13 +478,13 @@ impl<A: Activity> Future for ActivityCall<A> {
                     },
                     activity_type: A::NAME.to_string(),
                     input,
-                    options: this.options.clone(),
+                    options: Box::new(this.options.clone()),
                 };
                 this.step = Some(step);
                 match core.issue(kind) {
                     Issued::Live(e) | Issued::Replayed(e) => {
                         let options = match &e.kind {
-                            EventKind::ActivityScheduled { options, .. } => options.clone(),
+                            EventKind::ActivityScheduled { options, .. } => (**options).clone(),
                             _ => this.options.clone(),
                         };
                         let name = A::NAME.to_string();

@@ -817,20 +817,9 @@ fn commands_match(recorded: &EventKind, issued: &EventKind) -> bool {
                 step: b, group: gb, ..
             },
         ) => a == b && ga == gb,
-        (
-            K::ChildScheduled {
-                step: a,
-                group: ga,
-                workflow_type: ta,
-                ..
-            },
-            K::ChildScheduled {
-                step: b,
-                group: gb,
-                workflow_type: tb,
-                ..
-            },
-        ) => a == b && ga == gb && ta == tb,
+        (K::ChildScheduled(a), K::ChildScheduled(b)) => {
+            a.step == b.step && a.group == b.group && a.workflow_type == b.workflow_type
+        }
         (
             K::ExternalSendScheduled {
                 step: a,
@@ -912,7 +901,7 @@ pub(crate) fn describe_command(kind: &EventKind) -> String {
         EventKind::ActivityScheduled { activity_type, .. } => {
             format!("schedule activity {activity_type}")
         }
-        EventKind::ChildScheduled { workflow_type, .. } => format!("start child {workflow_type}"),
+        EventKind::ChildScheduled(child) => format!("start child {}", child.workflow_type),
         EventKind::TimerStarted { .. } => "start timer".to_string(),
         EventKind::ExternalSendScheduled {
             target, delivery, ..

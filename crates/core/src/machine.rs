@@ -15,7 +15,8 @@ use std::rc::Rc;
 use keel_storage::search;
 use keel_storage::{
     AttemptNo, Carried, CommandId, Event, EventKind, Failure, FailureKind, InstanceId, MessageKey,
-    ParentRef, Payload, RunId, RunTimeouts, Seq, Step, StreamMessage, Timestamp, WorkflowTimeout,
+    ParentRef, Payload, RunId, RunTimeouts, Seq, Step, StreamMessage, Timestamp, WorkflowStart,
+    WorkflowTimeout,
 };
 
 use crate::context::{Spawn, WorkflowContext};
@@ -126,7 +127,7 @@ pub struct StartSpec {
 impl StartSpec {
     /// The `WorkflowStarted` event that records this start.
     pub fn into_event_kind(self) -> EventKind {
-        EventKind::WorkflowStarted {
+        EventKind::WorkflowStarted(Box::new(WorkflowStart {
             instance_id: self.instance_id,
             run_id: self.run_id,
             workflow_type: self.workflow_type,
@@ -140,7 +141,7 @@ impl StartSpec {
             memo: self.memo,
             search_attributes: self.search_attributes,
             timeouts: self.timeouts,
-        }
+        }))
     }
 
     /// The seed of a run whose id was itself drawn deterministically (a
@@ -213,36 +214,39 @@ impl StartSpec {
 
     /// The start recorded in a `WorkflowStarted` event.
     pub fn of_started(kind: &EventKind) -> Option<StartSpec> {
-        match kind.clone() {
-            EventKind::WorkflowStarted {
-                instance_id,
-                run_id,
-                workflow_type,
-                input,
-                command_id,
-                parent,
-                continued_from,
-                random_seed,
-                previous_run,
-                carried,
-                memo,
-                search_attributes,
-                timeouts,
-            } => Some(StartSpec {
-                run_id,
-                instance_id,
-                workflow_type,
-                input,
-                command_id,
-                parent,
-                continued_from,
-                random_seed,
-                previous_run,
-                carried,
-                memo,
-                search_attributes,
-                timeouts,
-            }),
+        match kind {
+            EventKind::WorkflowStarted(start) => {
+                let WorkflowStart {
+                    instance_id,
+                    run_id,
+                    workflow_type,
+                    input,
+                    command_id,
+                    parent,
+                    continued_from,
+                    random_seed,
+                    previous_run,
+                    carried,
+                    memo,
+                    search_attributes,
+                    timeouts,
+                } = (**start).clone();
+                Some(StartSpec {
+                    run_id,
+                    instance_id,
+                    workflow_type,
+                    input,
+                    command_id,
+                    parent,
+                    continued_from,
+                    random_seed,
+                    previous_run,
+                    carried,
+                    memo,
+                    search_attributes,
+                    timeouts,
+                })
+            }
             _ => None,
         }
     }
@@ -547,19 +551,19 @@ fn complete_update(core: &Rc<RefCell<Core>>, update_id: CommandId, r: Result<Pay
 
 impl RunMachine {
     fn empty(registry: &WorkflowRegistry, started: &EventKind) -> Result<Self, MachineError> {
-        let EventKind::WorkflowStarted {
+        let EventKind::WorkflowStarted(start) = started else {
+            return Err(MachineError::InvalidHistory(
+                "the first event is not WorkflowStarted".into(),
+            ));
+        };
+        let WorkflowStart {
             instance_id,
             run_id,
             workflow_type,
             input,
             random_seed,
             ..
-        } = started
-        else {
-            return Err(MachineError::InvalidHistory(
-                "the first event is not WorkflowStarted".into(),
-            ));
-        };
+        } = &**start;
         let w = registry
             .get(workflow_type)
             .ok_or_else(|| MachineError::UnknownWorkflowType(workflow_type.clone()))?;
@@ -966,13 +970,14 @@ impl RunMachine {
         {
             let mut core = self.core.borrow_mut();
             match &event.kind {
-                EventKind::WorkflowStarted {
-                    carried,
-                    memo,
-                    search_attributes,
-                    timeouts,
-                    ..
-                } => {
+                EventKind::WorkflowStarted(start) => {
+                    let WorkflowStart {
+                        carried,
+                        memo,
+                        search_attributes,
+                        timeouts,
+                        ..
+                    } = &**start;
                     core.timeouts = *timeouts;
                     // What the store derives for the run, from the same
                     // function; the commit refuses what does not check.
@@ -1130,12 +1135,12 @@ impl RunMachine {
             }
             core.wake_general();
         }
-        if let EventKind::WorkflowStarted {
-            workflow_type,
-            input,
-            ..
-        } = &event.kind
-        {
+        if let EventKind::WorkflowStarted(start) = &event.kind {
+            let WorkflowStart {
+                workflow_type,
+                input,
+                ..
+            } = &**start;
             let ctx = WorkflowContext {
                 core: self.core.clone(),
                 spawns: self.spawns.clone(),
@@ -1216,7 +1221,7 @@ impl RunMachine {
                     EventKind::WorkflowContinuedAsNew {
                         new_run_id: RunId::from_u64_pair(a, b),
                         input,
-                        carried: core.carried(),
+                        carried: Box::new(core.carried()),
                     }
                 }
             };

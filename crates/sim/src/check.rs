@@ -406,10 +406,8 @@ impl Checker {
         let mut next_of: BTreeMap<RunId, RunId> = BTreeMap::new();
         let mut roots = Vec::new();
         for (run, history) in histories {
-            if let Some(EventKind::WorkflowStarted { continued_from, .. }) =
-                history.first().map(|e| &e.kind)
-            {
-                match continued_from {
+            if let Some(EventKind::WorkflowStarted(start)) = history.first().map(|e| &e.kind) {
+                match &start.continued_from {
                     Some(from) => {
                         next_of.insert(*from, *run);
                     }
@@ -426,7 +424,7 @@ impl Checker {
                 .and_then(|h| h.first())
                 .map(|e| &e.kind)
             {
-                Some(EventKind::WorkflowStarted { instance_id, .. }) => instance_id.to_string(),
+                Some(EventKind::WorkflowStarted(start)) => start.instance_id.to_string(),
                 _ => continue,
             };
             let offsets = committed.entry(instance).or_default();
@@ -525,20 +523,20 @@ impl Checker {
         let mut runs: BTreeMap<String, Vec<RunId>> = BTreeMap::new();
         let mut schedule_runs = std::collections::BTreeSet::new();
         for (run, history) in histories {
-            if let Some(EventKind::WorkflowStarted {
-                instance_id,
-                workflow_type,
-                ..
-            }) = history.first().map(|e| &e.kind)
-            {
+            if let Some(EventKind::WorkflowStarted(start)) = history.first().map(|e| &e.kind) {
+                let keel_storage::WorkflowStart {
+                    instance_id,
+                    workflow_type,
+                    ..
+                } = &**start;
                 if workflow_type == SCHEDULE_WORKFLOW_TYPE {
                     schedule_runs.insert(*run);
                     let triggers = commands.entry(instance_id.to_string()).or_default();
                     for e in history {
-                        if let EventKind::ChildScheduled {
-                            child_instance_id, ..
-                        } = &e.kind
-                        {
+                        if let EventKind::ChildScheduled(child) = &e.kind {
+                            let keel_storage::ChildSchedule {
+                                child_instance_id, ..
+                            } = &**child;
                             *triggers.entry(child_instance_id.to_string()).or_default() += 1;
                         }
                     }
@@ -546,12 +544,15 @@ impl Checker {
             }
         }
         for (run, history) in histories {
-            if let Some(EventKind::WorkflowStarted {
+            let Some(EventKind::WorkflowStarted(start)) = history.first().map(|e| &e.kind) else {
+                continue;
+            };
+            if let keel_storage::WorkflowStart {
                 instance_id,
                 parent: Some(parent),
                 continued_from: None,
                 ..
-            }) = history.first().map(|e| &e.kind)
+            } = &**start
             {
                 // A trigger's run that continued as new is one chain.
                 if schedule_runs.contains(&parent.run_id) {
@@ -585,12 +586,12 @@ impl Checker {
             let Some(first) = history.first() else {
                 continue;
             };
-            let EventKind::WorkflowStarted {
-                timeouts, carried, ..
-            } = &first.kind
-            else {
+            let EventKind::WorkflowStarted(start) = &first.kind else {
                 continue;
             };
+            let keel_storage::WorkflowStart {
+                timeouts, carried, ..
+            } = &**start;
             if let Some(EventKind::WorkflowContinuedAsNew { carried: next, .. }) =
                 history.last().map(|e| &e.kind)
             {
@@ -646,8 +647,8 @@ impl Checker {
         let mut problems = Vec::new();
         for (run, history) in histories {
             let is_shape = matches!(history.first().map(|e| &e.kind),
-                Some(EventKind::WorkflowStarted { workflow_type, .. })
-                    if workflow_type == crate::workload::CANCEL_TYPES_WORKFLOW);
+                Some(EventKind::WorkflowStarted(start))
+                    if start.workflow_type == crate::workload::CANCEL_TYPES_WORKFLOW);
             if !is_shape {
                 continue;
             }
@@ -869,7 +870,7 @@ mod tests {
         Event {
             seq: Seq::FIRST,
             at: Timestamp(1),
-            kind: EventKind::WorkflowStarted {
+            kind: EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
                 instance_id: InstanceId::new("i"),
                 run_id: run,
                 workflow_type: "w".into(),
@@ -883,7 +884,7 @@ mod tests {
                 memo: Vec::new(),
                 search_attributes: Vec::new(),
                 timeouts: Default::default(),
-            },
+            })),
         }
     }
 

@@ -14,15 +14,15 @@ use keel_storage::codec::{self, RecordKind};
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::keys::Cf;
 use keel_storage::{
-    ActivityOptions, AttemptNo, CommitBatch, Durability, Event, EventKind, InstanceId, Payload,
-    RocksStore, RunId, Seq, Step, Store, Timestamp,
+    AttemptNo, CommitBatch, Durability, Event, EventKind, InstanceId, Payload, RocksStore, RunId,
+    Seq, Step, Store, Timestamp,
 };
 
 fn started(run: RunId, instance: String) -> Event {
     Event {
         seq: Seq::FIRST,
         at: Timestamp(1_700_000_000_000),
-        kind: EventKind::WorkflowStarted {
+        kind: EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
             instance_id: InstanceId::new(instance),
             run_id: run,
             workflow_type: "bench".into(),
@@ -36,7 +36,7 @@ fn started(run: RunId, instance: String) -> Event {
             memo: Vec::new(),
             search_attributes: Vec::new(),
             timeouts: Default::default(),
-        },
+        })),
     }
 }
 
@@ -67,7 +67,7 @@ fn samples(run: RunId) -> Vec<(&'static str, Event)> {
                     execution_id: execution_of(run, step),
                     activity_type: "bench.noop".into(),
                     input: Payload::from_bytes(vec![1, 2, 3, 4]),
-                    options: ActivityOptions::default(),
+                    options: Box::default(),
                 },
             },
         ),

@@ -314,8 +314,11 @@ impl WriterCache {
                 continue;
             }
             for event in &append.events {
-                if let EventKind::WorkflowStarted { instance_id, .. } = &event.kind {
-                    want(Cf::Instances, instance_id.as_str().as_bytes().to_vec());
+                if let EventKind::WorkflowStarted(start) = &event.kind {
+                    want(
+                        Cf::Instances,
+                        start.instance_id.as_str().as_bytes().to_vec(),
+                    );
                 }
                 for key in event.kind.terminal_keys() {
                     want(Cf::Dedupe, keys::dedupe_key(run, &key));

@@ -9,7 +9,9 @@ use tracing::warn;
 
 use crate::codec::{self, RecordKind};
 use crate::error::{Error, Result};
-use crate::event::{Event, EventKind, Outcome, ParentClosePolicy, ParentRef};
+use crate::event::{
+    ChildSchedule, Event, EventKind, Outcome, ParentClosePolicy, ParentRef, WorkflowStart,
+};
 use crate::ids::{RunId, Seq, Step, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::{KvRead, KvWrite, Overlay, Writes};
@@ -428,7 +430,7 @@ pub fn apply_append_checked(
         if m.status.is_closed() {
             return Err(Error::RunClosed { run });
         }
-    } else if !matches!(&first.kind, EventKind::WorkflowStarted { run_id, .. } if *run_id == run) {
+    } else if !matches!(&first.kind, EventKind::WorkflowStarted(start) if start.run_id == run) {
         return Err(Error::UnknownRun { run });
     }
     check_limits(run, events, expected.0 - 1)?;
@@ -650,19 +652,19 @@ fn derive_event(
     checks: Checks,
 ) -> Result<()> {
     let invalid = |detail: String| Error::InvalidCommit { run, detail };
-    if let EventKind::WorkflowStarted {
-        instance_id,
-        workflow_type,
-        parent,
-        continued_from,
-        previous_run,
-        carried,
-        memo,
-        search_attributes,
-        timeouts,
-        ..
-    } = &event.kind
-    {
+    if let EventKind::WorkflowStarted(start) = &event.kind {
+        let WorkflowStart {
+            instance_id,
+            workflow_type,
+            parent,
+            continued_from,
+            previous_run,
+            carried,
+            memo,
+            search_attributes,
+            timeouts,
+            ..
+        } = &**start;
         if meta.is_some() {
             return Err(invalid(format!("WorkflowStarted at seq {}", event.seq)));
         }
@@ -832,7 +834,7 @@ fn derive_event(
                 new_run_id: *new_run_id,
                 input: input.clone(),
                 parent: m.parent.clone(),
-                carried: carried.clone(),
+                carried: (**carried).clone(),
             };
             out.put(
                 Cf::Outbox,
@@ -859,7 +861,7 @@ fn derive_event(
                 attempt: crate::ids::AttemptNo::FIRST,
                 activity_type: activity_type.clone(),
                 input: input.clone(),
-                options: options.clone(),
+                options: (**options).clone(),
                 group: group.clone(),
                 scheduled_at: event.at,
                 due: event.at,
@@ -952,18 +954,19 @@ fn derive_event(
             out.delete(Cf::Timers, keys::timer_key(open.fire_at, run, *step));
             out.delete(Cf::RunTimers, task_key(*step));
         }
-        EventKind::ChildScheduled {
-            step,
-            child_instance_id,
-            child_run_id,
-            workflow_type,
-            input,
-            close_policy,
-            memo,
-            search_attributes,
-            timeouts,
-            ..
-        } => {
+        EventKind::ChildScheduled(child) => {
+            let ChildSchedule {
+                step,
+                child_instance_id,
+                child_run_id,
+                workflow_type,
+                input,
+                close_policy,
+                memo,
+                search_attributes,
+                timeouts,
+                ..
+            } = &**child;
             // Checked here as the child's start will be: a parent cannot
             // commit a child that could never start.
             crate::search::start_metadata(None, search_attributes, memo)

@@ -610,52 +610,93 @@ impl Delivery {
     }
 }
 
+/// What a run starts with: the body of [`EventKind::WorkflowStarted`].
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct WorkflowStart {
+    /// The public instance.
+    pub instance_id: InstanceId,
+    /// This run.
+    pub run_id: RunId,
+    /// The registered workflow type name.
+    pub workflow_type: String,
+    /// The serialized input.
+    pub input: Payload,
+    /// The command id of the start request, if the client gave one.
+    pub command_id: Option<CommandId>,
+    /// The parent, for a child run.
+    pub parent: Option<ParentRef>,
+    /// The run this one continues, after continue-as-new.
+    pub continued_from: Option<RunId>,
+    /// Seed for the run's deterministic random numbers and uuids.
+    pub random_seed: u64,
+    /// The instance's run this one follows (the run it continues, or
+    /// the closed run a new start replaced): the instance's runs form a
+    /// recorded chain, and the commit refuses a start decided against
+    /// an instance that moved on meanwhile.
+    #[serde(default)]
+    pub previous_run: Option<RunId>,
+    /// What the run this one continues handed over.
+    #[serde(default)]
+    pub carried: Carried,
+    /// Memo fields given at start (over those carried), as
+    /// [`EventKind::MemoUpserted`] holds them.
+    #[serde(default)]
+    pub memo: Vec<(String, Payload)>,
+    /// Search attributes given at start (over those carried), as
+    /// [`EventKind::SearchAttributesUpserted`] holds them.
+    #[serde(default)]
+    pub search_attributes: Vec<(String, Payload)>,
+    /// The run's timeouts (event version 7): the commit arms a timer
+    /// for each deadline, at a reserved step.
+    #[serde(default)]
+    pub timeouts: RunTimeouts,
+}
+
+/// What a child is started with: the body of [`EventKind::ChildScheduled`].
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+pub struct ChildSchedule {
+    /// The command's step.
+    pub step: Step,
+    /// Enclosing `all` barriers.
+    pub group: GroupPath,
+    /// The child's instance (derived from this run and step, or named
+    /// by the code).
+    pub child_instance_id: InstanceId,
+    /// The child's run.
+    pub child_run_id: RunId,
+    /// The child's workflow type.
+    pub workflow_type: String,
+    /// The child's input.
+    pub input: Payload,
+    /// What happens to the child when this run closes.
+    pub close_policy: ParentClosePolicy,
+    /// Memo fields the child starts with (event version 6).
+    #[serde(default)]
+    pub memo: Vec<(String, Payload)>,
+    /// Search attributes the child starts with, each a `SearchValue`
+    /// payload (event version 6).
+    #[serde(default)]
+    pub search_attributes: Vec<(String, Payload)>,
+    /// The child's run and execution timeouts, counted from its start
+    /// (event version 7).
+    #[serde(default)]
+    pub timeouts: StartTimeouts,
+}
+
+/// The most bytes one [`EventKind`] may take in memory. Decoding returns
+/// the enum by value through several visitor levels, each a copy of the
+/// whole enum, so a large variant slows the decoding of every event: large
+/// bodies are boxed instead (a unit test holds the enum to this).
+pub const EVENT_KIND_BYTES_MAX: usize = 128;
+
 /// Every kind of history event. Variants are only ever added at the end.
-// A start is the largest event (what continue-as-new carries); events are
-// built once per commit and moved, so boxing it would buy nothing.
-#[allow(clippy::large_enum_variant)]
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
 pub enum EventKind {
-    /// The run started. Always seq 1.
-    WorkflowStarted {
-        /// The public instance.
-        instance_id: InstanceId,
-        /// This run.
-        run_id: RunId,
-        /// The registered workflow type name.
-        workflow_type: String,
-        /// The serialized input.
-        input: Payload,
-        /// The command id of the start request, if the client gave one.
-        command_id: Option<CommandId>,
-        /// The parent, for a child run.
-        parent: Option<ParentRef>,
-        /// The run this one continues, after continue-as-new.
-        continued_from: Option<RunId>,
-        /// Seed for the run's deterministic random numbers and uuids.
-        random_seed: u64,
-        /// The instance's run this one follows (the run it continues, or
-        /// the closed run a new start replaced): the instance's runs form a
-        /// recorded chain, and the commit refuses a start decided against
-        /// an instance that moved on meanwhile.
-        #[serde(default)]
-        previous_run: Option<RunId>,
-        /// What the run this one continues handed over.
-        #[serde(default)]
-        carried: Carried,
-        /// Memo fields given at start (over those carried), as
-        /// [`EventKind::MemoUpserted`] holds them.
-        #[serde(default)]
-        memo: Vec<(String, Payload)>,
-        /// Search attributes given at start (over those carried), as
-        /// [`EventKind::SearchAttributesUpserted`] holds them.
-        #[serde(default)]
-        search_attributes: Vec<(String, Payload)>,
-        /// The run's timeouts (event version 7): the commit arms a timer
-        /// for each deadline, at a reserved step.
-        #[serde(default)]
-        timeouts: RunTimeouts,
-    },
+    /// The run started. Always seq 1. Its body is boxed: it is the largest
+    /// event, and every event is as large as the enum's largest variant
+    /// (rmp-serde writes a newtype variant of a struct with the same bytes
+    /// as the struct variant it was before).
+    WorkflowStarted(Box<WorkflowStart>),
     /// The workflow returned a value.
     WorkflowCompleted {
         /// The serialized result.
@@ -692,9 +733,10 @@ pub enum EventKind {
         new_run_id: RunId,
         /// Its input.
         input: Payload,
-        /// What the new run takes over: unread signals, command ids seen.
+        /// What the new run takes over: unread signals, command ids seen
+        /// (boxed: see [`EVENT_KIND_BYTES_MAX`]).
         #[serde(default)]
-        carried: Carried,
+        carried: Box<Carried>,
     },
     /// An activity execution was scheduled (its first attempt is implied).
     ActivityScheduled {
@@ -708,8 +750,9 @@ pub enum EventKind {
         activity_type: String,
         /// The serialized input.
         input: Payload,
-        /// Timeouts and retry policy for this call.
-        options: ActivityOptions,
+        /// Timeouts and retry policy for this call (boxed: see
+        /// [`EVENT_KIND_BYTES_MAX`]).
+        options: Box<ActivityOptions>,
     },
     /// One attempt failed; `retry_at` says whether and when the next attempt
     /// is due (a durable backoff). Without it the execution has failed.
@@ -773,35 +816,9 @@ pub enum EventKind {
         /// When it would have fired.
         fire_at: Timestamp,
     },
-    /// A child workflow was scheduled; the outbox starts it.
-    ChildScheduled {
-        /// The command's step.
-        step: Step,
-        /// Enclosing `all` barriers.
-        group: GroupPath,
-        /// The child's instance (derived from this run and step, or named
-        /// by the code).
-        child_instance_id: InstanceId,
-        /// The child's run.
-        child_run_id: RunId,
-        /// The child's workflow type.
-        workflow_type: String,
-        /// The child's input.
-        input: Payload,
-        /// What happens to the child when this run closes.
-        close_policy: ParentClosePolicy,
-        /// Memo fields the child starts with (event version 6).
-        #[serde(default)]
-        memo: Vec<(String, Payload)>,
-        /// Search attributes the child starts with, each a `SearchValue`
-        /// payload (event version 6).
-        #[serde(default)]
-        search_attributes: Vec<(String, Payload)>,
-        /// The child's run and execution timeouts, counted from its start
-        /// (event version 7).
-        #[serde(default)]
-        timeouts: StartTimeouts,
-    },
+    /// A child workflow was scheduled; the outbox starts it. Boxed, as
+    /// [`EventKind::WorkflowStarted`] is.
+    ChildScheduled(Box<ChildSchedule>),
     /// The child run has started.
     ChildStarted {
         /// The scheduling step.
@@ -1214,7 +1231,6 @@ impl EventKind {
             | EventKind::TimerStarted { step, .. }
             | EventKind::TimerFired { step, .. }
             | EventKind::TimerCancelled { step, .. }
-            | EventKind::ChildScheduled { step, .. }
             | EventKind::ChildStarted { step, .. }
             | EventKind::ChildCompleted { step, .. }
             | EventKind::ChildFailed { step, .. }
@@ -1226,6 +1242,7 @@ impl EventKind {
             | EventKind::ChildCancelRequested { step, .. }
             | EventKind::ExternalSendScheduled { step, .. }
             | EventKind::ExternalSendCompleted { step, .. } => Some(*step),
+            EventKind::ChildScheduled(child) => Some(child.step),
             _ => None,
         }
     }
@@ -1233,9 +1250,10 @@ impl EventKind {
     /// The group path of a leaf command, where it has one.
     pub fn group(&self) -> Option<&GroupPath> {
         match self {
-            EventKind::ActivityScheduled { group, .. }
-            | EventKind::TimerStarted { group, .. }
-            | EventKind::ChildScheduled { group, .. } => Some(group),
+            EventKind::ActivityScheduled { group, .. } | EventKind::TimerStarted { group, .. } => {
+                Some(group)
+            }
+            EventKind::ChildScheduled(child) => Some(&child.group),
             _ => None,
         }
     }
@@ -1243,27 +1261,22 @@ impl EventKind {
     /// Every payload the event carries, for the size limit.
     pub fn payloads(&self) -> Vec<&Payload> {
         match self {
-            EventKind::WorkflowStarted {
-                input,
-                memo,
-                search_attributes,
-                carried,
-                ..
-            } => std::iter::once(input)
-                .chain(memo.iter().map(|(_, p)| p))
-                .chain(search_attributes.iter().map(|(_, p)| p))
-                .chain(carried.memo.iter().map(|(_, p)| p))
-                .chain(carried.search_attributes.iter().map(|(_, p)| p))
+            EventKind::WorkflowStarted(start) => std::iter::once(&start.input)
+                .chain(start.memo.iter().map(|(_, p)| p))
+                .chain(start.search_attributes.iter().map(|(_, p)| p))
+                .chain(start.carried.memo.iter().map(|(_, p)| p))
+                .chain(start.carried.search_attributes.iter().map(|(_, p)| p))
                 .chain(
-                    carried
+                    start
+                        .carried
                         .streams
                         .iter()
                         .flat_map(|s| s.unread.iter().map(|m| &m.payload)),
                 )
                 .collect(),
             EventKind::WorkflowContinuedAsNew { input, .. }
-            | EventKind::ActivityScheduled { input, .. }
-            | EventKind::ChildScheduled { input, .. } => vec![input],
+            | EventKind::ActivityScheduled { input, .. } => vec![input],
+            EventKind::ChildScheduled(child) => vec![&child.input],
             EventKind::WorkflowCompleted { result }
             | EventKind::ActivityCompleted { result, .. }
             | EventKind::ChildCompleted { result, .. }
@@ -1298,5 +1311,22 @@ pub fn attempt_of(run_id: RunId, step: Step, attempt: AttemptNo) -> AttemptId {
     AttemptId {
         execution: execution_of(run_id, step),
         attempt,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Goal: the enum every decoded event passes through stays small, so a
+    // new large variant or field fails here, not silently in `keel bench
+    // read`. Method: compare `size_of` with the named limit.
+    #[test]
+    fn an_event_kind_fits_its_byte_limit() {
+        let bytes = std::mem::size_of::<EventKind>();
+        assert!(
+            bytes <= EVENT_KIND_BYTES_MAX,
+            "EventKind is {bytes} bytes, over {EVENT_KIND_BYTES_MAX}: box the large variant's body"
+        );
     }
 }

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::event::{Event, EventKind, GroupPath};
+use crate::event::{ChildSchedule, Event, EventKind, GroupPath};
 use crate::ids::{AttemptNo, RunId, Step, Timestamp};
 
 /// What a pending step waits for.
@@ -176,13 +176,14 @@ impl HistoryFacts {
                     },
                 );
             }
-            EventKind::ChildScheduled {
-                step,
-                group,
-                workflow_type,
-                child_run_id,
-                ..
-            } => {
+            EventKind::ChildScheduled(child) => {
+                let ChildSchedule {
+                    step,
+                    group,
+                    workflow_type,
+                    child_run_id,
+                    ..
+                } = &**child;
                 open.insert(
                     *step,
                     PendingStep {
@@ -239,13 +240,14 @@ impl HistoryFacts {
 
     fn see_child(&mut self, e: &Event) {
         match &e.kind {
-            EventKind::ChildScheduled {
-                step,
-                child_instance_id,
-                child_run_id,
-                workflow_type,
-                ..
-            } => {
+            EventKind::ChildScheduled(child) => {
+                let ChildSchedule {
+                    step,
+                    child_instance_id,
+                    child_run_id,
+                    workflow_type,
+                    ..
+                } = &**child;
                 self.child_at.insert(*step, self.children.len());
                 self.children.push(ChildRecord {
                     step: *step,

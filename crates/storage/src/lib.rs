@@ -38,11 +38,12 @@ pub use derive::{AppendAck, CommitAck, CommitBatch, Intent, IntentKey, RunAppend
 pub use error::{DatabaseFault, Error, Result};
 pub use event::{
     check_stream_message, ActivityOptions, Backoff, Carried, CarriedSignal, CarriedStream,
-    Delivery, DurableKey, Event, EventClass, EventKind, Failure, FailureKind, GroupEntry,
-    GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload,
-    RetrySettings, RunTimeouts, SelectKey, StartTimeouts, StreamMessage, WorkflowTimeout,
-    CARRIED_COMMANDS_MAX, CARRIED_SIGNALS_MAX, MESSAGE_KEY_BYTES_MAX, STREAMS_PER_RUN_MAX,
-    STREAM_BACKLOG_MAX, STREAM_KEYS_CARRIED_MAX, STREAM_NAME_BYTES_MAX,
+    ChildSchedule, Delivery, DurableKey, Event, EventClass, EventKind, Failure, FailureKind,
+    GroupEntry, GroupPath, Jitter, OperationKind, Outcome, ParentClosePolicy, ParentRef, Payload,
+    RetrySettings, RunTimeouts, SelectKey, StartTimeouts, StreamMessage, WorkflowStart,
+    WorkflowTimeout, CARRIED_COMMANDS_MAX, CARRIED_SIGNALS_MAX, EVENT_KIND_BYTES_MAX,
+    MESSAGE_KEY_BYTES_MAX, STREAMS_PER_RUN_MAX, STREAM_BACKLOG_MAX, STREAM_KEYS_CARRIED_MAX,
+    STREAM_NAME_BYTES_MAX,
 };
 pub use health::{StoreHealth, WriteFault};
 pub use ids::{

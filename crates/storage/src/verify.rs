@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::codec::{self, RecordKind};
 use crate::derive::{apply_append_checked, Checks};
 use crate::error::{Error, Result};
-use crate::event::{Event, EventKind};
+use crate::event::{Event, EventKind, WorkflowStart};
 use crate::ids::{RunId, Seq, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::{KvRead, KvWrite, Maps, Overlay};
@@ -246,12 +246,12 @@ fn rebuild_inner(view: &dyn KvRead) -> Result<(Rebuilt, BTreeSet<RunId>, Report)
                     cur.ok = false;
                 }
                 if key_seq == Seq::FIRST {
-                    if let EventKind::WorkflowStarted {
-                        continued_from,
-                        previous_run,
-                        ..
-                    } = &e.kind
-                    {
+                    if let EventKind::WorkflowStarted(start) = &e.kind {
+                        let WorkflowStart {
+                            continued_from,
+                            previous_run,
+                            ..
+                        } = &**start;
                         cur.started = Some(e.at);
                         cur.previous = previous_run.or(*continued_from);
                     }

@@ -134,7 +134,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
             proptest::option::of(run_id()),
         )
             .prop_map(|(i, run_id, t, input, cmd, from, seed, previous)| {
-                EventKind::WorkflowStarted {
+                EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
                     instance_id: InstanceId::new(i),
                     run_id,
                     workflow_type: t,
@@ -148,7 +148,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
                     memo: Vec::new(),
                     search_attributes: Vec::new(),
                     timeouts: Default::default(),
-                }
+                }))
             }),
         payload().prop_map(|result| EventKind::WorkflowCompleted { result }),
         failure().prop_map(|failure| EventKind::WorkflowFailed { failure }),
@@ -172,7 +172,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
                     execution_id: execution_of(run, Step(step)),
                     activity_type: t,
                     input,
-                    options,
+                    options: Box::new(options),
                 }
             }),
         (

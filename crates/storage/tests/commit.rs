@@ -285,7 +285,8 @@ fn oversized_payload_is_refused_and_writes_nothing() {
         assert!(matches!(err, Error::PayloadTooLarge { .. }), "{err}");
         let other = run_id(2);
         let mut start_big = started(other, "big-2", "wf");
-        if let EventKind::WorkflowStarted { input, .. } = &mut start_big {
+        if let EventKind::WorkflowStarted(start) = &mut start_big {
+            let keel_storage::WorkflowStart { input, .. } = &mut **start;
             *input = Payload::from_bytes(big.clone());
         }
         let err = commit(store, other, vec![ev(1, 10, start_big)]).unwrap_err();
@@ -586,7 +587,7 @@ fn ship_child(
     run: keel_storage::RunId,
     policy: ParentClosePolicy,
 ) -> EventKind {
-    EventKind::ChildScheduled {
+    EventKind::ChildScheduled(Box::new(keel_storage::ChildSchedule {
         step: Step(1),
         group: Vec::new(),
         child_instance_id: instance.clone(),
@@ -597,7 +598,7 @@ fn ship_child(
         memo: Vec::new(),
         search_attributes: Vec::new(),
         timeouts: Default::default(),
-    }
+    }))
 }
 
 #[test]
@@ -644,21 +645,23 @@ fn child_start_and_result_flow_through_the_outbox() {
         child
             .commit(
                 store,
-                vec![EventKind::WorkflowStarted {
-                    instance_id: child_instance.clone(),
-                    run_id: child_run,
-                    workflow_type: "ship".into(),
-                    input: Payload::from_bytes(b"in".to_vec()),
-                    command_id: None,
-                    parent: Some(parent_ref.clone()),
-                    continued_from: None,
-                    random_seed: 1,
-                    previous_run: None,
-                    carried: Default::default(),
-                    memo: Vec::new(),
-                    search_attributes: Vec::new(),
-                    timeouts: Default::default(),
-                }],
+                vec![EventKind::WorkflowStarted(Box::new(
+                    keel_storage::WorkflowStart {
+                        instance_id: child_instance.clone(),
+                        run_id: child_run,
+                        workflow_type: "ship".into(),
+                        input: Payload::from_bytes(b"in".to_vec()),
+                        command_id: None,
+                        parent: Some(parent_ref.clone()),
+                        continued_from: None,
+                        random_seed: 1,
+                        previous_run: None,
+                        carried: Default::default(),
+                        memo: Vec::new(),
+                        search_attributes: Vec::new(),
+                        timeouts: Default::default(),
+                    },
+                ))],
             )
             .unwrap();
         assert_eq!(store.outbox(10).unwrap().len(), 1, "kept for the notice");
@@ -734,7 +737,8 @@ fn a_start_row_is_dropped_once_its_parent_closed_and_its_child_started() {
             };
             let mut child = RunBuilder::new(child_run, 5_000);
             let mut child_start = started(child_run, child_instance.as_str(), "ship");
-            if let EventKind::WorkflowStarted { parent, .. } = &mut child_start {
+            if let EventKind::WorkflowStarted(start) = &mut child_start {
+                let keel_storage::WorkflowStart { parent, .. } = &mut **start;
                 *parent = Some(parent_ref);
             }
             if child_first {
@@ -767,7 +771,8 @@ fn a_start_row_is_dropped_once_its_parent_closed_and_its_child_started() {
             .unwrap();
         let mut child = RunBuilder::new(child_run, 10_000);
         let mut child_start = started(child_run, child_instance.as_str(), "ship");
-        if let EventKind::WorkflowStarted { parent: p, .. } = &mut child_start {
+        if let EventKind::WorkflowStarted(start) = &mut child_start {
+            let keel_storage::WorkflowStart { parent: p, .. } = &mut **start;
             *p = Some(ParentRef {
                 instance_id: InstanceId::new("parent-10"),
                 run_id: parent.run,

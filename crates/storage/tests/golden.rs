@@ -140,7 +140,7 @@ fn group() -> Vec<GroupEntry> {
 fn samples() -> Vec<Event> {
     let run = run();
     let kinds = vec![
-        EventKind::WorkflowStarted {
+        EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
             instance_id: InstanceId::new("order-42"),
             run_id: run,
             workflow_type: "checkout".into(),
@@ -159,7 +159,7 @@ fn samples() -> Vec<Event> {
             memo: vec![("tier".into(), payload("gold"))],
             search_attributes: vec![("amount".into(), SearchValue::Int(1250).to_payload())],
             timeouts: timeouts(),
-        },
+        })),
         EventKind::WorkflowCompleted {
             result: payload("result"),
         },
@@ -178,7 +178,7 @@ fn samples() -> Vec<Event> {
         EventKind::WorkflowContinuedAsNew {
             new_run_id: other_run(),
             input: payload("next"),
-            carried: carried(),
+            carried: Box::new(carried()),
         },
         EventKind::ActivityScheduled {
             step: Step(5),
@@ -186,7 +186,7 @@ fn samples() -> Vec<Event> {
             execution_id: execution_of(run, Step(5)),
             activity_type: "charge_card".into(),
             input: payload("charge"),
-            options: ActivityOptions {
+            options: Box::new(ActivityOptions {
                 start_to_close_ms: Some(30_000),
                 schedule_to_close_ms: Some(600_000),
                 heartbeat_ms: Some(5_000),
@@ -200,7 +200,7 @@ fn samples() -> Vec<Event> {
                 }),
                 profile: Some("payments".into()),
                 schedule_to_start_ms: Some(2_000),
-            },
+            }),
         },
         EventKind::ActivityAttemptFailed {
             step: Step(5),
@@ -235,7 +235,7 @@ fn samples() -> Vec<Event> {
             step: Step(8),
             fire_at: Timestamp(1_700_000_090_000),
         },
-        EventKind::ChildScheduled {
+        EventKind::ChildScheduled(Box::new(keel_storage::ChildSchedule {
             step: Step(9),
             group: group(),
             child_instance_id: InstanceId::for_child(run, Step(9)),
@@ -249,7 +249,7 @@ fn samples() -> Vec<Event> {
                 run_ms: Some(60_000),
                 execution_ms: Some(3_600_000),
             },
-        },
+        })),
         EventKind::ChildStarted {
             step: Step(9),
             child_run_id: other_run(),
@@ -375,7 +375,7 @@ fn golden_dir() -> PathBuf {
 fn as_v1(e: Event) -> Option<Event> {
     let mut e = as_v2(e)?;
     match &mut e.kind {
-        EventKind::WorkflowStarted { previous_run, .. } => *previous_run = None,
+        EventKind::WorkflowStarted(start) => start.previous_run = None,
         EventKind::ActivityAttemptFailed { heartbeat, .. } => *heartbeat = None,
         EventKind::ActivityScheduled { options, .. } => {
             options.schedule_to_start_ms = None;
@@ -393,16 +393,17 @@ fn as_v1(e: Event) -> Option<Event> {
 fn as_v6(mut e: Event) -> Option<Event> {
     match &mut e.kind {
         EventKind::WorkflowTimedOut { .. } => return None,
-        EventKind::WorkflowStarted {
-            timeouts, carried, ..
-        } => {
+        EventKind::WorkflowStarted(start) => {
+            let keel_storage::WorkflowStart {
+                timeouts, carried, ..
+            } = &mut **start;
             *timeouts = RunTimeouts::default();
             carried.timeouts = RunTimeouts::default();
         }
         EventKind::WorkflowContinuedAsNew { carried, .. } => {
             carried.timeouts = RunTimeouts::default()
         }
-        EventKind::ChildScheduled { timeouts, .. } => *timeouts = Default::default(),
+        EventKind::ChildScheduled(child) => child.timeouts = Default::default(),
         _ => {}
     }
     Some(e)
@@ -412,12 +413,12 @@ fn as_v6(mut e: Event) -> Option<Event> {
 /// without memo and search attributes.
 fn as_v5(e: Event) -> Option<Event> {
     let mut e = as_v6(e)?;
-    if let EventKind::ChildScheduled {
-        memo,
-        search_attributes,
-        ..
-    } = &mut e.kind
-    {
+    if let EventKind::ChildScheduled(child) = &mut e.kind {
+        let keel_storage::ChildSchedule {
+            memo,
+            search_attributes,
+            ..
+        } = &mut **child;
         memo.clear();
         search_attributes.clear();
     }
@@ -433,8 +434,8 @@ fn as_v4(e: Event) -> Option<Event> {
         | EventKind::ExternalSendScheduled { .. }
         | EventKind::ExternalSendCompleted { .. } => return None,
         EventKind::WorkflowTerminated { command_id, .. } => *command_id = None,
-        EventKind::WorkflowStarted { carried, .. }
-        | EventKind::WorkflowContinuedAsNew { carried, .. } => carried.streams.clear(),
+        EventKind::WorkflowStarted(start) => start.carried.streams.clear(),
+        EventKind::WorkflowContinuedAsNew { carried, .. } => carried.streams.clear(),
         _ => {}
     }
     Some(e)
@@ -445,12 +446,13 @@ fn as_v4(e: Event) -> Option<Event> {
 fn as_v3(e: Event) -> Option<Event> {
     let mut e = as_v4(e)?;
     match &mut e.kind {
-        EventKind::WorkflowStarted {
-            carried,
-            memo,
-            search_attributes,
-            ..
-        } => {
+        EventKind::WorkflowStarted(start) => {
+            let keel_storage::WorkflowStart {
+                carried,
+                memo,
+                search_attributes,
+                ..
+            } = &mut **start;
             memo.clear();
             search_attributes.clear();
             carried.memo.clear();
@@ -471,8 +473,8 @@ fn as_v2(e: Event) -> Option<Event> {
     let mut e = as_v3(e)?;
     match &mut e.kind {
         EventKind::UpdateCompleted { failure, .. } => *failure = None,
-        EventKind::WorkflowStarted { carried, .. }
-        | EventKind::WorkflowContinuedAsNew { carried, .. } => *carried = Carried::default(),
+        EventKind::WorkflowStarted(start) => start.carried = Carried::default(),
+        EventKind::WorkflowContinuedAsNew { carried, .. } => **carried = Carried::default(),
         _ => {}
     }
     Some(e)

@@ -86,10 +86,10 @@ fn populate(store: &dyn Store, rng: &mut Rng) {
             Some(prev) => started_after(run, &instance, workflow_type, prev),
             None => started(run, &instance, workflow_type),
         };
-        if let EventKind::WorkflowStarted {
-            search_attributes, ..
-        } = &mut start
-        {
+        if let EventKind::WorkflowStarted(start) = &mut start {
+            let keel_storage::WorkflowStart {
+                search_attributes, ..
+            } = &mut **start;
             if rng.below(2) == 0 {
                 let name = *rng.pick(&NAMES);
                 search_attributes.push((name.to_string(), value(rng, name).to_payload()));
@@ -263,10 +263,10 @@ fn the_index_moves_in_the_commit_that_moves_the_run() {
     for_each_store(|store| {
         let mut b = RunBuilder::new(run_id(1), T0);
         let mut start = started(b.run, "order-1", "checkout");
-        if let EventKind::WorkflowStarted {
-            search_attributes, ..
-        } = &mut start
-        {
+        if let EventKind::WorkflowStarted(start) = &mut start {
+            let keel_storage::WorkflowStart {
+                search_attributes, ..
+            } = &mut **start;
             search_attributes.push(("customer".into(), SearchValue::from("c-42").to_payload()));
         }
         b.commit(store, vec![start]).unwrap();

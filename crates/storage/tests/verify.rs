@@ -375,7 +375,8 @@ fn runs_of_one_instance_started_in_the_same_millisecond_verify_clean() {
         )
         .unwrap();
         let mut start_new = started_after(new, "loop", "wf", old);
-        if let EventKind::WorkflowStarted { continued_from, .. } = &mut start_new {
+        if let EventKind::WorkflowStarted(start) = &mut start_new {
+            let keel_storage::WorkflowStart { continued_from, .. } = &mut **start;
             *continued_from = Some(old);
         }
         commit(store, new, vec![ev(1, 500, start_new)]).unwrap();
@@ -406,7 +407,8 @@ fn a_new_start_after_a_close_in_the_same_millisecond_verifies_clean() {
         )
         .unwrap();
         let mut start = started(second, "again", "wf");
-        if let EventKind::WorkflowStarted { previous_run, .. } = &mut start {
+        if let EventKind::WorkflowStarted(start) = &mut start {
+            let keel_storage::WorkflowStart { previous_run, .. } = &mut **start;
             *previous_run = Some(first);
         }
         commit(store, second, vec![ev(1, 700, start)]).unwrap();
@@ -416,7 +418,8 @@ fn a_new_start_after_a_close_in_the_same_millisecond_verifies_clean() {
         // is refused, naming both.
         let third = RunId::from_u64_pair(5, 5);
         let mut stale = started(third, "again", "wf");
-        if let EventKind::WorkflowStarted { previous_run, .. } = &mut stale {
+        if let EventKind::WorkflowStarted(start) = &mut stale {
+            let keel_storage::WorkflowStart { previous_run, .. } = &mut **start;
             *previous_run = Some(first);
         }
         let err = commit(store, third, vec![ev(1, 701, stale)]).unwrap_err();
@@ -502,7 +505,7 @@ fn broken_run_does_not_make_its_instance_or_outbox_look_wrong() {
             &store,
             vec![
                 started(parent.run, "p", "wf"),
-                EventKind::ChildScheduled {
+                EventKind::ChildScheduled(Box::new(keel_storage::ChildSchedule {
                     step: keel_storage::Step(1),
                     group: Vec::new(),
                     child_instance_id: child_instance.clone(),
@@ -513,13 +516,14 @@ fn broken_run_does_not_make_its_instance_or_outbox_look_wrong() {
                     memo: Vec::new(),
                     search_attributes: Vec::new(),
                     timeouts: Default::default(),
-                },
+                })),
             ],
         )
         .unwrap();
     let mut c = RunBuilder::new(child, 300);
     let mut start_child = started(child, child_instance.as_str(), "c");
-    if let EventKind::WorkflowStarted { parent: p, .. } = &mut start_child {
+    if let EventKind::WorkflowStarted(start) = &mut start_child {
+        let keel_storage::WorkflowStart { parent: p, .. } = &mut **start;
         *p = Some(keel_storage::ParentRef {
             instance_id: keel_storage::InstanceId::new("p"),
             run_id: parent.run,

@@ -241,14 +241,9 @@ impl ReadQuery {
                                 }
                                 let mut command = None;
                                 store.for_each_event(r, Seq::FIRST, &mut |e| {
-                                    if let EventKind::WorkflowStarted {
-                                        command_id,
-                                        previous_run,
-                                        ..
-                                    } = e.kind
-                                    {
-                                        command = command_id;
-                                        next = previous_run;
+                                    if let EventKind::WorkflowStarted(start) = &e.kind {
+                                        command = start.command_id.clone();
+                                        next = start.previous_run;
                                     }
                                     false
                                 })?;

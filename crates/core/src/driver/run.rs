@@ -456,12 +456,14 @@ impl Shard {
         if history.last().is_some_and(|e| e.kind.closes_run()) && marker.is_none() {
             return self.activated_closed(run);
         }
-        if let EventKind::WorkflowStarted {
-            workflow_type,
-            parent: Some(parent),
-            ..
-        } = &first.kind
-        {
+        let child_of = match &first.kind {
+            EventKind::WorkflowStarted(start) => start
+                .parent
+                .as_ref()
+                .map(|parent| (&start.workflow_type, parent)),
+            _ => None,
+        };
+        if let Some((workflow_type, parent)) = child_of {
             let closed = history.last().is_some_and(|e| e.kind.closes_run());
             if workflow_type == ASYNC_WORKFLOW_TYPE && !closed && !self.workflows.async_bound(run) {
                 // Its closure lives in its parent's code: replay the parent
@@ -488,8 +490,8 @@ impl Shard {
         // Open (checked above), so its instance's current run: the store
         // starts no other run of an instance while one is open.
         let instance = match &first.kind {
-            EventKind::WorkflowStarted { instance_id, .. } if marker.is_none() => {
-                Some(instance_id.as_str().to_string())
+            EventKind::WorkflowStarted(start) if marker.is_none() => {
+                Some(start.instance_id.as_str().to_string())
             }
             _ => None,
         };
@@ -667,8 +669,8 @@ impl Shard {
         let last_seq = events.last().expect("a commit has events").seq;
         let closing = events.iter().find_map(|e| outcome_of(&e.kind));
         let instance = events.iter().find_map(|e| match &e.kind {
-            EventKind::WorkflowStarted { instance_id, .. } if start => {
-                Some(instance_id.as_str().to_string())
+            EventKind::WorkflowStarted(started) if start => {
+                Some(started.instance_id.as_str().to_string())
             }
             _ => None,
         });
@@ -713,7 +715,7 @@ impl Shard {
                         attempt: keel_storage::AttemptNo::FIRST,
                         activity_type: activity_type.clone(),
                         input: input.clone(),
-                        options: options.clone(),
+                        options: (**options).clone(),
                         group: group.clone(),
                         scheduled_at: e.at,
                         due: e.at,

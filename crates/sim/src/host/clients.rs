@@ -380,7 +380,8 @@ impl World<'_> {
             seen += 1;
             next = None;
             for e in reader.history(run).unwrap_or_default() {
-                if let EventKind::WorkflowStarted { previous_run, .. } = &e.kind {
+                if let EventKind::WorkflowStarted(start) = &e.kind {
+                    let keel_storage::WorkflowStart { previous_run, .. } = &**start;
                     next = *previous_run;
                 }
                 out.push(e.kind);

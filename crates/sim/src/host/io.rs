@@ -450,7 +450,10 @@ impl World<'_> {
 fn folded_meta(history: &[keel_storage::Event]) -> Option<keel_storage::RunMeta> {
     use keel_storage::{search, EventKind as K, RunStatus};
     let first = history.first()?;
-    let K::WorkflowStarted {
+    let K::WorkflowStarted(start) = &first.kind else {
+        return None;
+    };
+    let keel_storage::WorkflowStart {
         instance_id,
         run_id,
         workflow_type,
@@ -458,10 +461,7 @@ fn folded_meta(history: &[keel_storage::Event]) -> Option<keel_storage::RunMeta>
         memo,
         search_attributes,
         ..
-    } = &first.kind
-    else {
-        return None;
-    };
+    } = &**start;
     let (mut attrs, fields) =
         search::start_metadata(Some(carried), search_attributes, memo).ok()?;
     let mut status = RunStatus::Running;

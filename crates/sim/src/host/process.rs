@@ -353,11 +353,9 @@ impl World<'_> {
                     continue;
                 }
             };
-            if let Some(EventKind::WorkflowStarted {
-                continued_from: None,
-                parent: None,
-                ..
-            }) = history.first().map(|e| &e.kind)
+            if matches!(history.first().map(|e| &e.kind),
+                Some(EventKind::WorkflowStarted(start))
+                    if start.continued_from.is_none() && start.parent.is_none())
             {
                 *chains.entry(meta.instance_id.to_string()).or_default() += 1;
             }

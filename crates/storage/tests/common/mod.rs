@@ -8,9 +8,9 @@
 use keel_storage::event::{attempt_of, execution_of};
 use keel_storage::keys::Cf;
 use keel_storage::{
-    ActivityOptions, AttemptNo, CommitAck, CommitBatch, Durability, Event, EventKind, Failure,
-    FailureKind, InstanceId, MemStore, Payload, PgOptions, PgStore, RocksStore, RunId, Seq, Step,
-    Store, Timestamp,
+    AttemptNo, CommitAck, CommitBatch, Durability, Event, EventKind, Failure, FailureKind,
+    InstanceId, MemStore, Payload, PgOptions, PgStore, RocksStore, RunId, Seq, Step, Store,
+    Timestamp,
 };
 
 /// A deterministic run id; `n` tells runs of one test apart.
@@ -29,7 +29,7 @@ pub fn ev(seq: u64, at: u64, kind: EventKind) -> Event {
 
 /// A `WorkflowStarted` for `run` of `instance`.
 pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
-    EventKind::WorkflowStarted {
+    EventKind::WorkflowStarted(Box::new(keel_storage::WorkflowStart {
         instance_id: InstanceId::new(instance),
         run_id: run,
         workflow_type: workflow_type.into(),
@@ -43,7 +43,7 @@ pub fn started(run: RunId, instance: &str, workflow_type: &str) -> EventKind {
         memo: Vec::new(),
         search_attributes: Vec::new(),
         timeouts: Default::default(),
-    }
+    }))
 }
 
 /// A `WorkflowStarted` for `run` of `instance`, decided against the
@@ -56,7 +56,8 @@ pub fn started_after(
     previous: RunId,
 ) -> EventKind {
     let mut kind = started(run, instance, workflow_type);
-    if let EventKind::WorkflowStarted { previous_run, .. } = &mut kind {
+    if let EventKind::WorkflowStarted(start) = &mut kind {
+        let keel_storage::WorkflowStart { previous_run, .. } = &mut **start;
         *previous_run = Some(previous);
     }
     kind
@@ -70,7 +71,7 @@ pub fn scheduled(run: RunId, step: u32) -> EventKind {
         execution_id: execution_of(run, Step(step)),
         activity_type: "charge".into(),
         input: Payload::from_bytes(vec![step as u8]),
-        options: ActivityOptions::default(),
+        options: Box::default(),
     }
 }
 
