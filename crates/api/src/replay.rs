@@ -495,9 +495,24 @@ impl Replayer {
             events.push(e);
             true
         });
-        let count = events.len() as u64;
+        self.replay_read(meta, read.map(|()| events))
+    }
+
+    /// Replays a run from its history as read (events past the run's
+    /// record, committed after it was read, are left out).
+    fn replay_read(
+        &self,
+        meta: &RunMeta,
+        read: Result<Vec<Event>, keel_storage::Error>,
+    ) -> RunReport {
+        let last = meta.next_seq.0.saturating_sub(1);
+        let read = read.map(|mut events| {
+            events.truncate(events.partition_point(|e| e.seq.0 <= last));
+            events
+        });
+        let count = read.as_ref().map_or(0, |events| events.len() as u64);
         let outcome = match read {
-            Ok(()) => self.replay_events(events, meta.status.is_closed()),
+            Ok(events) => self.replay_events(events, meta.status.is_closed()),
             Err(e) => ReplayOutcome::Failed {
                 kind: "corrupt".into(),
                 step: None,
@@ -523,11 +538,13 @@ impl Replayer {
         each: &mut dyn FnMut(&RunReport),
     ) -> Result<ReplaySummary, Error> {
         let mut summary = ReplaySummary::default();
-        for meta in store.runs(filter)? {
-            let report = self.replay_meta(store, &meta);
+        let metas = store.runs(filter)?;
+        let runs: Vec<RunId> = metas.iter().map(|m| m.run_id).collect();
+        store.for_each_history(&runs, &mut |i, read| {
+            let report = self.replay_read(&metas[i], read);
             each(&report);
             summary.add(report);
-        }
+        });
         Ok(summary)
     }
 

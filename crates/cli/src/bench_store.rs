@@ -11,7 +11,9 @@
 //! `read` writes a log of N events (runs of 100 events), flushes it to SST
 //! files, closes the store, reopens it read-only and decodes every event:
 //! once as a full scan of the events family, once run by run through
-//! `Store::for_each_event`.
+//! `Store::for_each_event` (a cursor per run), and once as replay reads
+//! them, through `Store::for_each_history` (one cursor for all runs, in
+//! the order the list gives them).
 //!
 //! With `--json`, each workload prints one JSON object on its own line
 //! (JSON Lines), as soon as it is measured.
@@ -441,7 +443,7 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
         build_s,
     });
 
-    // 2. Run by run through `Store::for_each_event` (what replay reads).
+    // 2. Run by run through `Store::for_each_event` (what reading one run does).
     let run_ids: Vec<RunId> = store
         .runs(&RunFilter::default())?
         .into_iter()
@@ -470,6 +472,36 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         events == per_run_events,
         "the scan saw {events} events, the per-run reads {per_run_events}"
+    );
+
+    // 3. Every run's history through one cursor (what replay reads).
+    let t0 = Instant::now();
+    let mut history_events = 0u64;
+    let mut failed = None;
+    store.for_each_history(&run_ids, &mut |_, read| match read {
+        Ok(history) => {
+            history_events += history.len() as u64;
+            std::hint::black_box(&history);
+        }
+        Err(e) => failed = Some(e),
+    });
+    if let Some(e) = failed {
+        anyhow::bail!("a history does not read: {e}");
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    reports.push(ReadReport {
+        workload: "read histories".into(),
+        events: history_events,
+        runs: run_ids.len() as u64,
+        bytes,
+        seconds: secs,
+        events_per_s: history_events as f64 / secs,
+        mb_per_s: bytes as f64 / secs / 1e6,
+        build_s,
+    });
+    anyhow::ensure!(
+        events == history_events,
+        "the scan saw {events} events, the history reads {history_events}"
     );
 
     for r in &reports {

@@ -483,13 +483,8 @@ impl<A: Activity> Future for ActivityCall<A> {
                 this.step = Some(step);
                 match core.issue(kind) {
                     Issued::Live(e) | Issued::Replayed(e) => {
-                        let options = match &e.kind {
-                            EventKind::ActivityScheduled { options, .. } => (**options).clone(),
-                            _ => this.options.clone(),
-                        };
                         let name = A::NAME.to_string();
                         let w = core.open_wait(step, WaitKind::Activity, name, group, e.at);
-                        w.options = Some(options);
                         w.cancellation = this.cancellation;
                     }
                     Issued::Diverged => return Poll::Pending,

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::task::Waker;
 
 use keel_storage::{
-    ActivityOptions, AttemptNo, CarriedStream, CommandId, Event, EventKind, Failure, GroupEntry,
-    GroupPath, InstanceId, MessageKey, Payload, RunId, Seq, Step, StreamMessage, Timestamp,
+    AttemptNo, CarriedStream, CommandId, Event, EventKind, Failure, GroupEntry, GroupPath,
+    InstanceId, MessageKey, Payload, RunId, Seq, Step, StreamMessage, Timestamp,
 };
 
 use crate::machine::MachineError;
@@ -157,8 +157,6 @@ pub struct OpenWait {
     pub since: Timestamp,
     /// For activities: the current attempt.
     pub attempt: AttemptNo,
-    /// For activities: options (retry policy); for timers: none.
-    pub options: Option<ActivityOptions>,
     /// For timers: when it fires.
     pub fire_at: Option<Timestamp>,
     /// For children: the child's run.
@@ -728,7 +726,6 @@ impl Core {
                 group,
                 since,
                 attempt: AttemptNo::FIRST,
-                options: None,
                 fire_at: None,
                 child_run: None,
                 owner,

@@ -38,7 +38,7 @@ use crate::health::{
 };
 use crate::ids::{RunId, Seq};
 use crate::keys::{prefix_end, Cf, STORE_META_KEY};
-use crate::kv::{mutations_of, KvRead, Mutation, Overlay};
+use crate::kv::{mutations_of, KvRead, Mutation, Overlay, PrefixVisitor};
 use crate::state::StoreMeta;
 use crate::stats::StoreMemory;
 use crate::store::{CommitHandle, Durability, Store};
@@ -713,6 +713,65 @@ impl DbView<'_> {
         it.status()?;
         Ok(())
     }
+
+    /// [`KvRead::scan_prefixes`] through one iterator, with or without
+    /// filling the block cache.
+    ///
+    /// A prefix after the one before it, in key order, whose keys follow at
+    /// once is not sought: the iterator already stands on its first key.
+    /// (Every key between the last seek and the iterator was visited and
+    /// started with an earlier prefix, so none of a greater prefix was
+    /// passed.) The prefixes of one family have one length (run ids), so a
+    /// key starting with one cannot start with another.
+    fn scan_prefixes_filling(
+        &self,
+        cf: Cf,
+        prefixes: &[Vec<u8>],
+        fill_cache: bool,
+        visit: &mut PrefixVisitor<'_>,
+    ) {
+        let Some(h) = self.0.cf_handle(cf.name()) else {
+            for i in 0..prefixes.len() {
+                visit(i, Err(Error::Closed));
+            }
+            return;
+        };
+        let read_options = || {
+            let mut ro = ReadOptions::default();
+            // As in `scan_filling`: the codec checks each record.
+            ro.set_verify_checksums(false);
+            ro.fill_cache(fill_cache);
+            ro
+        };
+        let mut it = self.0.raw_iterator_cf_opt(&h, read_options());
+        // The prefix whose keys ran out under the iterator, if it ran on.
+        let mut ran_past: Option<&[u8]> = None;
+        for (i, prefix) in prefixes.iter().enumerate() {
+            let follows = ran_past.is_some_and(|before| prefix.as_slice() > before)
+                && it.key().is_some_and(|k| k.starts_with(prefix));
+            if !follows {
+                it.seek(prefix);
+            }
+            ran_past = Some(prefix);
+            while let Some((k, v)) = it.item() {
+                if !k.starts_with(prefix) {
+                    break;
+                }
+                if !visit(i, Ok((k, v))) {
+                    ran_past = None;
+                    break;
+                }
+                it.next();
+            }
+            if let Err(e) = it.status() {
+                visit(i, Err(e.into()));
+                // A failed iterator stays failed: the next prefix gets a
+                // new one.
+                it = self.0.raw_iterator_cf_opt(&h, read_options());
+                ran_past = None;
+            }
+        }
+    }
 }
 
 impl KvRead for DbView<'_> {
@@ -739,6 +798,10 @@ impl KvRead for DbView<'_> {
     ) -> Result<()> {
         self.scan_filling(cf, prefix, from, true, visit)
     }
+
+    fn scan_prefixes(&self, cf: Cf, prefixes: &[Vec<u8>], visit: &mut PrefixVisitor<'_>) {
+        self.scan_prefixes_filling(cf, prefixes, true, visit)
+    }
 }
 
 impl KvRead for RocksStore {
@@ -762,11 +825,25 @@ impl KvRead for RocksStore {
         let fill_cache = self.mode != OpenMode::ReadOnly;
         DbView(&self.db).scan_filling(cf, prefix, from, fill_cache, visit)
     }
+
+    fn scan_prefixes(&self, cf: Cf, prefixes: &[Vec<u8>], visit: &mut PrefixVisitor<'_>) {
+        let fill_cache = self.mode != OpenMode::ReadOnly;
+        DbView(&self.db).scan_prefixes_filling(cf, prefixes, fill_cache, visit)
+    }
 }
 
 impl Store for RocksStore {
     fn view(&self) -> &dyn KvRead {
         self
+    }
+
+    fn for_each_history(
+        &self,
+        runs: &[RunId],
+        visit: &mut dyn FnMut(usize, Result<Vec<crate::event::Event>>),
+    ) {
+        // An iterator holds no lock: `visit` may read the store.
+        crate::store::histories_through_one_cursor(self, runs, visit)
     }
 
     fn flush_log(&self) -> Result<()> {

@@ -164,23 +164,29 @@ pub trait Store: Send + Sync + 'static {
             Cf::Events,
             run.as_bytes(),
             &keys::event_key(run, from),
-            &mut |k, v| {
-                let seq = keys::parse_event_key(k).map(|(_, s)| s);
-                match codec::decode::<Event>(RecordKind::Event, v) {
-                    Ok(e) => visit(e),
-                    Err(source) => {
-                        failure = Some(Error::Corrupt {
-                            cf: "events",
-                            run: Some(run),
-                            seq,
-                            source,
-                        });
-                        false
-                    }
+            &mut |k, v| match decode_event(run, k, v) {
+                Ok(e) => visit(e),
+                Err(e) => {
+                    failure = Some(e);
+                    false
                 }
             },
         )?;
         failure.map_or(Ok(()), Err)
+    }
+
+    /// The whole histories of `runs`, one after another in the order
+    /// given: `visit(i, history)` is called once for every index of `runs`,
+    /// in order, with the run's events (none for a run the store does not
+    /// have) or the error that ended its read ([`Error::Corrupt`] naming
+    /// the run and seq of a record that does not decode). `visit` may read
+    /// the store. The RocksDB store reads them all through one cursor
+    /// ([`histories_through_one_cursor`]), so runs listed in key order are
+    /// read as one pass over the events (an offline replay).
+    fn for_each_history(&self, runs: &[RunId], visit: &mut dyn FnMut(usize, Result<Vec<Event>>)) {
+        for (i, run) in runs.iter().enumerate() {
+            visit(i, self.history(*run));
+        }
     }
 
     /// A run's derived metadata.
@@ -524,4 +530,61 @@ fn scan_typed<T: serde::de::DeserializeOwned>(
         }
     })?;
     failure.map_or(Ok(out), Err)
+}
+
+/// One record of the events family, decoded; a record that does not decode
+/// is [`Error::Corrupt`], naming its run and seq.
+fn decode_event(run: RunId, key: &[u8], value: &[u8]) -> Result<Event> {
+    codec::decode::<Event>(RecordKind::Event, value).map_err(|source| Error::Corrupt {
+        cf: "events",
+        run: Some(run),
+        seq: keys::parse_event_key(key).map(|(_, s)| s),
+        source,
+    })
+}
+
+/// [`Store::for_each_history`] through [`KvRead::scan_prefixes`]: one
+/// cursor where the view has one. `visit` is called from inside the scan,
+/// so a view that holds a lock while it scans (the in-memory store) must
+/// not use this: `visit` may read the store.
+pub(crate) fn histories_through_one_cursor(
+    view: &dyn KvRead,
+    runs: &[RunId],
+    visit: &mut dyn FnMut(usize, Result<Vec<Event>>),
+) {
+    let prefixes: Vec<Vec<u8>> = runs.iter().map(|r| r.as_bytes().to_vec()).collect();
+    // The run being read, and how many runs were handed over before it.
+    let mut reading: Option<(usize, Result<Vec<Event>>)> = None;
+    let mut handed = 0;
+    let mut hand_over_until =
+        |end: usize, reading: &mut Option<(usize, Result<Vec<Event>>)>, handed: &mut usize| {
+            if let Some((i, read)) = reading.take() {
+                visit(i, read);
+                *handed = i + 1;
+            }
+            while *handed < end {
+                visit(*handed, Ok(Vec::new()));
+                *handed += 1;
+            }
+        };
+    view.scan_prefixes(Cf::Events, &prefixes, &mut |i, item| {
+        if reading.as_ref().is_none_or(|(j, _)| *j != i) {
+            hand_over_until(i, &mut reading, &mut handed);
+            reading = Some((i, Ok(Vec::new())));
+        }
+        let Some((_, Ok(events))) = reading.as_mut() else {
+            return false;
+        };
+        match item.and_then(|(k, v)| decode_event(runs[i], k, v)) {
+            Ok(e) => {
+                events.push(e);
+                true
+            }
+            Err(e) => {
+                reading = Some((i, Err(e)));
+                false
+            }
+        }
+    });
+    hand_over_until(runs.len(), &mut reading, &mut handed);
 }

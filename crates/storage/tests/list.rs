@@ -7,6 +7,11 @@
 // listed whole and in random page sizes, compared with every run record
 // scanned directly and tested against the filter (an oracle that does not
 // use the index); `verify` (which rebuilds the index from the events) clean.
+// The same store checks the read that replay uses for many runs at once
+// (`Store::for_each_history`, `KvRead::scan_prefixes`: one cursor, seeks
+// skipped where runs follow each other) against each run read alone, for
+// runs in key order, shuffled, repeated and absent, and visitors that stop
+// early.
 
 mod common;
 
@@ -183,6 +188,80 @@ fn random_filter(rng: &mut Rng) -> RunFilter {
 
 fn ids(runs: &[RunMeta]) -> Vec<RunId> {
     runs.iter().map(|m| m.run_id).collect()
+}
+
+#[test]
+fn many_histories_read_as_each_alone_on_every_store() {
+    for_each_store(|store| {
+        let mut rng = Rng(0x5eed_4157);
+        populate(store, &mut rng);
+        let mut known: Vec<RunId> = all_runs(store).iter().map(|m| m.run_id).collect();
+        known.sort();
+        let absent = [
+            RunId::from_u64_pair(0, 1),
+            RunId::from_u64_pair(u64::MAX, 7),
+        ];
+        for round in 0..60 {
+            let runs: Vec<RunId> = match round % 4 {
+                // Key order: every run follows the one before it.
+                0 => known.clone(),
+                // Key order with gaps, absent runs and repeats.
+                1 => {
+                    let mut runs = vec![absent[0]];
+                    for run in &known {
+                        for _ in 0..rng.below(3).saturating_sub(rng.below(2)) {
+                            runs.push(*run);
+                        }
+                    }
+                    runs.push(absent[1]);
+                    runs
+                }
+                // Any order, absent runs among them.
+                _ => (0..40)
+                    .map(|_| match rng.below(8) {
+                        0 => *rng.pick(&absent),
+                        _ => *rng.pick(&known),
+                    })
+                    .collect(),
+            };
+            let mut seen = 0;
+            store.for_each_history(&runs, &mut |i, read| {
+                assert_eq!(i, seen, "round {round}: each run once, in order");
+                seen += 1;
+                let alone = store.history(runs[i]).unwrap();
+                assert_eq!(read.unwrap(), alone, "round {round}: run {i} {}", runs[i]);
+            });
+            assert_eq!(seen, runs.len(), "round {round}");
+
+            // The cursor after a visitor that stopped early: each prefix
+            // still yields exactly its own first keys.
+            let prefixes: Vec<Vec<u8>> = runs.iter().map(|r| r.as_bytes().to_vec()).collect();
+            let limits: Vec<usize> = runs.iter().map(|_| rng.below(4) as usize).collect();
+            let mut got: Vec<Vec<Vec<u8>>> = vec![Vec::new(); runs.len()];
+            store
+                .view()
+                .scan_prefixes(Cf::Events, &prefixes, &mut |i, item| {
+                    let (k, _) = item.unwrap();
+                    got[i].push(k.to_vec());
+                    got[i].len() < limits[i]
+                });
+            for (i, prefix) in prefixes.iter().enumerate() {
+                let mut alone = Vec::new();
+                store
+                    .view()
+                    .scan(Cf::Events, prefix, prefix, &mut |k, _| {
+                        alone.push(k.to_vec());
+                        alone.len() < limits[i]
+                    })
+                    .unwrap();
+                assert_eq!(
+                    got[i], alone,
+                    "round {round}: prefix {i} stopped at {}",
+                    limits[i]
+                );
+            }
+        }
+    });
 }
 
 #[test]
