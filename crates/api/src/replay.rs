@@ -27,7 +27,10 @@ use std::path::{Path, PathBuf};
 
 use keel_core::{MachineError, RunMachine, WorkflowRegistry};
 use keel_storage::codec::{self, RecordKind};
-use keel_storage::{Event, EventKind, RunFilter, RunId, RunMeta, RunStatus, Seq, Step, Store};
+use keel_storage::{
+    Error as StorageError, Event, EventKind, ReadHistory, RunFilter, RunId, RunMeta, RunStatus,
+    Seq, Step, Store,
+};
 use serde::{Deserialize, Serialize};
 
 /// The `format` field of every bundle.
@@ -488,32 +491,38 @@ impl Replayer {
     pub fn replay_meta(&self, store: &dyn Store, meta: &RunMeta) -> RunReport {
         let last = meta.next_seq.0.saturating_sub(1);
         let mut events = Vec::with_capacity(last.min(1 << 20) as usize);
-        let read = store.for_each_event(meta.run_id, Seq::FIRST, &mut |e| {
-            if e.seq.0 > last {
-                return false;
-            }
-            events.push(e);
-            true
-        });
-        self.replay_read(meta, read.map(|()| events))
+        let failure = store
+            .for_each_event(meta.run_id, Seq::FIRST, &mut |e| {
+                if e.seq.0 > last {
+                    return false;
+                }
+                events.push(e);
+                true
+            })
+            .err();
+        self.replay_read(meta, ReadHistory { events, failure })
     }
 
-    /// Replays a run from its history as read (events past the run's
-    /// record, committed after it was read, are left out).
-    fn replay_read(
-        &self,
-        meta: &RunMeta,
-        read: Result<Vec<Event>, keel_storage::Error>,
-    ) -> RunReport {
+    /// Replays a run from its history as read. Events past the run's
+    /// record (committed after it was read) are left out, and so is a
+    /// failure to read them.
+    fn replay_read(&self, meta: &RunMeta, read: ReadHistory) -> RunReport {
         let last = meta.next_seq.0.saturating_sub(1);
-        let read = read.map(|mut events| {
-            events.truncate(events.partition_point(|e| e.seq.0 <= last));
-            events
-        });
-        let count = read.as_ref().map_or(0, |events| events.len() as u64);
-        let outcome = match read {
-            Ok(events) => self.replay_events(events, meta.status.is_closed()),
-            Err(e) => ReplayOutcome::Failed {
+        let ReadHistory {
+            mut events,
+            mut failure,
+        } = read;
+        let kept = events.partition_point(|e| e.seq.0 <= last);
+        let past_record = kept < events.len()
+            || matches!(&failure, Some(StorageError::Corrupt { seq: Some(s), .. }) if s.0 > last);
+        if past_record {
+            failure = None;
+        }
+        events.truncate(kept);
+        let count = events.len() as u64;
+        let outcome = match failure {
+            None => self.replay_events(events, meta.status.is_closed()),
+            Some(e) => ReplayOutcome::Failed {
                 kind: "corrupt".into(),
                 step: None,
                 message: e.to_string(),
@@ -530,22 +539,37 @@ impl Replayer {
     }
 
     /// Replays every run of `store` that matches `filter`, calling `each`
-    /// after every run (for progress and streaming output).
+    /// after every run (for progress and streaming output), in the order of
+    /// [`Replayer::replay_runs`].
     pub fn replay_store(
         &self,
         store: &dyn Store,
         filter: &RunFilter,
         each: &mut dyn FnMut(&RunReport),
     ) -> Result<ReplaySummary, Error> {
+        Ok(self.replay_runs(store, &store.runs(filter)?, each))
+    }
+
+    /// Replays `runs`, calling `each` after every run. Runs are read and
+    /// replayed in the order of their ids, which is the order of their
+    /// events in the store: one pass over the events, through one cursor
+    /// on RocksDB ([`Store::for_each_history`]).
+    pub fn replay_runs(
+        &self,
+        store: &dyn Store,
+        runs: &[RunMeta],
+        each: &mut dyn FnMut(&RunReport),
+    ) -> ReplaySummary {
+        let mut order: Vec<usize> = (0..runs.len()).collect();
+        order.sort_by_key(|&i| runs[i].run_id);
+        let ids: Vec<RunId> = order.iter().map(|&i| runs[i].run_id).collect();
         let mut summary = ReplaySummary::default();
-        let metas = store.runs(filter)?;
-        let runs: Vec<RunId> = metas.iter().map(|m| m.run_id).collect();
-        store.for_each_history(&runs, &mut |i, read| {
-            let report = self.replay_read(&metas[i], read);
+        store.for_each_history(&ids, &mut |k, read| {
+            let report = self.replay_read(&runs[order[k]], read);
             each(&report);
             summary.add(report);
         });
-        Ok(summary)
+        summary
     }
 
     /// Rebuilds a run's machine from its history (to look at what the code

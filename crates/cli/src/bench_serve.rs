@@ -380,30 +380,10 @@ pub(crate) fn serve(args: ServeBenchArgs) -> anyhow::Result<std::process::ExitCo
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// The body of `response`, read into a buffer of its announced length (a
-/// client that reads it in small growing steps, as `into_string` does,
-/// spends as much time copying a page of 1,000 runs as the server takes to
-/// write it).
+/// The body of `response`, as `keel ... --server` reads it.
 fn body_of(response: ureq::Response) -> anyhow::Result<Vec<u8>> {
-    use std::io::Read as _;
-    let announced: usize = response
-        .header("content-length")
-        .and_then(|l| l.parse().ok())
-        .unwrap_or(0);
-    let mut body = Vec::with_capacity(announced.min(ANSWER_BYTES_MAX));
-    response
-        .into_reader()
-        .take(ANSWER_BYTES_MAX as u64 + 1)
-        .read_to_end(&mut body)?;
-    anyhow::ensure!(
-        body.len() <= ANSWER_BYTES_MAX,
-        "an answer over {ANSWER_BYTES_MAX} bytes"
-    );
-    Ok(body)
+    Ok(keel_cli::remote::answer_body(response)?)
 }
-
-/// The largest answer the bench reads, in bytes.
-const ANSWER_BYTES_MAX: usize = 64 << 20;
 
 /// One W1 round of `n` workflows, closed loop; workflows per second.
 fn w1_round(

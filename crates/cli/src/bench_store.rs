@@ -13,7 +13,7 @@
 //! once as a full scan of the events family, once run by run through
 //! `Store::for_each_event` (a cursor per run), and once as replay reads
 //! them, through `Store::for_each_history` (one cursor for all runs, in
-//! the order the list gives them).
+//! the order of their ids).
 //!
 //! With `--json`, each workload prints one JSON object on its own line
 //! (JSON Lines), as soon as it is measured.
@@ -474,16 +474,19 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
         "the scan saw {events} events, the per-run reads {per_run_events}"
     );
 
-    // 3. Every run's history through one cursor (what replay reads).
+    // 3. Every run's history through one cursor, in the order of their
+    // ids (what replay reads).
+    let mut in_key_order = run_ids.clone();
+    in_key_order.sort();
     let t0 = Instant::now();
     let mut history_events = 0u64;
     let mut failed = None;
-    store.for_each_history(&run_ids, &mut |_, read| match read {
-        Ok(history) => {
-            history_events += history.len() as u64;
-            std::hint::black_box(&history);
+    store.for_each_history(&in_key_order, &mut |_, read| {
+        history_events += read.events.len() as u64;
+        std::hint::black_box(&read.events);
+        if read.failure.is_some() {
+            failed = read.failure;
         }
-        Err(e) => failed = Some(e),
     });
     if let Some(e) = failed {
         anyhow::bail!("a history does not read: {e}");

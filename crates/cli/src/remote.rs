@@ -17,6 +17,34 @@ use crate::bad_input;
 /// adds its own wait).
 const REQUEST_TIMEOUT_MS: u64 = 30_000;
 
+/// The largest answer a call reads, in bytes (a page of 1,000 runs is
+/// about a megabyte).
+pub const ANSWER_BYTES_MAX: usize = 64 << 20;
+
+/// An answer's body, read into a buffer of its announced length: ureq's
+/// `into_string` reads in small growing steps (a tenth of a page walk's
+/// time in `keel bench serve`) and refuses answers over 10 MB. An answer
+/// over [`ANSWER_BYTES_MAX`] is an error, never cut short.
+pub fn answer_body(response: ureq::Response) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    let announced: usize = response
+        .header("content-length")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(0);
+    let mut body = Vec::with_capacity(announced.min(ANSWER_BYTES_MAX));
+    response
+        .into_reader()
+        .take(ANSWER_BYTES_MAX as u64 + 1)
+        .read_to_end(&mut body)?;
+    if body.len() > ANSWER_BYTES_MAX {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("an answer over {ANSWER_BYTES_MAX} bytes"),
+        ));
+    }
+    Ok(body)
+}
+
 /// Where the server is and who calls it.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServerArgs {
@@ -184,11 +212,16 @@ fn call(
         }
     };
     let status = res.status();
-    let text = res.into_string().map_err(|e| {
-        bad_input(format!(
-            "{base} answered {status} with an unreadable body: {e}"
-        ))
-    })?;
+    let text = answer_body(res)
+        .and_then(|bytes| {
+            String::from_utf8(bytes)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        })
+        .map_err(|e| {
+            bad_input(format!(
+                "{base} answered {status} with an unreadable body: {e}"
+            ))
+        })?;
     let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
     Ok(Answer { status, body })
 }

@@ -114,16 +114,13 @@ fn replay_all(args: &ReplayArgs, replayer: &Replayer) -> anyhow::Result<ReplaySu
     };
     let runs = store.runs(&filter)?;
     let bar = progress(runs.len() as u64, "replay");
-    let mut summary = ReplaySummary::default();
-    for meta in runs {
-        let report = replayer.replay_meta(store.as_ref(), &meta);
+    let summary = replayer.replay_runs(store.as_ref(), &runs, &mut |report| {
         if !report.outcome.is_ok() {
-            let line = problem_line(&report);
+            let line = problem_line(report);
             bar.suspend(|| eprintln!("{line}"));
         }
-        summary.add(report);
         bar.inc(1);
-    }
+    });
     bar.finish_and_clear();
     Ok(summary)
 }

@@ -706,8 +706,8 @@ impl Core {
     }
 
     /// Records an open wait at `step` issued by the current coroutine, with
-    /// the fields every kind shares; the caller sets its own (options,
-    /// fire time, child run, close policy) on what it returns.
+    /// the fields every kind shares; the caller sets its own (fire time,
+    /// child run, close policy, cancellation) on what it returns.
     pub(crate) fn open_wait(
         &mut self,
         step: Step,

@@ -746,6 +746,7 @@ impl DbView<'_> {
         let mut it = self.0.raw_iterator_cf_opt(&h, read_options());
         // The prefix whose keys ran out under the iterator, if it ran on.
         let mut ran_past: Option<&[u8]> = None;
+        let mut last: Vec<u8> = Vec::new();
         for (i, prefix) in prefixes.iter().enumerate() {
             let follows = ran_past.is_some_and(|before| prefix.as_slice() > before)
                 && it.key().is_some_and(|k| k.starts_with(prefix));
@@ -753,22 +754,47 @@ impl DbView<'_> {
                 it.seek(prefix);
             }
             ran_past = Some(prefix);
+            // The last key visited, to go on after it if the iterator fails
+            // (one buffer for every prefix: no allocation per key).
+            last.clear();
+            let mut stopped = false;
             while let Some((k, v)) = it.item() {
                 if !k.starts_with(prefix) {
                     break;
                 }
                 if !visit(i, Ok((k, v))) {
                     ran_past = None;
+                    stopped = true;
                     break;
                 }
+                last.clear();
+                last.extend_from_slice(k);
                 it.next();
             }
-            if let Err(e) = it.status() {
-                visit(i, Err(e.into()));
-                // A failed iterator stays failed: the next prefix gets a
-                // new one.
+            if it.status().is_err() {
+                // Without an upper bound the shared iterator may have failed
+                // past this prefix, in a block of another one: this prefix
+                // is read again alone, from after its last key, and only its
+                // own failure is its error. A failed iterator stays failed:
+                // the next prefix gets a new one.
                 it = self.0.raw_iterator_cf_opt(&h, read_options());
                 ran_past = None;
+                if !stopped {
+                    let from = if last.is_empty() {
+                        prefix.clone()
+                    } else {
+                        // The least key after the last one visited.
+                        let mut after = std::mem::take(&mut last);
+                        after.push(0);
+                        after
+                    };
+                    let rest = self.scan_filling(cf, prefix, &from, fill_cache, &mut |k, v| {
+                        visit(i, Ok((k, v)))
+                    });
+                    if let Err(e) = rest {
+                        visit(i, Err(e));
+                    }
+                }
             }
         }
     }
@@ -840,7 +866,7 @@ impl Store for RocksStore {
     fn for_each_history(
         &self,
         runs: &[RunId],
-        visit: &mut dyn FnMut(usize, Result<Vec<crate::event::Event>>),
+        visit: &mut dyn FnMut(usize, crate::store::ReadHistory),
     ) {
         // An iterator holds no lock: `visit` may read the store.
         crate::store::histories_through_one_cursor(self, runs, visit)

@@ -176,16 +176,24 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// The whole histories of `runs`, one after another in the order
-    /// given: `visit(i, history)` is called once for every index of `runs`,
+    /// given: `visit(i, read)` is called once for every index of `runs`,
     /// in order, with the run's events (none for a run the store does not
-    /// have) or the error that ended its read ([`Error::Corrupt`] naming
-    /// the run and seq of a record that does not decode). `visit` may read
-    /// the store. The RocksDB store reads them all through one cursor
-    /// ([`histories_through_one_cursor`]), so runs listed in key order are
+    /// have) and the error that ended its read early, if one did
+    /// ([`Error::Corrupt`] naming the run and seq of a record that does not
+    /// decode; the events are those before it). `visit` may read the store.
+    /// The RocksDB store reads them all through one cursor
+    /// ([`histories_through_one_cursor`]), so runs given in key order are
     /// read as one pass over the events (an offline replay).
-    fn for_each_history(&self, runs: &[RunId], visit: &mut dyn FnMut(usize, Result<Vec<Event>>)) {
+    fn for_each_history(&self, runs: &[RunId], visit: &mut dyn FnMut(usize, ReadHistory)) {
         for (i, run) in runs.iter().enumerate() {
-            visit(i, self.history(*run));
+            let mut events = Vec::new();
+            let failure = self
+                .for_each_event(*run, Seq::FIRST, &mut |e| {
+                    events.push(e);
+                    true
+                })
+                .err();
+            visit(i, ReadHistory { events, failure });
         }
     }
 
@@ -550,41 +558,51 @@ fn decode_event(run: RunId, key: &[u8], value: &[u8]) -> Result<Event> {
 pub(crate) fn histories_through_one_cursor(
     view: &dyn KvRead,
     runs: &[RunId],
-    visit: &mut dyn FnMut(usize, Result<Vec<Event>>),
+    visit: &mut dyn FnMut(usize, ReadHistory),
 ) {
     let prefixes: Vec<Vec<u8>> = runs.iter().map(|r| r.as_bytes().to_vec()).collect();
     // The run being read, and how many runs were handed over before it.
-    let mut reading: Option<(usize, Result<Vec<Event>>)> = None;
+    let mut reading: Option<(usize, ReadHistory)> = None;
     let mut handed = 0;
     let mut hand_over_until =
-        |end: usize, reading: &mut Option<(usize, Result<Vec<Event>>)>, handed: &mut usize| {
+        |end: usize, reading: &mut Option<(usize, ReadHistory)>, handed: &mut usize| {
             if let Some((i, read)) = reading.take() {
                 visit(i, read);
                 *handed = i + 1;
             }
             while *handed < end {
-                visit(*handed, Ok(Vec::new()));
+                visit(*handed, ReadHistory::default());
                 *handed += 1;
             }
         };
     view.scan_prefixes(Cf::Events, &prefixes, &mut |i, item| {
         if reading.as_ref().is_none_or(|(j, _)| *j != i) {
             hand_over_until(i, &mut reading, &mut handed);
-            reading = Some((i, Ok(Vec::new())));
+            reading = Some((i, ReadHistory::default()));
         }
-        let Some((_, Ok(events))) = reading.as_mut() else {
+        let (_, read) = reading.as_mut().expect("set above");
+        if read.failure.is_some() {
             return false;
-        };
+        }
         match item.and_then(|(k, v)| decode_event(runs[i], k, v)) {
             Ok(e) => {
-                events.push(e);
+                read.events.push(e);
                 true
             }
             Err(e) => {
-                reading = Some((i, Err(e)));
+                read.failure = Some(e);
                 false
             }
         }
     });
     hand_over_until(runs.len(), &mut reading, &mut handed);
+}
+
+/// A run's history as [`Store::for_each_history`] read it.
+#[derive(Debug, Default)]
+pub struct ReadHistory {
+    /// Its events in seq order: all of them, or those before `failure`.
+    pub events: Vec<Event>,
+    /// The error that ended the read early, if one did.
+    pub failure: Option<Error>,
 }

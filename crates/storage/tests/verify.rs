@@ -214,6 +214,65 @@ fn damaged_report(
     reports
 }
 
+// Replay reads many runs through `Store::for_each_history` (one cursor on
+// RocksDB): a record of one run that does not decode ends that run's read
+// with an error naming it, keeps the events before it, and hides nothing
+// of the runs around it.
+#[test]
+fn a_corrupt_record_ends_its_own_history_only() {
+    let damage_and_read = |store: &dyn Store| {
+        let runs = [run_id(1), b_run(), run_id(3), run_id(9)];
+        let mut reads = Vec::new();
+        store.for_each_history(&runs, &mut |i, read| reads.push((i, read)));
+        assert_eq!(
+            reads.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        assert_eq!(reads[0].1.events, store.history(run_id(1)).unwrap());
+        assert!(reads[0].1.failure.is_none());
+        let seqs: Vec<u64> = reads[1].1.events.iter().map(|e| e.seq.0).collect();
+        assert_eq!(seqs, [1, 2], "the events before the damage");
+        match &reads[1].1.failure {
+            Some(keel_storage::Error::Corrupt { run, seq, .. }) => {
+                assert_eq!((*run, *seq), (Some(b_run()), Some(Seq(3))));
+            }
+            other => panic!("expected a corrupt record of b at seq 3, got {other:?}"),
+        }
+        assert_eq!(reads[2].1.events.len(), 3);
+        assert_eq!(reads[2].1.events, store.history(run_id(3)).unwrap());
+        assert!(reads[2].1.failure.is_none());
+        assert!(reads[3].1.events.is_empty() && reads[3].1.failure.is_none());
+    };
+    let populate_three = |store: &dyn Store| {
+        populate(store);
+        let mut c = RunBuilder::new(run_id(3), 300);
+        c.commit(store, vec![started(c.run, "c", "wf"), scheduled(c.run, 1)])
+            .unwrap();
+        c.commit(store, vec![completed(c.run, 1, 1)]).unwrap();
+    };
+    let garbage = b"not an event record".to_vec();
+
+    let mem = MemStore::new(Durability::Sync);
+    populate_three(&mem);
+    mem.with_live_mut(|m| {
+        m.cf_mut(Cf::Events)
+            .insert(keys::event_key(b_run(), Seq(3)), garbage.clone());
+    });
+    damage_and_read(&mem);
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    populate_three(&store);
+    store.close().unwrap();
+    {
+        let db = raw_db(dir.path());
+        let h = db.cf_handle(Cf::Events.name()).unwrap();
+        db.put_cf(&h, keys::event_key(b_run(), Seq(3)), &garbage)
+            .unwrap();
+    }
+    damage_and_read(&RocksStore::open_read_only(dir.path()).unwrap());
+}
+
 #[test]
 fn deleted_middle_event_is_a_gap() {
     for report in
