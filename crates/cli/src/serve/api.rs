@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::auth::{CanRead, CanWrite};
-use super::{ServeState, BODY_BYTES_MAX};
+use super::{HeldStore, ServeState, BODY_BYTES_MAX};
 use crate::inspect;
 
 /// Longest instance id, run id, command id, signal, query or update name
@@ -332,7 +332,7 @@ pub(crate) const COUNT_RUNS_MAX: usize = 10_000;
 /// `GET /api/v1/counts`: runs in each status across the store, and the
 /// parked ones (the page's live counts).
 async fn counts(_: CanRead, state: web::Data<ServeState>) -> ApiResult {
-    let store = state.store.clone();
+    let store = HeldStore::of(&state);
     let (by_status, parked) = blocking(move || {
         let internal = |e: keel_storage::Error| ApiError::internal(e.to_string());
         let by_status = store.count_by_status(COUNT_RUNS_MAX).map_err(internal)?;
@@ -576,7 +576,7 @@ async fn list(
             EngineError::BadFilter(m) if after.is_some() => ApiError::bad("after", m),
             other => ApiError::engine(other),
         })?;
-    let store = state.store.clone();
+    let store = HeldStore::of(&state);
     let runs = page.runs;
     let (runs, parked) = blocking(move || {
         // Park markers are rare: one seek tells whether the store holds
@@ -618,9 +618,9 @@ async fn list(
 
 /// The store's record of `id` (an instance or a run id), read off the
 /// server's threads.
-async fn meta_of(state: &ServeState, id_text: &str) -> Result<RunMeta, ApiError> {
+async fn meta_of(state: &web::Data<ServeState>, id_text: &str) -> Result<RunMeta, ApiError> {
     id("id", id_text)?;
-    let store = state.store.clone();
+    let store = HeldStore::of(state);
     let text = id_text.to_string();
     blocking(move || {
         let run = store
@@ -717,7 +717,7 @@ async fn history(
             format!("{limit}: between 1 and {HISTORY_PAGE_EVENTS_MAX}"),
         ));
     }
-    let store = state.store.clone();
+    let store = HeldStore::of(&state);
     let last = meta.next_seq.0.saturating_sub(1);
     let run = meta.run_id;
     let (events, more) = blocking(move || {
@@ -805,10 +805,10 @@ async fn result(
 
 async fn export(_: CanRead, state: web::Data<ServeState>, path: web::Path<String>) -> ApiResult {
     let meta = meta_of(&state, &path.into_inner()).await?;
-    let store = state.store.clone();
+    let store = HeldStore::of(&state);
     let run = meta.run_id;
     let bytes = blocking(move || {
-        let bundle = keel::Bundle::from_store(store.as_ref(), &run.to_string())
+        let bundle = keel::Bundle::from_store(&*store, &run.to_string())
             .map_err(|e| ApiError::internal(format!("reading run {run}: {e}")))?;
         bundle
             .encode()
@@ -974,11 +974,12 @@ async fn replay(_: CanRead, state: web::Data<ServeState>, path: web::Path<String
             "this server has no engine whose code could replay the run",
         ));
     };
-    let store = state.store.clone();
     let report = blocking(move || {
-        // Held until the replay ends, even if the caller went away.
+        // Held until the replay ends, even if the caller went away; the
+        // state too, so a server stopping waits for this replay.
         let _slot = slot;
-        Ok(keel::Replayer::new(engine.workflows().clone()).replay_meta(store.as_ref(), &meta))
+        let store = state.store.as_ref();
+        Ok(keel::Replayer::new(engine.workflows().clone()).replay_meta(store, &meta))
     })
     .await?;
     let mut v = serde_json::to_value(&report).map_err(|e| ApiError::internal(e.to_string()))?;

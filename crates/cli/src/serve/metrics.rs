@@ -13,7 +13,7 @@ use keel::storage::stats::{Histogram, HistogramSnapshot};
 use keel::EngineStats;
 
 use super::auth::CanRead;
-use super::ServeState;
+use super::{HeldStore, ServeState};
 
 /// Upper bounds of the API latency histogram's buckets, in seconds.
 const LATENCY_BUCKETS_SECONDS: [f64; 14] = [
@@ -275,7 +275,7 @@ pub(crate) async fn scrape(_: CanRead, state: web::Data<ServeState>) -> HttpResp
     if let Some(engine) = &state.engine {
         write_engine(&mut out, &engine.stats().await);
     }
-    let store = state.store.clone();
+    let store = HeldStore::of(&state);
     let counted = web::block(move || {
         Ok::<_, keel_storage::Error>((
             store.count_status(keel_storage::RunStatus::Running, OPEN_COUNT_MAX)?,

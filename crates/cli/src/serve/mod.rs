@@ -105,6 +105,13 @@ pub enum ConfigError {
 /// Shortest bearer token accepted, in characters.
 pub const TOKEN_CHARS_MIN: usize = 16;
 
+/// How long stopping a server waits for its workers to drop their copies
+/// of the state (and with them the engine and its store). actix-web's
+/// worker threads end after the server's future, unjoined; a store still
+/// open in one of them when the process exits is torn down under RocksDB's
+/// background threads, which aborts the process.
+pub const SERVE_RELEASE_WAIT_MS_MAX: u64 = 10_000;
+
 impl ServeConfig {
     /// Refuses what would expose the engine: a non-loopback address with
     /// no token, weak or identical tokens, a read-only token alone.
@@ -150,6 +157,9 @@ pub struct ServeState {
     pub(crate) metrics: Arc<Metrics>,
     /// Replays running now (at most `api::REPLAYS_AT_ONCE_MAX`).
     pub(crate) replays: Arc<std::sync::atomic::AtomicUsize>,
+    /// One strong count per copy of this state; stopping a server waits
+    /// for the count to reach zero ([`Released`]).
+    copies: Arc<()>,
 }
 
 impl std::fmt::Debug for ServeState {
@@ -174,7 +184,60 @@ impl ServeState {
             tokens: auth::Tokens::new(config.token.clone(), config.read_token.clone()),
             metrics: Arc::new(Metrics::default()),
             replays: Arc::default(),
+            copies: Arc::default(),
         })
+    }
+
+    /// Watches this state's copies: [`Released::wait`] returns once every
+    /// copy is dropped.
+    fn released(&self) -> Released {
+        Released(Arc::downgrade(&self.copies))
+    }
+}
+
+/// The store for a read on a blocking thread: it holds the state's copy
+/// until the read ends, so a server stopping waits for reads a caller
+/// left behind.
+pub(crate) struct HeldStore(web::Data<ServeState>);
+
+impl HeldStore {
+    pub(crate) fn of(state: &web::Data<ServeState>) -> Self {
+        HeldStore(state.clone())
+    }
+}
+
+impl std::ops::Deref for HeldStore {
+    type Target = dyn Store;
+    fn deref(&self) -> &(dyn Store + 'static) {
+        self.0.store.as_ref()
+    }
+}
+
+/// Whether every copy of a [`ServeState`] is gone, so the engine and the
+/// store they shared are the owner's alone again.
+#[derive(Debug)]
+struct Released(std::sync::Weak<()>);
+
+impl Released {
+    /// Waits, at most [`SERVE_RELEASE_WAIT_MS_MAX`], until no copy of the
+    /// state lives; a typed `TimedOut` error names what is still held.
+    fn wait(&self) -> std::io::Result<()> {
+        let deadline =
+            std::time::Instant::now() + std::time::Duration::from_millis(SERVE_RELEASE_WAIT_MS_MAX);
+        while self.0.strong_count() > 0 {
+            if std::time::Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "{} copies of the server's state (the engine, its store) are still held \
+                         {SERVE_RELEASE_WAIT_MS_MAX} ms after the server stopped",
+                        self.0.strong_count()
+                    ),
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Ok(())
     }
 }
 
@@ -284,6 +347,7 @@ pub struct Serving {
     addrs: Vec<SocketAddr>,
     handle: actix_web::dev::ServerHandle,
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    released: Released,
 }
 
 impl Serving {
@@ -298,7 +362,10 @@ impl Serving {
     }
 
     /// Stops accepting, lets the requests in flight finish, and waits for
-    /// the server's thread. The engine is left running: it is the caller's.
+    /// the server's thread and until its workers dropped every copy of the
+    /// state: the engine is left running, and the caller's alone again (an
+    /// `Arc::try_unwrap` of it succeeds). `TimedOut` if a copy is still held
+    /// after [`SERVE_RELEASE_WAIT_MS_MAX`].
     pub fn stop(mut self) -> std::io::Result<()> {
         self.stop_and_join()
     }
@@ -310,7 +377,8 @@ impl Serving {
         futures::executor::block_on(self.handle.stop(true));
         thread
             .join()
-            .map_err(|_| std::io::Error::other("the server's thread panicked"))?
+            .map_err(|_| std::io::Error::other("the server's thread panicked"))??;
+        self.released.wait()
     }
 }
 
@@ -330,6 +398,7 @@ impl Drop for Serving {
 pub fn spawn(engine: Arc<Engine>, config: &ServeConfig) -> anyhow::Result<Serving> {
     config.check()?;
     let state = ServeState::new(engine, config)?;
+    let released = state.released();
     let bind = config.bind;
     let workers = config.workers.max(1);
     let (tx, rx) = std::sync::mpsc::channel();
@@ -360,6 +429,7 @@ pub fn spawn(engine: Arc<Engine>, config: &ServeConfig) -> anyhow::Result<Servin
             addrs,
             handle,
             thread: Some(thread),
+            released,
         }),
         Ok(Err(e)) => {
             let _ = thread.join();
@@ -381,6 +451,7 @@ pub fn serve_with(engine: Engine, config: ServeConfig) -> anyhow::Result<()> {
     config.check()?;
     let engine = Arc::new(engine);
     let state = ServeState::new(engine.clone(), &config)?;
+    let released = state.released();
     let bind = config.bind;
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || App::new().configure(configure(state.clone())))
@@ -397,6 +468,9 @@ pub fn serve_with(engine: Engine, config: ServeConfig) -> anyhow::Result<()> {
         anyhow::Ok(())
     })?;
     eprintln!("keel serve: stopping the engine");
+    if let Err(e) = released.wait() {
+        tracing::warn!(error = %e, "waiting for the server's workers");
+    }
     match Arc::try_unwrap(engine) {
         Ok(engine) => engine.shutdown_blocking(),
         Err(_) => {
