@@ -88,9 +88,9 @@ impl std::fmt::Debug for RocksStore {
     }
 }
 
-/// Times a read-only or secondary open is tried before it reports an
-/// error a live writer can cause for a moment ([`Error::LostCommits`], or
-/// a write-ahead log deleted between RocksDB listing and reading it).
+/// Times an open is tried before it reports an error a live writer can
+/// cause for a moment ([`Error::LostCommits`] from a read-only look, or a
+/// write-ahead log deleted between RocksDB listing and reading it).
 const READER_OPEN_TRIES: u32 = 8;
 
 /// Times [`RocksStore::copy_live`] starts over because the writer changed
@@ -321,11 +321,17 @@ impl RocksStore {
         // secondary open reads the log can hide the newest commits from
         // this open's view, or delete a write-ahead log the open listed a
         // moment before: a fresh open sees the directory as it is now. A
-        // directory that lost commits keeps failing.
+        // read-write open looks read-only first (its pre-check), so the
+        // same flush can make it report lost commits instead of the lock
+        // the writer holds (seen in CI as `keel checkpoint` beside a
+        // running engine): it looks again too. A directory that lost
+        // commits keeps failing.
         let mut tries = 1;
-        while mode != OpenMode::ReadWrite
-            && tries < READER_OPEN_TRIES
-            && result.as_ref().is_err_and(raced_by_writer)
+        while tries < READER_OPEN_TRIES
+            && result.as_ref().is_err_and(|e| match mode {
+                OpenMode::ReadWrite => matches!(e, Error::LostCommits { .. }),
+                OpenMode::ReadOnly | OpenMode::Secondary => raced_by_writer(e),
+            })
         {
             std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(tries)));
             result = Self::open_mode_inner(path, mode, durability);
