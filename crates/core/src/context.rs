@@ -12,8 +12,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use keel_storage::{
-    ActivityOptions, Backoff, EventKind, ExecutionId, Failure, FailureKind, InstanceId, Jitter,
-    Payload, RetrySettings, RunId, Step, Timestamp,
+    ActivityOptions, Backoff, Event, EventKind, ExecutionId, Failure, FailureKind, InstanceId,
+    Jitter, Payload, RetrySettings, RunId, Step, Timestamp,
 };
 use serde::{de::DeserializeOwned, Serialize};
 
@@ -469,26 +469,36 @@ impl<A: Activity> Future for ActivityCall<A> {
                 };
                 let step = core.take_step();
                 let group = core.group();
-                let kind = EventKind::ActivityScheduled {
-                    step,
-                    group: group.clone(),
-                    execution_id: ExecutionId {
-                        run_id: core.run_id,
-                        step,
-                    },
-                    activity_type: A::NAME.to_string(),
-                    input,
-                    options: Box::new(this.options.clone()),
-                };
+                let run_id = core.run_id;
                 this.step = Some(step);
-                match core.issue(kind) {
-                    Issued::Live(e) | Issued::Replayed(e) => {
-                        let name = A::NAME.to_string();
-                        let w = core.open_wait(step, WaitKind::Activity, name, group, e.at);
-                        w.cancellation = this.cancellation;
-                    }
+                // Replaying, the recorded command is compared where it
+                // lies; the event (type name, options) is built only live.
+                let issued = core.issue_unbuilt(
+                    |recorded| {
+                        matches!(recorded, EventKind::ActivityScheduled {
+                            step: s, group: g, activity_type: t, ..
+                        } if *s == step && *g == group && t == A::NAME)
+                    },
+                    || EventKind::ActivityScheduled {
+                        step,
+                        group: group.clone(),
+                        execution_id: ExecutionId { run_id, step },
+                        activity_type: A::NAME.to_string(),
+                        input,
+                        options: Box::new(this.options.clone()),
+                    },
+                );
+                let (at, name) = match issued {
+                    Issued::Replayed(Event {
+                        at,
+                        kind: EventKind::ActivityScheduled { activity_type, .. },
+                        ..
+                    }) => (at, activity_type),
+                    Issued::Live(e) | Issued::Replayed(e) => (e.at, A::NAME.to_string()),
                     Issued::Diverged => return Poll::Pending,
-                }
+                };
+                let w = core.open_wait(step, WaitKind::Activity, name, group, at);
+                w.cancellation = this.cancellation;
                 step
             }
         };

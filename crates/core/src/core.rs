@@ -473,6 +473,35 @@ impl Core {
         event
     }
 
+    /// [`Core::issue`] for a command whose event costs to build (an
+    /// activity's type name, options and input): while replaying, the
+    /// recorded command is taken when `recorded_is` accepts it, which must
+    /// say what [`commands_match`] would say of the built candidate, and
+    /// nothing is built. `build` runs live, and to describe a divergence.
+    /// Never a version marker.
+    pub(crate) fn issue_unbuilt(
+        &mut self,
+        recorded_is: impl FnOnce(&EventKind) -> bool,
+        build: impl FnOnce() -> EventKind,
+    ) -> Issued {
+        if self.error.is_some() {
+            return Issued::Diverged;
+        }
+        self.skip_markers();
+        match self.replay.front() {
+            Some(front) if front.kind.is_command() && recorded_is(&front.kind) => {
+                let event = self.replay.pop_front().expect("front exists");
+                self.next_seq = event.seq.next();
+                Issued::Replayed(event)
+            }
+            _ => {
+                let candidate = build();
+                debug_assert!(!matches!(candidate, EventKind::VersionMarker { .. }));
+                self.issue(candidate)
+            }
+        }
+    }
+
     /// Issues a command: matched against history while replaying, appended
     /// as a new event otherwise.
     pub(crate) fn issue(&mut self, candidate: EventKind) -> Issued {
@@ -512,9 +541,14 @@ impl Core {
     /// change (its `patched` call removed after the old branch was retired)
     /// replays histories that recorded the marker by passing over it.
     pub(crate) fn skip_markers_not_asked(&mut self, candidate: &EventKind) {
-        if matches!(candidate, EventKind::VersionMarker { .. }) {
-            return;
+        if !matches!(candidate, EventKind::VersionMarker { .. }) {
+            self.skip_markers();
         }
+    }
+
+    /// Passes over the version markers at the front of the history left
+    /// to replay (for a command that is not one).
+    fn skip_markers(&mut self) {
         while let Some(front) = self.replay.front() {
             if !matches!(front.kind, EventKind::VersionMarker { .. }) {
                 break;

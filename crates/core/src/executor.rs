@@ -151,9 +151,9 @@ impl Executor {
             let Some(slot) = self.slots.get_mut(id as usize).and_then(Option::as_mut) else {
                 continue;
             };
-            let waker = slot.waker.clone();
-            let mut cx = Context::from_waker(&waker);
-            let polled = catch_unwind(AssertUnwindSafe(|| slot.future.as_mut().poll(&mut cx)));
+            let Slot { future, waker } = slot;
+            let mut cx = Context::from_waker(waker);
+            let polled = catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(&mut cx)));
             match polled {
                 Ok(Poll::Ready(())) => {
                     self.slots[id as usize] = None;

@@ -600,7 +600,7 @@ impl RunMachine {
             core.now = now;
             core.push_event(kind)
         };
-        m.apply_input(&event)?;
+        m.apply_input(event)?;
         let events = m.take_pending();
         Ok((m, events))
     }
@@ -656,7 +656,7 @@ impl RunMachine {
                 core.next_seq = event.seq.next();
                 core.now = event.at;
             }
-            m.apply_input(&event)?;
+            m.apply_input(event)?;
         }
         m.core.borrow_mut().historical = false;
         // A committed history holds every command its code issued after
@@ -958,7 +958,7 @@ impl RunMachine {
             }
         };
         let event = self.core.borrow_mut().push_event(kind);
-        self.apply_input(&event)?;
+        self.apply_input(event)?;
         Ok(self.take_pending())
     }
 
@@ -966,10 +966,14 @@ impl RunMachine {
         std::mem::take(&mut self.core.borrow_mut().pending)
     }
 
-    fn apply_input(&mut self, event: &Event) -> Result<(), MachineError> {
+    /// Applies one input event, taken by value: replay owns its history,
+    /// so results and payloads move into the run instead of being copied.
+    fn apply_input(&mut self, event: Event) -> Result<(), MachineError> {
+        let Event { seq, kind, .. } = event;
+        let mut started = None;
         {
             let mut core = self.core.borrow_mut();
-            match &event.kind {
+            match kind {
                 EventKind::WorkflowStarted(start) => {
                     let WorkflowStart {
                         carried,
@@ -977,7 +981,7 @@ impl RunMachine {
                         search_attributes,
                         timeouts,
                         ..
-                    } = &**start;
+                    } = &*start;
                     core.timeouts = *timeouts;
                     // What the store derives for the run, from the same
                     // function; the commit refuses what does not check.
@@ -1003,9 +1007,10 @@ impl RunMachine {
                         core.streams
                             .insert(s.name.clone(), crate::core::StreamState::carried(s));
                     }
+                    started = Some(start);
                 }
                 EventKind::ActivityCompleted { step, result, .. } => {
-                    core.resolve(*step, Resolution::Value(result.clone()))
+                    core.resolve(step, Resolution::Value(result))
                 }
                 EventKind::ActivityAttemptFailed {
                     step,
@@ -1014,14 +1019,14 @@ impl RunMachine {
                     ..
                 } => match retry_at {
                     Some(_) => {
-                        if let Some(w) = core.open.get_mut(step) {
+                        if let Some(w) = core.open.get_mut(&step) {
                             w.attempt = w.attempt.next();
                         }
                     }
-                    None => core.resolve(*step, Resolution::Failed(failure.clone())),
+                    None => core.resolve(step, Resolution::Failed(failure)),
                 },
                 EventKind::ActivityCancelled { step, .. } => core.resolve(
-                    *step,
+                    step,
                     Resolution::Failed(Failure::new(
                         FailureKind::Cancelled,
                         "activity cancelled",
@@ -1029,7 +1034,7 @@ impl RunMachine {
                     )),
                 ),
                 EventKind::TimerFired { step, .. } => {
-                    core.resolve(*step, Resolution::Value(Payload::default()))
+                    core.resolve(step, Resolution::Value(Payload::default()))
                 }
                 EventKind::ExternalSendCompleted {
                     step,
@@ -1038,36 +1043,33 @@ impl RunMachine {
                 } => {
                     let r =
                         match failure {
-                            Some(f) => Resolution::Failed(f.clone()),
-                            None => Resolution::Value(Payload::encode(offset).map_err(|e| {
+                            Some(f) => Resolution::Failed(f),
+                            None => Resolution::Value(Payload::encode(&offset).map_err(|e| {
                                 MachineError::InvalidHistory(format!("offset: {e}"))
                             })?),
                         };
-                    core.resolve(*step, r)
+                    core.resolve(step, r)
                 }
                 EventKind::ChildStarted { step, child_run_id } => {
-                    if let Some(w) = core.open.get_mut(step) {
-                        w.child_run = Some(*child_run_id);
+                    if let Some(w) = core.open.get_mut(&step) {
+                        w.child_run = Some(child_run_id);
                         w.child_started = true;
                     }
                 }
                 EventKind::ChildCompleted { step, result, .. } => {
-                    core.resolve(*step, Resolution::Value(result.clone()))
+                    core.resolve(step, Resolution::Value(result))
                 }
                 EventKind::ChildFailed { step, failure, .. } => {
-                    core.resolve(*step, Resolution::Failed(failure.clone()))
+                    core.resolve(step, Resolution::Failed(failure))
                 }
                 EventKind::SignalReceived {
                     name,
                     payload,
                     command_id,
                 } => {
-                    core.signals
-                        .entry(name.clone())
-                        .or_default()
-                        .push_back(payload.clone());
+                    core.signals.entry(name).or_default().push_back(payload);
                     if let Some(c) = command_id {
-                        core.see_command(c.clone());
+                        core.see_command(c);
                     }
                 }
                 EventKind::MessageReceived {
@@ -1077,7 +1079,7 @@ impl RunMachine {
                     payload,
                 } => {
                     let state = core.streams.entry(stream.clone()).or_default();
-                    if *offset != state.next_offset {
+                    if offset != state.next_offset {
                         return Err(MachineError::InvalidHistory(format!(
                             "message {key} on stream {stream:?} at offset {offset}, \
                              expected offset {}",
@@ -1085,15 +1087,15 @@ impl RunMachine {
                         )));
                     }
                     state.commit(StreamMessage {
-                        offset: *offset,
-                        key: key.clone(),
-                        payload: payload.clone(),
+                        offset,
+                        key,
+                        payload,
                     });
                 }
                 EventKind::WorkflowCancelRequested { reason, command_id } => {
-                    core.cancel_requested = Some(reason.clone());
+                    core.cancel_requested = Some(reason);
                     if let Some(c) = command_id {
-                        core.see_command(c.clone());
+                        core.see_command(c);
                     }
                 }
                 EventKind::WorkflowTerminated { .. } | EventKind::WorkflowTimedOut { .. } => {
@@ -1107,11 +1109,11 @@ impl RunMachine {
                 } => {
                     core.updates.insert(update_id.clone(), None);
                     core.see_command(update_id.clone());
-                    let handler = self.handlers.borrow().update(name);
+                    let handler = self.handlers.borrow().update(&name);
                     match handler {
                         Ok((_, run)) => {
-                            let fut = run(payload.clone());
-                            let (core_rc, id) = (self.core.clone(), update_id.clone());
+                            let fut = run(payload);
+                            let (core_rc, id) = (self.core.clone(), update_id);
                             self.spawns.borrow_mut().push(Box::pin(async move {
                                 let r = fut.await;
                                 complete_update(&core_rc, id, r);
@@ -1120,7 +1122,7 @@ impl RunMachine {
                         Err(e) => {
                             return Err(MachineError::NonDeterminism {
                                 step: Step(core.next_step),
-                                recorded: format!("update {name:?} accepted at seq {}", event.seq),
+                                recorded: format!("update {name:?} accepted at seq {seq}"),
                                 issued: format!("code without that update handler here ({e})"),
                             })
                         }
@@ -1135,12 +1137,12 @@ impl RunMachine {
             }
             core.wake_general();
         }
-        if let EventKind::WorkflowStarted(start) = &event.kind {
+        if let Some(start) = started {
             let WorkflowStart {
                 workflow_type,
                 input,
                 ..
-            } = &**start;
+            } = &*start;
             let ctx = WorkflowContext {
                 core: self.core.clone(),
                 spawns: self.spawns.clone(),
