@@ -18,7 +18,7 @@ use keel_storage::{
 use serde::{de::DeserializeOwned, Serialize};
 
 use crate::activity::Activity;
-use crate::core::{Core, Issued, Resolution, WaitKind};
+use crate::core::{Core, Issued, IssuedUnbuilt, Resolution, WaitKind};
 
 /// A spawned coroutine waiting to be handed to the executor.
 pub(crate) type Spawn = Pin<Box<dyn Future<Output = ()>>>;
@@ -489,13 +489,14 @@ impl<A: Activity> Future for ActivityCall<A> {
                     },
                 );
                 let (at, name) = match issued {
-                    Issued::Replayed(Event {
+                    IssuedUnbuilt::Replayed(Event {
                         at,
                         kind: EventKind::ActivityScheduled { activity_type, .. },
                         ..
                     }) => (at, activity_type),
-                    Issued::Live(e) | Issued::Replayed(e) => (e.at, A::NAME.to_string()),
-                    Issued::Diverged => return Poll::Pending,
+                    IssuedUnbuilt::Replayed(e) => (e.at, A::NAME.to_string()),
+                    IssuedUnbuilt::Live(at) => (at, A::NAME.to_string()),
+                    IssuedUnbuilt::Diverged => return Poll::Pending,
                 };
                 let w = core.open_wait(step, WaitKind::Activity, name, group, at);
                 w.cancellation = this.cancellation;

@@ -182,6 +182,17 @@ pub(crate) enum Issued {
     Diverged,
 }
 
+/// The result of [`Core::issue_unbuilt`]: a live command's event is in the
+/// pending batch, and the caller gets only when it was recorded (no copy).
+pub(crate) enum IssuedUnbuilt {
+    /// A new command, recorded at this time.
+    Live(Timestamp),
+    /// The command was found in history: its recorded event.
+    Replayed(Event),
+    /// The command does not match history; the machine parks the run.
+    Diverged,
+}
+
 impl std::fmt::Debug for Core {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Core")
@@ -461,44 +472,55 @@ impl Core {
         path
     }
 
-    /// Appends a new event to the pending batch.
+    /// Appends a new event to the pending batch and returns a copy.
     pub(crate) fn push_event(&mut self, kind: EventKind) -> Event {
-        let event = Event {
+        self.append(kind);
+        self.pending.last().expect("just appended").clone()
+    }
+
+    /// Appends a new event to the pending batch; returns when it happened.
+    fn append(&mut self, kind: EventKind) -> Timestamp {
+        self.pending.push(Event {
             seq: self.next_seq,
             at: self.now,
             kind,
-        };
+        });
         self.next_seq = self.next_seq.next();
-        self.pending.push(event.clone());
-        event
+        self.now
     }
 
     /// [`Core::issue`] for a command whose event costs to build (an
     /// activity's type name, options and input): while replaying, the
     /// recorded command is taken when `recorded_is` accepts it, which must
     /// say what [`commands_match`] would say of the built candidate, and
-    /// nothing is built. `build` runs live, and to describe a divergence.
-    /// Never a version marker.
+    /// nothing is built. `build` runs live (the event goes into the batch
+    /// without a copy for the caller), and to describe a divergence. Never
+    /// a version marker.
     pub(crate) fn issue_unbuilt(
         &mut self,
         recorded_is: impl FnOnce(&EventKind) -> bool,
         build: impl FnOnce() -> EventKind,
-    ) -> Issued {
+    ) -> IssuedUnbuilt {
         if self.error.is_some() {
-            return Issued::Diverged;
+            return IssuedUnbuilt::Diverged;
         }
         self.skip_markers();
         match self.replay.front() {
             Some(front) if front.kind.is_command() && recorded_is(&front.kind) => {
                 let event = self.replay.pop_front().expect("front exists");
                 self.next_seq = event.seq.next();
-                Issued::Replayed(event)
+                IssuedUnbuilt::Replayed(event)
             }
-            _ => {
+            Some(_) => {
                 let candidate = build();
                 debug_assert!(!matches!(candidate, EventKind::VersionMarker { .. }));
-                self.issue(candidate)
+                match self.issue(candidate) {
+                    Issued::Live(e) => IssuedUnbuilt::Live(e.at),
+                    Issued::Replayed(e) => IssuedUnbuilt::Replayed(e),
+                    Issued::Diverged => IssuedUnbuilt::Diverged,
+                }
             }
+            None => IssuedUnbuilt::Live(self.append(build())),
         }
     }
 
