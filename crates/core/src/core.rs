@@ -520,7 +520,11 @@ impl Core {
                     Issued::Diverged => IssuedUnbuilt::Diverged,
                 }
             }
-            None => IssuedUnbuilt::Live(self.append(build())),
+            None => {
+                let candidate = build();
+                debug_assert!(!matches!(candidate, EventKind::VersionMarker { .. }));
+                IssuedUnbuilt::Live(self.append(candidate))
+            }
         }
     }
 

@@ -967,7 +967,9 @@ async fn replay(_: CanRead, state: web::Data<ServeState>, path: web::Path<String
             format!("{REPLAYS_AT_ONCE_MAX} replays are running; try again"),
         )
     })?;
-    let Some(engine) = state.engine.clone() else {
+    // The registry only: a copy of the engine here could outlive the
+    // state's count when the server stops.
+    let Some(workflows) = state.engine.as_ref().map(|e| e.workflows().clone()) else {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "no_engine",
@@ -979,7 +981,7 @@ async fn replay(_: CanRead, state: web::Data<ServeState>, path: web::Path<String
         // state too, so a server stopping waits for this replay.
         let _slot = slot;
         let store = state.store.as_ref();
-        Ok(keel::Replayer::new(engine.workflows().clone()).replay_meta(store, &meta))
+        Ok(keel::Replayer::new(workflows).replay_meta(store, &meta))
     })
     .await?;
     let mut v = serde_json::to_value(&report).map_err(|e| ApiError::internal(e.to_string()))?;

@@ -224,20 +224,22 @@ impl Released {
     fn wait(&self) -> std::io::Result<()> {
         let deadline =
             std::time::Instant::now() + std::time::Duration::from_millis(SERVE_RELEASE_WAIT_MS_MAX);
-        while self.0.strong_count() > 0 {
+        loop {
+            let held = self.0.strong_count();
+            if held == 0 {
+                return Ok(());
+            }
             if std::time::Instant::now() >= deadline {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     format!(
-                        "{} copies of the server's state (the engine, its store) are still held \
-                         {SERVE_RELEASE_WAIT_MS_MAX} ms after the server stopped",
-                        self.0.strong_count()
+                        "{held} copies of the server's state (the engine, its store) are still \
+                         held {SERVE_RELEASE_WAIT_MS_MAX} ms after the server stopped"
                     ),
                 ));
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        Ok(())
     }
 }
 
