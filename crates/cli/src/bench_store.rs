@@ -331,6 +331,29 @@ struct ReadReport {
     build_s: f64,
 }
 
+/// The log's size and build time, shared by every way of reading it.
+struct ReadLog {
+    runs: u64,
+    bytes: u64,
+    build_s: f64,
+}
+
+impl ReadLog {
+    /// One way of reading the log: `events` read in `seconds`.
+    fn report(&self, workload: &str, events: u64, seconds: f64) -> ReadReport {
+        ReadReport {
+            workload: workload.into(),
+            events,
+            runs: self.runs,
+            bytes: self.bytes,
+            seconds,
+            events_per_s: events as f64 / seconds,
+            mb_per_s: self.bytes as f64 / seconds / 1e6,
+            build_s: self.build_s,
+        }
+    }
+}
+
 /// The `i`-th event (seq `i + 1`) of a benchmark run of `len` events.
 fn read_log_event(run: RunId, i: u64, len: u64, at: u64) -> Event {
     let seq = i + 1;
@@ -431,17 +454,12 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
     if let Some(e) = failure {
         anyhow::bail!("event record does not decode: {e}");
     }
-    let secs = t0.elapsed().as_secs_f64();
-    reports.push(ReadReport {
-        workload: "read scan".into(),
-        events,
+    let log = ReadLog {
         runs,
         bytes,
-        seconds: secs,
-        events_per_s: events as f64 / secs,
-        mb_per_s: bytes as f64 / secs / 1e6,
         build_s,
-    });
+    };
+    reports.push(log.report("read scan", events, t0.elapsed().as_secs_f64()));
 
     // 2. Run by run through `Store::for_each_event` (what reading one run does).
     let run_ids: Vec<RunId> = store
@@ -449,6 +467,11 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
         .into_iter()
         .map(|m| m.run_id)
         .collect();
+    anyhow::ensure!(
+        run_ids.len() as u64 == runs,
+        "the log holds {} runs, {runs} were written",
+        run_ids.len()
+    );
     let t0 = Instant::now();
     let mut per_run_events = 0u64;
     for run in &run_ids {
@@ -459,16 +482,7 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
         })?;
     }
     let secs = t0.elapsed().as_secs_f64();
-    reports.push(ReadReport {
-        workload: "read per-run".into(),
-        events: per_run_events,
-        runs: run_ids.len() as u64,
-        bytes,
-        seconds: secs,
-        events_per_s: per_run_events as f64 / secs,
-        mb_per_s: bytes as f64 / secs / 1e6,
-        build_s,
-    });
+    reports.push(log.report("read per-run", per_run_events, secs));
     anyhow::ensure!(
         events == per_run_events,
         "the scan saw {events} events, the per-run reads {per_run_events}"
@@ -492,16 +506,7 @@ pub(crate) fn read(args: ReadArgs) -> anyhow::Result<ExitCode> {
         anyhow::bail!("a history does not read: {e}");
     }
     let secs = t0.elapsed().as_secs_f64();
-    reports.push(ReadReport {
-        workload: "read histories".into(),
-        events: history_events,
-        runs: run_ids.len() as u64,
-        bytes,
-        seconds: secs,
-        events_per_s: history_events as f64 / secs,
-        mb_per_s: bytes as f64 / secs / 1e6,
-        build_s,
-    });
+    reports.push(log.report("read histories", history_events, secs));
     anyhow::ensure!(
         events == history_events,
         "the scan saw {events} events, the history reads {history_events}"
