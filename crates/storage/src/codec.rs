@@ -253,38 +253,16 @@ pub fn decode<T: DeserializeOwned>(expected: RecordKind, bytes: &[u8]) -> Result
     decode_body(body)
 }
 
-/// A visitor that accepts no value, so probing with it reads one marker and
-/// stops (the end-of-body check of [`decode_body`]'s fast path).
-struct NothingMore;
-
-impl serde::de::Visitor<'_> for NothingMore {
-    type Value = ();
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the end of the record")
-    }
-}
-
 /// Decodes a msgpack body, refusing trailing bytes (rmp-serde ignores them).
 pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, Error> {
-    // Fast path: decode straight from the slice (no copy of every string
-    // and byte field through an intermediate buffer, which is most of the
-    // cost of a scan). That reader cannot say how many bytes are left, so
-    // the end is probed with a visitor that accepts nothing and consumes
-    // nothing beyond one marker: only an empty rest fails on reading the
-    // marker itself. Every other outcome (a decode error, trailing bytes)
-    // falls through to the slow path, which produces the exact typed error.
-    {
-        let mut de = rmp_serde::Deserializer::from_read_ref(body);
-        if let Ok(value) = T::deserialize(&mut de) {
-            if let Err(rmp_serde::decode::Error::InvalidMarkerRead(e)) =
-                serde::Deserializer::deserialize_any(&mut de, NothingMore)
-            {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    return Ok(value);
-                }
-            }
-        }
+    // Fast path: keel's own reader over the slice (strings and bytes
+    // borrowed from the body, no reader abstraction, free refusals; see
+    // `slice_de`). It refuses whatever it does not read exactly as
+    // `rmp_serde` does, and every refusal, like every damaged body, falls
+    // through to the general reader below, which produces the exact typed
+    // error or the value.
+    if let Ok(value) = crate::slice_de::from_slice(body) {
+        return Ok(value);
     }
     let mut de = rmp_serde::Deserializer::new(body);
     let value = T::deserialize(&mut de).map_err(|e| Error::Body(e.to_string()))?;

@@ -28,6 +28,7 @@ pub mod pg_tls;
 pub mod relay;
 pub mod rocks;
 pub mod search;
+mod slice_de;
 pub mod state;
 pub mod stats;
 pub mod store;

@@ -7,6 +7,9 @@
 // is exercised) must return `Err`, and decoding must never panic. Run
 // records and task rows, written positionally, round-trip too, and their
 // maps with field names (what older builds wrote) decode to the same value.
+// The codec decodes with its own slice reader first and falls back to
+// rmp-serde's: on valid, damaged and arbitrary bodies the two must give the
+// same value or both an error.
 
 use keel_storage::codec::{self, RecordKind, HEADER_BYTES, MAGIC};
 use keel_storage::event::{attempt_of, execution_of};
@@ -367,6 +370,27 @@ fn decode(bytes: &[u8]) -> Result<Event, codec::Error> {
     codec::decode::<Event>(RecordKind::Event, bytes)
 }
 
+/// What rmp-serde's reader alone makes of a body: the value, or `None` for
+/// an error or bytes left over (the codec without its fast reader).
+fn general<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<T> {
+    let mut de = rmp_serde::Deserializer::new(body);
+    let value = T::deserialize(&mut de).ok()?;
+    de.into_inner().is_empty().then_some(value)
+}
+
+/// Asserts that the codec and rmp-serde's reader agree on `body`, comparing
+/// values by their encoding (a damaged float may be NaN, unequal to itself).
+fn agree<T: serde::de::DeserializeOwned + serde::Serialize>(
+    body: &[u8],
+) -> Result<(), TestCaseError> {
+    let fast = codec::decode_body::<T>(body)
+        .ok()
+        .map(|v| rmp_serde::to_vec(&v).unwrap());
+    let slow = general::<T>(body).map(|v| rmp_serde::to_vec(&v).unwrap());
+    prop_assert_eq!(fast, slow, "body {:02x?}", body);
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -461,6 +485,36 @@ proptest! {
             body[i] = b;
         }
         let _ = decode(&envelope(&body));
+    }
+
+    #[test]
+    fn the_fast_reader_agrees_with_the_general_one(
+        e in event(),
+        run in run_meta(),
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        raw in proptest::collection::vec(any::<u8>(), 0..64),
+    ) {
+        // Positional and named bodies, intact and with a few bytes
+        // replaced (no edit at all in some cases), and arbitrary bytes.
+        let damage = |mut body: Vec<u8>| {
+            for (pos, b) in &edits {
+                if !body.is_empty() {
+                    let i = pos.index(body.len());
+                    body[i] = *b;
+                }
+            }
+            body
+        };
+        for body in [rmp_serde::to_vec(&e).unwrap(), rmp_serde::to_vec_named(&e).unwrap()] {
+            agree::<Event>(&body)?;
+            agree::<Event>(&damage(body))?;
+        }
+        for body in [rmp_serde::to_vec(&run).unwrap(), rmp_serde::to_vec_named(&run).unwrap()] {
+            agree::<RunMeta>(&body)?;
+            agree::<RunMeta>(&damage(body))?;
+        }
+        agree::<Event>(&raw)?;
+        agree::<RunMeta>(&raw)?;
     }
 }
 

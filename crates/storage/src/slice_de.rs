@@ -1,0 +1,669 @@
+//! A msgpack deserializer over one in-memory record body: the fast path
+//! of [`crate::codec::decode_body`].
+//!
+//! Every record keel reads is a complete byte slice, so this reader needs
+//! none of the general reader's machinery (a `Read` abstraction, a marker
+//! held back between calls, io errors built and dropped). It reads the
+//! same msgpack that `rmp_serde` writes and hands the visitor exactly what
+//! `rmp_serde`'s deserializer hands it, marker by marker (a positive fixint
+//! is a `u8`, a `u16` marker a `u16`, strings and byte strings are borrowed
+//! from the body).
+//!
+//! It refuses, with the payload-free [`Refused`], everything it does not
+//! read the way `rmp_serde` does: invalid UTF-8 (which `rmp_serde` hands
+//! over as bytes), extension types, 128-bit integers, nesting deeper than
+//! [`SLICE_DEPTH_MAX`]. A refusal is never an answer: the caller then
+//! decodes the body again with `rmp_serde`, which either succeeds or
+//! produces the exact typed error. So this reader can only make a decode
+//! faster, never change its outcome (the codec property tests compare the
+//! two on valid, damaged and arbitrary bodies).
+
+use serde::de::{self, DeserializeSeed, Visitor};
+use std::fmt;
+
+/// Deepest nesting of arrays and maps this reader follows before it
+/// refuses (the general reader then takes over with its own limit).
+pub(crate) const SLICE_DEPTH_MAX: u32 = 128;
+
+/// The fast reader could not decode the body the way `rmp_serde` would:
+/// decode it again with `rmp_serde`. Carries no message, so refusing costs
+/// nothing.
+#[derive(Debug)]
+pub(crate) struct Refused;
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("refused by the slice reader")
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl de::Error for Refused {
+    fn custom<T: fmt::Display>(_msg: T) -> Self {
+        Refused
+    }
+}
+
+type Result<T> = std::result::Result<T, Refused>;
+
+/// Decodes `T` from the whole of `body`; [`Refused`] for anything else,
+/// including bytes left after the value.
+pub(crate) fn from_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> Result<T> {
+    let mut reader = SliceReader {
+        body,
+        at: 0,
+        depth: 0,
+    };
+    let value = T::deserialize(&mut reader)?;
+    if reader.at != body.len() {
+        return Err(Refused);
+    }
+    Ok(value)
+}
+
+struct SliceReader<'de> {
+    body: &'de [u8],
+    at: usize,
+    depth: u32,
+}
+
+impl<'de> SliceReader<'de> {
+    #[inline]
+    fn peek(&self) -> Result<u8> {
+        self.body.get(self.at).copied().ok_or(Refused)
+    }
+
+    #[inline]
+    fn byte(&mut self) -> Result<u8> {
+        let b = self.peek()?;
+        self.at += 1;
+        Ok(b)
+    }
+
+    #[inline]
+    fn take(&mut self, len: usize) -> Result<&'de [u8]> {
+        let end = self.at.checked_add(len).ok_or(Refused)?;
+        let bytes = self.body.get(self.at..end).ok_or(Refused)?;
+        self.at = end;
+        Ok(bytes)
+    }
+
+    #[inline]
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let bytes = self.take(N)?;
+        let mut out = [0; N];
+        out.copy_from_slice(bytes);
+        Ok(out)
+    }
+
+    fn len8(&mut self) -> Result<usize> {
+        Ok(self.byte()? as usize)
+    }
+
+    fn len16(&mut self) -> Result<usize> {
+        Ok(u16::from_be_bytes(self.array()?) as usize)
+    }
+
+    fn len32(&mut self) -> Result<usize> {
+        Ok(u32::from_be_bytes(self.array()?) as usize)
+    }
+
+    /// A number, a boolean or nil, as `rmp_serde` reads it for a scalar
+    /// (anything else is refused here, as it is an error there).
+    fn scalar<V: Visitor<'de>>(&mut self, marker: u8, visitor: V) -> Result<V::Value> {
+        match marker {
+            0x00..=0x7f => visitor.visit_u8(marker),
+            0xe0..=0xff => visitor.visit_i8(marker as i8),
+            0xc0 => visitor.visit_unit(),
+            0xc2 => visitor.visit_bool(false),
+            0xc3 => visitor.visit_bool(true),
+            0xcc => visitor.visit_u8(self.byte()?),
+            0xcd => visitor.visit_u16(u16::from_be_bytes(self.array()?)),
+            0xce => visitor.visit_u32(u32::from_be_bytes(self.array()?)),
+            0xcf => visitor.visit_u64(u64::from_be_bytes(self.array()?)),
+            0xd0 => visitor.visit_i8(self.byte()? as i8),
+            0xd1 => visitor.visit_i16(i16::from_be_bytes(self.array()?)),
+            0xd2 => visitor.visit_i32(i32::from_be_bytes(self.array()?)),
+            0xd3 => visitor.visit_i64(i64::from_be_bytes(self.array()?)),
+            0xca => visitor.visit_f32(f32::from_be_bytes(self.array()?)),
+            0xcb => visitor.visit_f64(f64::from_be_bytes(self.array()?)),
+            _ => Err(Refused),
+        }
+    }
+
+    /// Any value. `bytes_as_bytes` is false where `rmp_serde` would hand a
+    /// byte string to the visitor as a sequence of numbers (a sequence,
+    /// tuple or struct was asked for): refused here.
+    fn any<V: Visitor<'de>>(&mut self, visitor: V, bytes_as_bytes: bool) -> Result<V::Value> {
+        let marker = self.byte()?;
+        match marker {
+            0x80..=0x8f => self.map(visitor, (marker & 0x0f) as usize),
+            0xde => {
+                let len = self.len16()?;
+                self.map(visitor, len)
+            }
+            0xdf => {
+                let len = self.len32()?;
+                self.map(visitor, len)
+            }
+            0x90..=0x9f => self.seq(visitor, (marker & 0x0f) as usize),
+            0xdc => {
+                let len = self.len16()?;
+                self.seq(visitor, len)
+            }
+            0xdd => {
+                let len = self.len32()?;
+                self.seq(visitor, len)
+            }
+            0xa0..=0xbf => self.str(visitor, (marker & 0x1f) as usize),
+            0xd9 => {
+                let len = self.len8()?;
+                self.str(visitor, len)
+            }
+            0xda => {
+                let len = self.len16()?;
+                self.str(visitor, len)
+            }
+            0xdb => {
+                let len = self.len32()?;
+                self.str(visitor, len)
+            }
+            0xc4..=0xc6 if bytes_as_bytes => {
+                let len = match marker {
+                    0xc4 => self.len8()?,
+                    0xc5 => self.len16()?,
+                    _ => self.len32()?,
+                };
+                visitor.visit_borrowed_bytes(self.take(len)?)
+            }
+            _ => self.scalar(marker, visitor),
+        }
+    }
+
+    fn str<V: Visitor<'de>>(&mut self, visitor: V, len: usize) -> Result<V::Value> {
+        let bytes = self.take(len)?;
+        // Invalid UTF-8 is handed over as bytes by `rmp_serde`: refused here.
+        let text = std::str::from_utf8(bytes).map_err(|_| Refused)?;
+        visitor.visit_borrowed_str(text)
+    }
+
+    fn nested<T>(&mut self, read: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.depth >= SLICE_DEPTH_MAX {
+            return Err(Refused);
+        }
+        self.depth += 1;
+        let out = read(self);
+        self.depth -= 1;
+        out
+    }
+
+    fn seq<V: Visitor<'de>>(&mut self, visitor: V, len: usize) -> Result<V::Value> {
+        self.nested(|de| {
+            let mut items = Items { de, left: len };
+            let value = visitor.visit_seq(&mut items)?;
+            if items.left != 0 {
+                return Err(Refused);
+            }
+            Ok(value)
+        })
+    }
+
+    fn map<V: Visitor<'de>>(&mut self, visitor: V, len: usize) -> Result<V::Value> {
+        self.nested(|de| {
+            let mut items = Items { de, left: len };
+            let value = visitor.visit_map(&mut items)?;
+            if items.left != 0 {
+                return Err(Refused);
+            }
+            Ok(value)
+        })
+    }
+}
+
+/// The elements of an array, or the entries of a map, still to be read.
+struct Items<'a, 'de> {
+    de: &'a mut SliceReader<'de>,
+    left: usize,
+}
+
+impl<'de> de::SeqAccess<'de> for Items<'_, 'de> {
+    type Error = Refused;
+
+    fn next_element_seed<T: DeserializeSeed<'de>>(&mut self, seed: T) -> Result<Option<T::Value>> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        self.left -= 1;
+        seed.deserialize(&mut *self.de).map(Some)
+    }
+
+    fn size_hint(&self) -> Option<usize> {
+        Some(self.left)
+    }
+}
+
+impl<'de> de::MapAccess<'de> for Items<'_, 'de> {
+    type Error = Refused;
+
+    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        self.left -= 1;
+        seed.deserialize(&mut *self.de).map(Some)
+    }
+
+    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value> {
+        seed.deserialize(&mut *self.de)
+    }
+
+    fn size_hint(&self) -> Option<usize> {
+        Some(self.left)
+    }
+}
+
+/// An enum written as a map of one entry: the variant's name, then its
+/// body (nil for a unit variant).
+struct Variant<'a, 'de>(&'a mut SliceReader<'de>);
+
+impl<'de> de::EnumAccess<'de> for Variant<'_, 'de> {
+    type Error = Refused;
+    type Variant = Self;
+
+    fn variant_seed<V: DeserializeSeed<'de>>(self, seed: V) -> Result<(V::Value, Self)> {
+        let name = seed.deserialize(&mut *self.0)?;
+        Ok((name, self))
+    }
+}
+
+impl<'de> de::VariantAccess<'de> for Variant<'_, 'de> {
+    type Error = Refused;
+
+    fn unit_variant(self) -> Result<()> {
+        match self.0.byte()? {
+            0xc0 => Ok(()),
+            _ => Err(Refused),
+        }
+    }
+
+    fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, seed: T) -> Result<T::Value> {
+        seed.deserialize(self.0)
+    }
+
+    fn tuple_variant<V: Visitor<'de>>(self, _len: usize, visitor: V) -> Result<V::Value> {
+        self.0.any(visitor, false)
+    }
+
+    fn struct_variant<V: Visitor<'de>>(
+        self,
+        _fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value> {
+        self.0.any(visitor, false)
+    }
+}
+
+/// An enum written as its variant's name alone: a unit variant.
+struct UnitVariant<'a, 'de>(&'a mut SliceReader<'de>);
+
+impl<'de> de::EnumAccess<'de> for UnitVariant<'_, 'de> {
+    type Error = Refused;
+    type Variant = Self;
+
+    fn variant_seed<V: DeserializeSeed<'de>>(self, seed: V) -> Result<(V::Value, Self)> {
+        let name = seed.deserialize(&mut *self.0)?;
+        Ok((name, self))
+    }
+}
+
+impl<'de> de::VariantAccess<'de> for UnitVariant<'_, 'de> {
+    type Error = Refused;
+
+    fn unit_variant(self) -> Result<()> {
+        Ok(())
+    }
+
+    fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, _seed: T) -> Result<T::Value> {
+        Err(Refused)
+    }
+
+    fn tuple_variant<V: Visitor<'de>>(self, _len: usize, _visitor: V) -> Result<V::Value> {
+        Err(Refused)
+    }
+
+    fn struct_variant<V: Visitor<'de>>(
+        self,
+        _fields: &'static [&'static str],
+        _visitor: V,
+    ) -> Result<V::Value> {
+        Err(Refused)
+    }
+}
+
+macro_rules! scalars {
+    ($($name:ident)*) => {
+        $(
+            #[inline]
+            fn $name<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+                let marker = self.byte()?;
+                self.scalar(marker, visitor)
+            }
+        )*
+    };
+}
+
+impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
+    type Error = Refused;
+
+    fn is_human_readable(&self) -> bool {
+        // As `rmp_serde`'s: ids and times take their compact forms.
+        false
+    }
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    scalars! {
+        deserialize_bool deserialize_i8 deserialize_i16 deserialize_i32 deserialize_i64
+        deserialize_u8 deserialize_u16 deserialize_u32 deserialize_u64
+        deserialize_f32 deserialize_f64
+    }
+
+    fn deserialize_i128<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value> {
+        Err(Refused)
+    }
+
+    fn deserialize_u128<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value> {
+        Err(Refused)
+    }
+
+    fn deserialize_char<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_str<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_string<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_bytes<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_byte_buf<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        if self.peek()? == 0xc0 {
+            self.at += 1;
+            visitor.visit_none()
+        } else {
+            visitor.visit_some(self)
+        }
+    }
+
+    fn deserialize_unit<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_unit_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value> {
+        // Written as an empty array; nil is read too, as `rmp_serde` does.
+        match self.peek()? {
+            0xc0 | 0x90 => {
+                self.at += 1;
+                visitor.visit_unit()
+            }
+            _ => self.any(visitor, true),
+        }
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value> {
+        if name == rmp_serde::MSGPACK_EXT_STRUCT_NAME {
+            return Err(Refused);
+        }
+        visitor.visit_newtype_struct(self)
+    }
+
+    fn deserialize_seq<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, false)
+    }
+
+    fn deserialize_tuple<V: Visitor<'de>>(self, _len: usize, visitor: V) -> Result<V::Value> {
+        self.any(visitor, false)
+    }
+
+    fn deserialize_tuple_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _len: usize,
+        visitor: V,
+    ) -> Result<V::Value> {
+        self.any(visitor, false)
+    }
+
+    fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _fields: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value> {
+        self.any(visitor, false)
+    }
+
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        _variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value> {
+        let len = match self.peek()? {
+            m @ 0x80..=0x8f => {
+                self.at += 1;
+                (m & 0x0f) as usize
+            }
+            0xde => {
+                self.at += 1;
+                self.len16()?
+            }
+            0xdf => {
+                self.at += 1;
+                self.len32()?
+            }
+            // Not a map: the variant's name alone.
+            _ => return visitor.visit_enum(UnitVariant(self)),
+        };
+        if len != 1 {
+            return Err(Refused);
+        }
+        // Counted like an array: an enum can nest itself through its body.
+        self.nested(|de| visitor.visit_enum(Variant(de)))
+    }
+
+    fn deserialize_identifier<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+
+    fn deserialize_ignored_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        self.any(visitor, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Goal: the slice reader reads every msgpack marker and every serde
+    // shape keel's records use, and hands the visitor what rmp-serde's
+    // reader does; a refusal would silently cost the fast path, a wrong
+    // value would corrupt a record.
+    // Method: values at the edges of each marker (fixint to 64-bit, fixstr
+    // to str32, bin8 to bin32, fixarray to array32, fixmap to map32),
+    // enums of every variant shape, options and unit structs; each
+    // encoded by rmp-serde positionally and with field names, then read by
+    // both readers. The fast reader must accept and agree.
+    use super::*;
+    use serde::{de::DeserializeOwned, Deserialize, Serialize};
+    use std::collections::BTreeMap;
+    use std::fmt::Debug;
+
+    fn both<T: Serialize + DeserializeOwned + PartialEq + Debug>(value: &T) {
+        for body in [
+            rmp_serde::to_vec(value).unwrap(),
+            rmp_serde::to_vec_named(value).unwrap(),
+        ] {
+            let fast: T = from_slice(&body).unwrap_or_else(|_| {
+                panic!(
+                    "refused {value:?} from {:02x?}",
+                    &body[..body.len().min(16)]
+                )
+            });
+            let slow: T = rmp_serde::from_slice(&body).unwrap();
+            assert_eq!(fast, slow);
+            assert_eq!(&fast, value);
+        }
+    }
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Unit;
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    enum Shape {
+        Bare,
+        New(u32),
+        Tuple(i8, String),
+        Fields {
+            maybe: Option<u64>,
+            #[serde(with = "serde_bytes")]
+            bytes: Vec<u8>,
+            inner: Box<Option<Shape>>,
+        },
+    }
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Mixed {
+        flag: bool,
+        single: f32,
+        double: f64,
+        letter: char,
+        unit: Unit,
+        shapes: Vec<Shape>,
+        absent: Option<Shape>,
+    }
+
+    #[test]
+    fn every_marker_and_shape_reads_as_rmp_serde_reads_it() {
+        for n in [
+            0u64,
+            1,
+            127,
+            128,
+            255,
+            256,
+            65_535,
+            65_536,
+            u32::MAX as u64,
+            u64::MAX,
+        ] {
+            both(&n);
+            if let Ok(n) = u32::try_from(n) {
+                both(&n);
+            }
+            if let Ok(n) = u16::try_from(n) {
+                both(&n);
+            }
+            if let Ok(n) = u8::try_from(n) {
+                both(&n);
+            }
+        }
+        for n in [
+            0i64,
+            -1,
+            -32,
+            -33,
+            -128,
+            -129,
+            -32_768,
+            -32_769,
+            i32::MIN as i64 - 1,
+            i64::MIN,
+            i64::MAX,
+        ] {
+            both(&n);
+            if let Ok(n) = i32::try_from(n) {
+                both(&n);
+            }
+            if let Ok(n) = i16::try_from(n) {
+                both(&n);
+            }
+            if let Ok(n) = i8::try_from(n) {
+                both(&n);
+            }
+        }
+        for len in [0, 15, 16, 31, 32, 255, 256, 65_535, 65_536] {
+            both(&"é".repeat(len / 2 + len % 2));
+            both(&"x".repeat(len));
+            both(&serde_bytes::ByteBuf::from(vec![7u8; len]));
+            both(&(0..len as u32).collect::<Vec<_>>());
+            both(
+                &(0..len as u32)
+                    .map(|i| (i, i + 1))
+                    .collect::<BTreeMap<_, _>>(),
+            );
+        }
+        both(&Mixed {
+            flag: true,
+            single: 1.5,
+            double: -0.25,
+            letter: 'ß',
+            unit: Unit,
+            shapes: vec![
+                Shape::Bare,
+                Shape::New(70_000),
+                Shape::Tuple(-5, "t".into()),
+                Shape::Fields {
+                    maybe: None,
+                    bytes: vec![1, 2, 3],
+                    inner: Box::new(Some(Shape::Fields {
+                        maybe: Some(9),
+                        bytes: vec![],
+                        inner: Box::new(Some(Shape::Bare)),
+                    })),
+                },
+            ],
+            absent: None,
+        });
+        both(&Some(Shape::New(3)));
+        both(&(Unit, (), Some(Unit), [1u8, 2, 3]));
+    }
+
+    #[test]
+    fn what_it_does_not_read_as_rmp_serde_does_is_refused() {
+        // Invalid UTF-8 in a string (rmp-serde offers it as bytes), a byte
+        // string where a sequence is asked for, trailing bytes, nesting
+        // past the limit, and a truncated body.
+        assert!(from_slice::<String>(&[0xa2, 0xff, 0xfe]).is_err());
+        assert!(from_slice::<Vec<u8>>(&[0xc4, 0x01, 0x07]).is_err());
+        assert!(from_slice::<u32>(&[0x01, 0x02]).is_err());
+        let mut deep = vec![0x91; SLICE_DEPTH_MAX as usize + 1];
+        deep.push(0xc0);
+        assert!(from_slice::<serde::de::IgnoredAny>(&deep).is_err());
+        assert!(from_slice::<serde::de::IgnoredAny>(&deep[1..]).is_ok());
+        assert!(from_slice::<String>(&[0xa3, b'a']).is_err());
+    }
+}
