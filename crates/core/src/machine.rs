@@ -873,7 +873,7 @@ impl RunMachine {
                 } => EventKind::ActivityAttemptFailed {
                     step,
                     attempt_id: keel_storage::event::attempt_of(core.run_id, step, attempt),
-                    failure,
+                    failure: Box::new(failure),
                     retry_at,
                     heartbeat,
                 },
@@ -1023,7 +1023,7 @@ impl RunMachine {
                             w.attempt = w.attempt.next();
                         }
                     }
-                    None => core.resolve(step, Resolution::Failed(failure)),
+                    None => core.resolve(step, Resolution::Failed(*failure)),
                 },
                 EventKind::ActivityCancelled { step, .. } => core.resolve(
                     step,

@@ -741,7 +741,7 @@ fn input_of(kind: &EventKind) -> Option<Input> {
         } => Input::ActivityFailed {
             step,
             attempt: attempt_id.attempt,
-            failure,
+            failure: *failure,
             retry_at,
             heartbeat,
         },

@@ -135,6 +135,7 @@ impl<'de> SliceReader<'de> {
     /// Any value. `bytes_as_bytes` is false where `rmp_serde` would hand a
     /// byte string to the visitor as a sequence of numbers (a sequence,
     /// tuple or struct was asked for): refused here.
+    #[inline(always)]
     fn any<V: Visitor<'de>>(&mut self, visitor: V, bytes_as_bytes: bool) -> Result<V::Value> {
         let marker = self.byte()?;
         match marker {
@@ -188,6 +189,7 @@ impl<'de> SliceReader<'de> {
         visitor.visit_borrowed_str(text)
     }
 
+    #[inline(always)]
     fn nested<T>(&mut self, read: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if self.depth >= SLICE_DEPTH_MAX {
             return Err(Refused);
@@ -198,6 +200,7 @@ impl<'de> SliceReader<'de> {
         out
     }
 
+    #[inline(always)]
     fn seq<V: Visitor<'de>>(&mut self, visitor: V, len: usize) -> Result<V::Value> {
         self.nested(|de| {
             let mut items = Items { de, left: len };
@@ -209,6 +212,7 @@ impl<'de> SliceReader<'de> {
         })
     }
 
+    #[inline(always)]
     fn map<V: Visitor<'de>>(&mut self, visitor: V, len: usize) -> Result<V::Value> {
         self.nested(|de| {
             let mut items = Items { de, left: len };

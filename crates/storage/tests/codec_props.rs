@@ -190,7 +190,7 @@ fn kind() -> impl Strategy<Value = EventKind> {
                 EventKind::ActivityAttemptFailed {
                     step: Step(step),
                     attempt_id: attempt_of(run, Step(step), AttemptNo(a)),
-                    failure,
+                    failure: Box::new(failure),
                     retry_at: retry.map(Timestamp),
                     heartbeat,
                 }

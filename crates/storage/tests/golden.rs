@@ -205,7 +205,7 @@ fn samples() -> Vec<Event> {
         EventKind::ActivityAttemptFailed {
             step: Step(5),
             attempt_id: attempt_of(run, Step(5), AttemptNo(2)),
-            failure: failure(),
+            failure: Box::new(failure()),
             retry_at: Some(Timestamp(1_700_000_005_000)),
             heartbeat: Some(payload("row 812")),
         },

@@ -89,7 +89,7 @@ pub fn attempt_failed(run: RunId, step: u32, attempt: u32, retry_at: Option<u64>
     EventKind::ActivityAttemptFailed {
         step: Step(step),
         attempt_id: attempt_of(run, Step(step), AttemptNo(attempt)),
-        failure: Failure::new(FailureKind::Application, "boom", true),
+        failure: Box::new(Failure::new(FailureKind::Application, "boom", true)),
         retry_at: retry_at.map(Timestamp),
         heartbeat: None,
     }
