@@ -36,6 +36,11 @@ impl Payload {
 
     /// Decodes the payload into `T`, refusing trailing bytes.
     pub fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T, rmp_serde::decode::Error> {
+        // The records' fast reader first; what it refuses, rmp-serde's
+        // reader decodes or explains (see `codec::decode_body`).
+        if let Ok(value) = crate::slice_de::from_slice(&self.0) {
+            return Ok(value);
+        }
         let mut de = rmp_serde::Deserializer::new(self.0.as_slice());
         let value = T::deserialize(&mut de)?;
         let rest = de.into_inner();
