@@ -260,7 +260,9 @@ pub(crate) struct Core {
     pub cancel_requested: Option<String>,
     pub group_stack: Vec<ActiveGroup>,
     pub error: Option<MachineError>,
-    pub open: BTreeMap<Step, OpenWait>,
+    /// Durable waits not yet resolved, by step (hashed: whoever needs them
+    /// in order sorts them).
+    pub open: StepMap<OpenWait>,
     pub seen_commands: HashSet<CommandId>,
     /// The same, in the order committed (what continue-as-new carries).
     seen_order: VecDeque<CommandId>,
@@ -340,7 +342,7 @@ impl Core {
             cancel_requested: None,
             group_stack: Vec::new(),
             error: None,
-            open: BTreeMap::new(),
+            open: StepMap::default(),
             seen_commands: HashSet::new(),
             seen_order: VecDeque::new(),
             carried_commands: HashSet::new(),

@@ -1262,7 +1262,9 @@ impl RunMachine {
 
     /// Open durable waits (activities, timers, children), by step.
     pub fn open_waits(&self) -> Vec<OpenWait> {
-        self.core.borrow().open.values().cloned().collect()
+        let mut waits: Vec<OpenWait> = self.core.borrow().open.values().cloned().collect();
+        waits.sort_unstable_by_key(|w| w.step);
+        waits
     }
 
     /// Signal names coroutines are waiting for, with how many wait.

@@ -347,12 +347,14 @@ impl ScopeRef {
 /// coroutine of the scope at `step`, in step order: timers cancelled,
 /// activities asked to cancel, children cancelled per their close policy.
 fn cancel_waits_of(core: &mut Core, step: Step, reason: &str) {
-    let owned: Vec<Step> = core
+    let mut owned: Vec<Step> = core
         .open
         .values()
         .filter(|w| w.owner.is_some_and(|(s, _)| s == step))
         .map(|w| w.step)
         .collect();
+    // The open waits are hashed: the order is the steps'.
+    owned.sort_unstable();
     for s in owned {
         core.cancel_wait(s, reason);
     }
