@@ -91,7 +91,7 @@ impl std::fmt::Debug for RocksStore {
 /// Times an open is tried before it reports an error a live writer can
 /// cause for a moment ([`Error::LostCommits`] from a read-only look, or a
 /// write-ahead log deleted between RocksDB listing and reading it).
-const READER_OPEN_TRIES: u32 = 8;
+const RACED_OPEN_TRIES_MAX: u32 = 8;
 
 /// Times [`RocksStore::copy_live`] starts over because the writer changed
 /// the directory's MANIFEST during the copy.
@@ -327,7 +327,7 @@ impl RocksStore {
         // running engine): it looks again too. A directory that lost
         // commits keeps failing.
         let mut tries = 1;
-        while tries < READER_OPEN_TRIES
+        while tries < RACED_OPEN_TRIES_MAX
             && result.as_ref().is_err_and(|e| match mode {
                 OpenMode::ReadWrite => matches!(e, Error::LostCommits { .. }),
                 OpenMode::ReadOnly | OpenMode::Secondary => raced_by_writer(e),
