@@ -12,13 +12,18 @@
 //! It refuses, with the payload-free [`Refused`], everything it does not
 //! read the way `rmp_serde` does: invalid UTF-8 (which `rmp_serde` hands
 //! over as bytes), extension types, 128-bit integers, nesting deeper than
-//! [`SLICE_DEPTH_MAX`]. A refusal is never an answer: the caller then
+//! [`SLICE_DEPTH_MAX`]. A refusal is remembered even when the type being
+//! decoded catches it (a lenient field that takes the default on any
+//! error): the reader may then stand elsewhere in the body than
+//! `rmp_serde`'s would, so the whole decode is refused. A refusal is never
+//! an answer: the caller then
 //! decodes the body again with `rmp_serde`, which either succeeds or
 //! produces the exact typed error. So this reader can only make a decode
 //! faster, never change its outcome (the codec property tests compare the
 //! two on valid, damaged and arbitrary bodies).
 
 use serde::de::{self, DeserializeSeed, Visitor};
+use std::cell::Cell;
 use std::fmt;
 
 /// Deepest nesting of arrays and maps this reader follows before it
@@ -54,9 +59,10 @@ pub(crate) fn from_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> Resul
         body,
         at: 0,
         depth: 0,
+        refused: Cell::new(false),
     };
     let value = T::deserialize(&mut reader)?;
-    if reader.at != body.len() {
+    if reader.at != body.len() || reader.refused.get() {
         return Err(Refused);
     }
     Ok(value)
@@ -66,12 +72,24 @@ struct SliceReader<'de> {
     body: &'de [u8],
     at: usize,
     depth: u32,
+    /// Set by every refusal, so one the decoded type caught still refuses
+    /// the whole body.
+    refused: Cell<bool>,
 }
 
 impl<'de> SliceReader<'de> {
+    #[cold]
+    fn refuse<T>(&self) -> Result<T> {
+        self.refused.set(true);
+        Err(Refused)
+    }
+
     #[inline]
     fn peek(&self) -> Result<u8> {
-        self.body.get(self.at).copied().ok_or(Refused)
+        match self.body.get(self.at) {
+            Some(b) => Ok(*b),
+            None => self.refuse(),
+        }
     }
 
     #[inline]
@@ -83,9 +101,14 @@ impl<'de> SliceReader<'de> {
 
     #[inline]
     fn take(&mut self, len: usize) -> Result<&'de [u8]> {
-        let end = self.at.checked_add(len).ok_or(Refused)?;
-        let bytes = self.body.get(self.at..end).ok_or(Refused)?;
-        self.at = end;
+        let Some(bytes) = self
+            .at
+            .checked_add(len)
+            .and_then(|end| self.body.get(self.at..end))
+        else {
+            return self.refuse();
+        };
+        self.at += len;
         Ok(bytes)
     }
 
@@ -128,7 +151,7 @@ impl<'de> SliceReader<'de> {
             0xd3 => visitor.visit_i64(i64::from_be_bytes(self.array()?)),
             0xca => visitor.visit_f32(f32::from_be_bytes(self.array()?)),
             0xcb => visitor.visit_f64(f64::from_be_bytes(self.array()?)),
-            _ => Err(Refused),
+            _ => self.refuse(),
         }
     }
 
@@ -185,14 +208,16 @@ impl<'de> SliceReader<'de> {
     fn str<V: Visitor<'de>>(&mut self, visitor: V, len: usize) -> Result<V::Value> {
         let bytes = self.take(len)?;
         // Invalid UTF-8 is handed over as bytes by `rmp_serde`: refused here.
-        let text = std::str::from_utf8(bytes).map_err(|_| Refused)?;
-        visitor.visit_borrowed_str(text)
+        match std::str::from_utf8(bytes) {
+            Ok(text) => visitor.visit_borrowed_str(text),
+            Err(_) => self.refuse(),
+        }
     }
 
     #[inline(always)]
     fn nested<T>(&mut self, read: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if self.depth >= SLICE_DEPTH_MAX {
-            return Err(Refused);
+            return self.refuse();
         }
         self.depth += 1;
         let out = read(self);
@@ -206,7 +231,7 @@ impl<'de> SliceReader<'de> {
             let mut items = Items { de, left: len };
             let value = visitor.visit_seq(&mut items)?;
             if items.left != 0 {
-                return Err(Refused);
+                return items.de.refuse();
             }
             Ok(value)
         })
@@ -218,7 +243,7 @@ impl<'de> SliceReader<'de> {
             let mut items = Items { de, left: len };
             let value = visitor.visit_map(&mut items)?;
             if items.left != 0 {
-                return Err(Refused);
+                return items.de.refuse();
             }
             Ok(value)
         })
@@ -287,7 +312,7 @@ impl<'de> de::VariantAccess<'de> for Variant<'_, 'de> {
     fn unit_variant(self) -> Result<()> {
         match self.0.byte()? {
             0xc0 => Ok(()),
-            _ => Err(Refused),
+            _ => self.0.refuse(),
         }
     }
 
@@ -329,11 +354,11 @@ impl<'de> de::VariantAccess<'de> for UnitVariant<'_, 'de> {
     }
 
     fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, _seed: T) -> Result<T::Value> {
-        Err(Refused)
+        self.0.refuse()
     }
 
     fn tuple_variant<V: Visitor<'de>>(self, _len: usize, _visitor: V) -> Result<V::Value> {
-        Err(Refused)
+        self.0.refuse()
     }
 
     fn struct_variant<V: Visitor<'de>>(
@@ -341,7 +366,7 @@ impl<'de> de::VariantAccess<'de> for UnitVariant<'_, 'de> {
         _fields: &'static [&'static str],
         _visitor: V,
     ) -> Result<V::Value> {
-        Err(Refused)
+        self.0.refuse()
     }
 }
 
@@ -376,11 +401,11 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
     }
 
     fn deserialize_i128<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value> {
-        Err(Refused)
+        self.refuse()
     }
 
     fn deserialize_u128<V: Visitor<'de>>(self, _visitor: V) -> Result<V::Value> {
-        Err(Refused)
+        self.refuse()
     }
 
     fn deserialize_char<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
@@ -437,7 +462,7 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
         visitor: V,
     ) -> Result<V::Value> {
         if name == rmp_serde::MSGPACK_EXT_STRUCT_NAME {
-            return Err(Refused);
+            return self.refuse();
         }
         visitor.visit_newtype_struct(self)
     }
@@ -495,7 +520,7 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
             _ => return visitor.visit_enum(UnitVariant(self)),
         };
         if len != 1 {
-            return Err(Refused);
+            return self.refuse();
         }
         // Counted like an array: an enum can nest itself through its body.
         self.nested(|de| visitor.visit_enum(Variant(de)))
@@ -669,5 +694,44 @@ mod tests {
         assert!(from_slice::<serde::de::IgnoredAny>(&deep).is_err());
         assert!(from_slice::<serde::de::IgnoredAny>(&deep[1..]).is_ok());
         assert!(from_slice::<String>(&[0xa3, b'a']).is_err());
+        // 128-bit numbers, extension types, a unit variant whose body is
+        // not nil, an enum map of two entries.
+        assert!(from_slice::<i128>(&[0x01]).is_err());
+        assert!(from_slice::<serde::de::IgnoredAny>(&[0xd4, 0x01, 0x02]).is_err());
+        assert!(from_slice::<Shape>(&[0x81, 0xa4, b'B', b'a', b'r', b'e', 0x01]).is_err());
+        let two = [
+            0x82, 0xa3, b'N', b'e', b'w', 0x01, 0xa3, b'N', b'e', b'w', 0x02,
+        ];
+        assert!(from_slice::<Shape>(&two).is_err());
+        assert!(rmp_serde::from_slice::<Shape>(&two).is_err());
+    }
+
+    /// A field that takes `None` on any error, as lenient types do.
+    #[derive(Debug, PartialEq)]
+    struct Lenient<T>(Option<T>);
+
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for Lenient<T> {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            Ok(Lenient(T::deserialize(d).ok()))
+        }
+    }
+
+    #[test]
+    fn a_refusal_the_decoded_type_catches_still_refuses_the_body() {
+        // Goal: after a caught refusal the reader may stand elsewhere than
+        // rmp-serde's, so the decode must go to rmp-serde. Method: a bin
+        // where a sequence is asked for (rmp-serde reads it as numbers) and
+        // invalid UTF-8 (rmp-serde hands it over as bytes), each inside a
+        // lenient field.
+        let bin_as_seq = [0x93, 0xc4, 0x01, 0x07];
+        assert!(from_slice::<(Lenient<Vec<u8>>, u8, u8)>(&bin_as_seq).is_err());
+        assert!(rmp_serde::from_slice::<(Lenient<Vec<u8>>, u8, u8)>(&bin_as_seq).is_err());
+        let bad_utf8 = [0xa1, 0xff];
+        assert!(from_slice::<Lenient<String>>(&bad_utf8).is_err());
+        assert!(from_slice::<Lenient<serde_bytes::ByteBuf>>(&bad_utf8).is_err());
+        assert_eq!(
+            rmp_serde::from_slice::<Lenient<serde_bytes::ByteBuf>>(&bad_utf8).unwrap(),
+            Lenient(Some(serde_bytes::ByteBuf::from(vec![0xff])))
+        );
     }
 }
