@@ -68,6 +68,14 @@ pub(crate) fn from_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> Resul
     Ok(value)
 }
 
+/// What a marker with a length opens.
+enum Opens {
+    Map,
+    Array,
+    Str,
+    Bin,
+}
+
 struct SliceReader<'de> {
     body: &'de [u8],
     at: usize,
@@ -155,53 +163,45 @@ impl<'de> SliceReader<'de> {
         }
     }
 
+    /// For a marker that has a length (a map, an array, a string, a byte
+    /// string), what it opens and the length, read after the marker; `None`
+    /// for the others, with nothing read.
+    #[inline(always)]
+    fn sized(&mut self, marker: u8) -> Result<Option<(Opens, usize)>> {
+        let (what, len) = match marker {
+            0x80..=0x8f => return Ok(Some((Opens::Map, (marker & 0x0f) as usize))),
+            0x90..=0x9f => return Ok(Some((Opens::Array, (marker & 0x0f) as usize))),
+            0xa0..=0xbf => return Ok(Some((Opens::Str, (marker & 0x1f) as usize))),
+            0xc4 => (Opens::Bin, self.len8()),
+            0xc5 => (Opens::Bin, self.len16()),
+            0xc6 => (Opens::Bin, self.len32()),
+            0xd9 => (Opens::Str, self.len8()),
+            0xda => (Opens::Str, self.len16()),
+            0xdb => (Opens::Str, self.len32()),
+            0xdc => (Opens::Array, self.len16()),
+            0xdd => (Opens::Array, self.len32()),
+            0xde => (Opens::Map, self.len16()),
+            0xdf => (Opens::Map, self.len32()),
+            _ => return Ok(None),
+        };
+        Ok(Some((what, len?)))
+    }
+
     /// Any value. `bytes_as_bytes` is false where `rmp_serde` would hand a
     /// byte string to the visitor as a sequence of numbers (a sequence,
     /// tuple or struct was asked for): refused here.
     #[inline(always)]
     fn any<V: Visitor<'de>>(&mut self, visitor: V, bytes_as_bytes: bool) -> Result<V::Value> {
         let marker = self.byte()?;
-        match marker {
-            0x80..=0x8f => self.map(visitor, (marker & 0x0f) as usize),
-            0xde => {
-                let len = self.len16()?;
-                self.map(visitor, len)
-            }
-            0xdf => {
-                let len = self.len32()?;
-                self.map(visitor, len)
-            }
-            0x90..=0x9f => self.seq(visitor, (marker & 0x0f) as usize),
-            0xdc => {
-                let len = self.len16()?;
-                self.seq(visitor, len)
-            }
-            0xdd => {
-                let len = self.len32()?;
-                self.seq(visitor, len)
-            }
-            0xa0..=0xbf => self.str(visitor, (marker & 0x1f) as usize),
-            0xd9 => {
-                let len = self.len8()?;
-                self.str(visitor, len)
-            }
-            0xda => {
-                let len = self.len16()?;
-                self.str(visitor, len)
-            }
-            0xdb => {
-                let len = self.len32()?;
-                self.str(visitor, len)
-            }
-            0xc4..=0xc6 if bytes_as_bytes => {
-                let len = match marker {
-                    0xc4 => self.len8()?,
-                    0xc5 => self.len16()?,
-                    _ => self.len32()?,
-                };
+        match self.sized(marker)? {
+            Some((Opens::Map, len)) => self.map(visitor, len),
+            Some((Opens::Array, len)) => self.seq(visitor, len),
+            Some((Opens::Str, len)) => self.str(visitor, len),
+            Some((Opens::Bin, len)) if bytes_as_bytes => {
                 visitor.visit_borrowed_bytes(self.take(len)?)
             }
-            _ => self.scalar(marker, visitor),
+            Some((Opens::Bin, _)) => self.refuse(),
+            None => self.scalar(marker, visitor),
         }
     }
 
@@ -503,21 +503,15 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
         _variants: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value> {
-        let len = match self.peek()? {
-            m @ 0x80..=0x8f => {
-                self.at += 1;
-                (m & 0x0f) as usize
-            }
-            0xde => {
-                self.at += 1;
-                self.len16()?
-            }
-            0xdf => {
-                self.at += 1;
-                self.len32()?
-            }
+        let marker = self.peek()?;
+        if !matches!(marker, 0x80..=0x8f | 0xde | 0xdf) {
             // Not a map: the variant's name alone.
-            _ => return visitor.visit_enum(UnitVariant(self)),
+            return visitor.visit_enum(UnitVariant(self));
+        }
+        self.at += 1;
+        let len = match self.sized(marker)? {
+            Some((Opens::Map, len)) => len,
+            _ => return self.refuse(),
         };
         if len != 1 {
             return self.refuse();
