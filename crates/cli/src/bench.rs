@@ -107,6 +107,11 @@ pub(crate) struct W1Args {
     /// over, and the latency of the workflows in flight meanwhile.
     #[arg(long)]
     kill_one: bool,
+    /// Acknowledge commits before they are synced (`Durability::Buffered`):
+    /// beside a default run, what the workload costs without waiting for
+    /// the disk.
+    #[arg(long)]
+    buffered: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -159,7 +164,27 @@ struct W1Report {
     /// What the store's writer did (one-process runs): how commits were
     /// grouped and how long each group's write and sync took.
     writer: Option<WriterLoad>,
+    /// The disk under the data directory, measured in the same run
+    /// (RocksDB only).
+    disk: Option<DiskSync>,
 }
+
+/// What one commit of a lone committer is bound by: the data directory's
+/// disk syncing an appended record, measured just before and just after
+/// the workload (the disk's speed drifts through a day).
+#[derive(Serialize)]
+struct DiskSync {
+    /// Median `write` + `fdatasync` of a 64-byte append.
+    fsync_p50_ms: f64,
+    /// The workflows' median latency over the syncs their commits need
+    /// (`p50_ms / (commits per workflow x fsync_p50_ms)`): 1.0 would be a
+    /// workflow that costs nothing but its syncs. Meaningful at
+    /// concurrency 1, where no commit shares a sync.
+    p50_over_syncs: f64,
+}
+
+/// How long the disk is probed before and after a W1 run, each time.
+const W1_FSYNC_PROBE_MS: u64 = 500;
 
 /// The store writer's work during a run, from the engine's own counters.
 #[derive(Serialize)]
@@ -232,7 +257,18 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         .as_ref()
         .map(bench_pg::ServerCounters::read)
         .transpose()?;
+    let probe = Duration::from_millis(W1_FSYNC_PROBE_MS);
+    let mut fsyncs_ms = match postgres {
+        Some(_) => Vec::new(),
+        None => bench_store::fsync_times_ms(dir.path(), probe)?,
+    };
+    let durability = if args.buffered {
+        keel::Durability::Buffered
+    } else {
+        keel::Durability::Sync
+    };
     let engine = builder
+        .durability(durability)
         .register_workflow::<ThreeSteps>()
         .register_activity::<Noop>()
         .build()?;
@@ -277,6 +313,9 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     let wall = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let writer = WriterLoad::of(&rt.block_on(engine.stats()), args.workflows, wall);
+    if postgres.is_none() {
+        fsyncs_ms.extend(bench_store::fsync_times_ms(dir.path(), probe)?);
+    }
     let server = match (&postgres, before) {
         (Some(options), Some(before)) => {
             // The statistics views lag by up to a second.
@@ -288,6 +327,22 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     };
     let mut sorted = latencies;
     sorted.sort_by(|a, b| a.total_cmp(b));
+    fsyncs_ms.sort_by(|a, b| a.total_cmp(b));
+    let disk = match (&writer, fsyncs_ms.is_empty() || args.buffered) {
+        (Some(w), false) => {
+            let fsync_p50_ms = percentile(&fsyncs_ms, 0.50);
+            let syncs_ms = w.commits_per_workflow * fsync_p50_ms;
+            Some(DiskSync {
+                fsync_p50_ms,
+                p50_over_syncs: if syncs_ms > 0.0 {
+                    percentile(&sorted, 0.50) / syncs_ms
+                } else {
+                    0.0
+                },
+            })
+        }
+        _ => None,
+    };
     // Every W1 run commits the same 8 events: started, 3 x (scheduled,
     // completed), completed.
     let events = args.workflows * 8;
@@ -295,7 +350,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         workload: match args.rate {
             Some(r) => format!("w1 rate={r}/s"),
             None => format!("w1 concurrency={}", args.concurrency),
-        },
+        } + if args.buffered { " buffered" } else { "" },
         workflows: args.workflows,
         concurrency: args.rate.is_none().then_some(args.concurrency),
         rate: args.rate,
@@ -315,6 +370,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         server,
         takeover: None,
         writer,
+        disk,
     };
     engine.shutdown_blocking();
     if let Some(options) = &postgres {
@@ -338,6 +394,10 @@ fn w1_cluster(args: W1Args) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         args.rate.is_none(),
         "--processes runs closed-loop: drop --rate"
+    );
+    anyhow::ensure!(
+        !args.buffered,
+        "--buffered runs one process: drop --processes"
     );
     let run = bench_cluster::run(
         url,
@@ -367,6 +427,7 @@ fn w1_cluster(args: W1Args) -> anyhow::Result<ExitCode> {
         server: Some(run.server),
         takeover: run.takeover,
         writer: None,
+        disk: None,
     };
     print_w1(&report, args.json)
 }
@@ -395,6 +456,12 @@ fn print_w1(report: &W1Report, json: bool) -> anyhow::Result<ExitCode> {
                     (100.0 - w.writer_busy_percent - w.writer_validate_percent - w.writer_idle_percent).max(0.0)
                 );
             }
+        }
+        if let (Some(d), Some(w)) = (&report.disk, &report.writer) {
+            println!(
+                "disk: fsync p50 {:.3} ms (measured before and after the run); p50 / ({:.1} commits x fsync p50) = {:.2}x",
+                d.fsync_p50_ms, w.commits_per_workflow, d.p50_over_syncs
+            );
         }
         if let Some(s) = &report.server {
             println!(

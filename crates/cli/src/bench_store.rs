@@ -154,6 +154,15 @@ pub(crate) fn append(args: AppendArgs) -> anyhow::Result<ExitCode> {
 /// Fsyncs per second of one writer appending `write` + `fdatasync` of a
 /// 64-byte record to a file in `dir`.
 pub(crate) fn fsync_rate(dir: &Path, for_: Duration) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let n = fsync_times_ms(dir, for_)?.len();
+    Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
+/// How long each `write` + `fdatasync` of a 64-byte record appended to a
+/// file in `dir` took, in milliseconds, for about `for_`: what one commit
+/// of a lone committer cannot be faster than.
+pub(crate) fn fsync_times_ms(dir: &Path, for_: Duration) -> anyhow::Result<Vec<f64>> {
     let path = dir.join("fsync-probe");
     let mut f = OpenOptions::new()
         .create(true)
@@ -162,16 +171,16 @@ pub(crate) fn fsync_rate(dir: &Path, for_: Duration) -> anyhow::Result<f64> {
         .open(&path)?;
     let record = [0x4bu8; 64];
     let started = Instant::now();
-    let mut n = 0u64;
+    let mut times = Vec::new();
     while started.elapsed() < for_ {
+        let one = Instant::now();
         f.write_all(&record)?;
         f.sync_data()?;
-        n += 1;
+        times.push(one.elapsed().as_secs_f64() * 1000.0);
     }
-    let rate = n as f64 / started.elapsed().as_secs_f64();
     drop(f);
     std::fs::remove_file(&path)?;
-    Ok(rate)
+    Ok(times)
 }
 
 fn started_event(run: RunId, instance: String, at: u64) -> Event {

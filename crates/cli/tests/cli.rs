@@ -927,3 +927,44 @@ fn schedule_list_and_describe_read_a_data_directory() {
     let o = keel(&["schedule", "describe", "evening", "--data", &data]);
     expect_error(&o, 2, "unknown schedule", "no schedule \"evening\"");
 }
+
+/// `keel bench w1` measures the disk in the same run and reports the
+/// workflows' median over the syncs they need; `--buffered` runs the same
+/// workload without waiting for syncs and reports no such ratio (nothing
+/// waited for the disk). Checked on a tiny run: the numbers' relation,
+/// not their size.
+#[test]
+fn bench_w1_reports_its_p50_over_the_disks_fsync() {
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "bench",
+            "w1",
+            "--workflows",
+            "20",
+            "--concurrency",
+            "1",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = keel(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(stdout(&o).trim()).expect("one JSON object")
+    };
+    let synced = run(&[]);
+    let per_workflow = synced["writer"]["commits_per_workflow"].as_f64().unwrap();
+    assert_eq!(
+        per_workflow, 4.0,
+        "the start and three results, the last with the end"
+    );
+    let fsync = synced["disk"]["fsync_p50_ms"].as_f64().unwrap();
+    assert!(fsync > 0.0, "the disk was probed: {synced}");
+    let ratio = synced["disk"]["p50_over_syncs"].as_f64().unwrap();
+    let p50 = synced["p50_ms"].as_f64().unwrap();
+    assert!(
+        (ratio - p50 / (per_workflow * fsync)).abs() < 1e-9,
+        "the ratio is the p50 over four syncs: {synced}"
+    );
+    let buffered = run(&["--buffered"]);
+    assert_eq!(buffered["workload"], "w1 concurrency=1 buffered");
+    assert!(buffered["disk"].is_null(), "{buffered}");
+}
