@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::readers::ReadQueue;
 use crate::routes::{Routes, Wire};
 use crate::shard::Feed;
 
@@ -322,9 +323,10 @@ enum Waiter {
 /// their answer.
 pub(crate) struct ClientCore {
     pub(crate) routes: Arc<Routes>,
-    /// A shared store, for a list on a process that runs no shard; given
-    /// up at shutdown (a client kept alive holds no connection).
-    store: Mutex<Option<Arc<dyn Store>>>,
+    /// A shared store and the engine's store readers, for a list on a
+    /// process that runs no shard; given up at shutdown (a client kept
+    /// alive holds no connection, and the readers are joined).
+    store: Mutex<Option<(Arc<dyn Store>, ReadQueue)>>,
     pending: Mutex<HashMap<RequestId, Waiter>>,
     next: AtomicU64,
     rng: Mutex<u64>,
@@ -334,11 +336,16 @@ pub(crate) struct ClientCore {
 }
 
 impl ClientCore {
-    pub(crate) fn new(seed: u64, routes: Arc<Routes>, store: Arc<dyn Store>) -> Self {
+    pub(crate) fn new(
+        seed: u64,
+        routes: Arc<Routes>,
+        store: Arc<dyn Store>,
+        reads: ReadQueue,
+    ) -> Self {
         let shared = store.shared().is_some();
         ClientCore {
             routes,
-            store: Mutex::new(shared.then_some(store)),
+            store: Mutex::new(shared.then_some((store, reads))),
             pending: Mutex::new(HashMap::new()),
             next: AtomicU64::new(0),
             rng: Mutex::new(seed),
@@ -401,30 +408,32 @@ impl ClientCore {
         }
     }
 
-    /// A list read from the store on a thread of its own (a store read
-    /// blocks), for a process with no shard to read it.
+    /// A list read from the store by the engine's store readers (a store
+    /// read blocks), for a process with no shard to read it. Queued while
+    /// the store is held here, so a list either is queued before shutdown
+    /// gives the store up (and the readers, joined at shutdown, finish it)
+    /// or finds it gone.
     async fn list_here(
         &self,
         filter: RunFilter,
         page_size: usize,
         after: Option<PageToken>,
     ) -> Answer {
-        let Some(store) = self.store.lock().clone() else {
-            return Answer::Retry("no shard runs in this engine process".into());
-        };
         let (tx, rx) = oneshot::channel();
-        let query = ReadQuery::List {
-            filter,
-            page_size,
-            after,
-        };
-        let spawned = std::thread::Builder::new()
-            .name("keel-list".into())
-            .spawn(move || {
+        {
+            let held = self.store.lock();
+            let Some((store, reads)) = held.as_ref() else {
+                return Answer::Retry("no shard runs in this engine process".into());
+            };
+            let store = store.clone();
+            let query = ReadQuery::List {
+                filter,
+                page_size,
+                after,
+            };
+            reads.submit(Box::new(move || {
                 let _ = tx.send(list_answer(query.perform(&*store)));
-            });
-        if let Err(e) = spawned {
-            return Answer::Retry(format!("no thread to read the index: {e}"));
+            }));
         }
         rx.await
             .unwrap_or_else(|_| Answer::Retry("the index read stopped".into()))
@@ -1110,9 +1119,12 @@ impl Client {
 mod tests {
     //! Goal: a process that runs no shard (it has just started, or gave
     //! its shards away) still lists the runs of the store it shares,
-    //! instead of being told to ask again forever. Method: a client core
-    //! whose routes hold no local shard lists an empty shared store; it
-    //! must get a page (no runs), not a retry.
+    //! instead of being told to ask again forever, and reads it on the
+    //! engine's store readers, so nothing holds the store after shutdown.
+    //! Method: a client core whose routes hold no local shard lists an
+    //! empty shared store; it must get a page (no runs), not a retry; once
+    //! it shut down and the readers are joined, the test holds the store's
+    //! only reference.
 
     use super::*;
     use keel_storage::{Durability, MemStore};
@@ -1121,7 +1133,11 @@ mod tests {
     fn a_process_without_shards_lists_the_shared_index() {
         let store: Arc<dyn Store> = Arc::new(MemStore::shared_by_processes(Durability::Sync));
         let routes = Arc::new(Routes::new(4, None));
-        let core = ClientCore::new(1, routes, store);
+        let overflow = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (reads, readers) = crate::readers::Readers::start(overflow.handle().clone()).unwrap();
+        let core = ClientCore::new(1, routes, store.clone(), reads);
         let request = Request::List {
             filter: RunFilter::default(),
             page_size: 10,
@@ -1133,5 +1149,12 @@ mod tests {
             }
             other => panic!("a list without a local shard answered {other:?}"),
         }
+        core.shut_down();
+        readers.join();
+        assert_eq!(
+            Arc::strong_count(&store),
+            1,
+            "something still holds the store after shutdown"
+        );
     }
 }

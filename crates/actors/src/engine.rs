@@ -511,7 +511,12 @@ impl Engine {
             (None, None)
         };
         let routes = Arc::new(Routes::new(shards as u16, relay));
-        let client = Arc::new(ClientCore::new(seed, routes.clone(), store.clone()));
+        let client = Arc::new(ClientCore::new(
+            seed,
+            routes.clone(),
+            store.clone(),
+            reads.clone(),
+        ));
         let host = Arc::new(Host {
             store,
             activities,

@@ -24,6 +24,7 @@ pub const READ_QUEUE_MAX: usize = 4_096;
 pub(crate) type ReadJob = Box<dyn FnOnce() + Send + 'static>;
 
 /// The sending side, held by the host.
+#[derive(Clone)]
 pub(crate) struct ReadQueue {
     tx: Sender<ReadJob>,
     overflow: tokio::runtime::Handle,
