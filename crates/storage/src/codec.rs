@@ -264,6 +264,14 @@ pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, Error> {
     if let Ok(value) = crate::slice_de::from_slice(body) {
         return Ok(value);
     }
+    // The general reader recurses into enum variants without counting:
+    // a body nested too deep would overflow the stack.
+    if !crate::slice_de::nests_within(body, crate::slice_de::BODY_NESTING_MAX) {
+        return Err(Error::Body(format!(
+            "nested deeper than {} levels",
+            crate::slice_de::BODY_NESTING_MAX
+        )));
+    }
     let mut de = rmp_serde::Deserializer::new(body);
     let value = T::deserialize(&mut de).map_err(|e| Error::Body(e.to_string()))?;
     let rest = de.into_inner();

@@ -41,6 +41,11 @@ impl Payload {
         if let Ok(value) = crate::slice_de::from_slice(&self.0) {
             return Ok(value);
         }
+        // Not deeper than the general reader can follow without
+        // overflowing the stack (see `BODY_NESTING_MAX`).
+        if !crate::slice_de::nests_within(&self.0, crate::slice_de::BODY_NESTING_MAX) {
+            return Err(rmp_serde::decode::Error::DepthLimitExceeded);
+        }
         let mut de = rmp_serde::Deserializer::new(self.0.as_slice());
         let value = T::deserialize(&mut de)?;
         let rest = de.into_inner();

@@ -30,6 +30,103 @@ use std::fmt;
 /// refuses (the general reader then takes over with its own limit).
 pub(crate) const SLICE_DEPTH_MAX: u32 = 128;
 
+/// Deepest nesting of arrays and maps (an enum variant with data is a map
+/// of one entry) a body may have for the general reader to decode it.
+/// `rmp_serde` counts the depth of arrays and maps it reads as values, but
+/// not of enum variants, so a recursive enum nested deeply enough
+/// overflows the stack of the thread decoding it, which aborts the whole
+/// process; a payload that deep is refused with a typed error instead
+/// (`rmp_serde`'s own limit for what it counts is 1,024 too).
+pub const BODY_NESTING_MAX: u32 = 1024;
+
+/// Whether `body` nests arrays and maps at most `limit` deep, walked
+/// without recursion. A body cut short, or damaged, answers for what it
+/// holds: what the walk read before it ran out was not too deep.
+pub(crate) fn nests_within(body: &[u8], limit: u32) -> bool {
+    // Items still to read in each open container; the bottom one is the
+    // body's single value.
+    let mut open: Vec<u64> = vec![1];
+    let mut at = 0usize;
+    let be = |from: usize, n: usize| -> Option<u64> {
+        let bytes = body.get(from..from.checked_add(n)?)?;
+        Some(bytes.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+    };
+    loop {
+        while open.last() == Some(&0) {
+            open.pop();
+        }
+        let Some(left) = open.last_mut() else {
+            return true;
+        };
+        *left -= 1;
+        let Some(&marker) = body.get(at) else {
+            return true;
+        };
+        at += 1;
+        // A container's items, or the bytes a scalar, string or
+        // extension spans after its marker.
+        let (items, skip) = match marker {
+            0x80..=0x8f => (Some(2 * u64::from(marker & 0x0f)), 0),
+            0x90..=0x9f => (Some(u64::from(marker & 0x0f)), 0),
+            0xdc..=0xdf => {
+                let width = if matches!(marker, 0xde | 0xdc) { 2 } else { 4 };
+                let Some(n) = be(at, width) else {
+                    return true;
+                };
+                at += width;
+                let per = if matches!(marker, 0xde | 0xdf) { 2 } else { 1 };
+                (Some(per * n), 0)
+            }
+            0xa0..=0xbf => (None, u64::from(marker & 0x1f)),
+            0xc4 | 0xd9 | 0xc5 | 0xda | 0xc6 | 0xdb => {
+                let width = match marker {
+                    0xc4 | 0xd9 => 1,
+                    0xc5 | 0xda => 2,
+                    _ => 4,
+                };
+                let Some(n) = be(at, width) else {
+                    return true;
+                };
+                at += width;
+                (None, n)
+            }
+            // Extensions: a type byte and their data.
+            0xd4 => (None, 2),
+            0xd5 => (None, 3),
+            0xd6 => (None, 5),
+            0xd7 => (None, 9),
+            0xd8 => (None, 17),
+            0xc7..=0xc9 => {
+                let width = 1usize << (marker - 0xc7);
+                let Some(n) = be(at, width) else {
+                    return true;
+                };
+                at += width;
+                (None, n + 1)
+            }
+            0xcc | 0xd0 => (None, 1),
+            0xcd | 0xd1 => (None, 2),
+            0xce | 0xd2 | 0xca => (None, 4),
+            0xcf | 0xd3 | 0xcb => (None, 8),
+            _ => (None, 0),
+        };
+        match items {
+            Some(0) | None => {
+                let Some(next) = usize::try_from(skip).ok().and_then(|s| at.checked_add(s)) else {
+                    return true;
+                };
+                at = next;
+            }
+            Some(n) => {
+                if open.len() > limit as usize {
+                    return false;
+                }
+                open.push(n);
+            }
+        }
+    }
+}
+
 /// The fast reader could not decode the body the way `rmp_serde` would:
 /// decode it again with `rmp_serde`. Carries no message, so refusing costs
 /// nothing.
@@ -727,5 +824,120 @@ mod tests {
             rmp_serde::from_slice::<Lenient<serde_bytes::ByteBuf>>(&bad_utf8).unwrap(),
             Lenient(Some(serde_bytes::ByteBuf::from(vec![0xff])))
         );
+    }
+
+    /// An expression tree: a recursive enum, decoded through
+    /// `deserialize_enum`, which `rmp_serde` does not count in its depth.
+    #[derive(Serialize, Deserialize, Debug, PartialEq)]
+    enum Expr {
+        Lit(u8),
+        Neg(Box<Expr>),
+    }
+
+    /// `Neg(Neg(...Lit(1)))`, `levels` deep, as rmp-serde writes it: each
+    /// level a map of one entry, the variant's name to its data.
+    fn negations(levels: usize) -> Vec<u8> {
+        let mut body = Vec::with_capacity(levels * 5 + 8);
+        for _ in 0..levels {
+            body.extend_from_slice(&[0x81, 0xa3, b'N', b'e', b'g']);
+        }
+        body.extend_from_slice(&[0x81, 0xa3, b'L', b'i', b't', 0x01]);
+        body
+    }
+
+    // Goal: the nesting walk counts what the general reader would recurse
+    // into, and nothing else. Method: bodies of known depth built from
+    // every container marker, with scalars, strings, byte strings and
+    // extensions beside and inside them whose bytes look like containers.
+    #[test]
+    fn the_nesting_walk_counts_containers_only() {
+        let arrays = |d: usize| {
+            let mut b = vec![0x91; d - 1];
+            b.push(0x90);
+            b
+        };
+        // An empty innermost container is not recursed into.
+        assert!(nests_within(&arrays(10), 9));
+        assert!(!nests_within(&arrays(11), 9));
+        let wide = |d: usize| {
+            let mut b = Vec::new();
+            for i in 0..d {
+                match i % 4 {
+                    0 => b.extend_from_slice(&[0xdc, 0, 1]),
+                    1 => b.extend_from_slice(&[0xdd, 0, 0, 0, 1]),
+                    2 => b.extend_from_slice(&[0xde, 0, 1, 0x01]),
+                    _ => b.extend_from_slice(&[0xdf, 0, 0, 0, 1, 0x01]),
+                }
+            }
+            b.push(0x07);
+            b
+        };
+        assert!(nests_within(&wide(8), 8));
+        assert!(!nests_within(&wide(9), 8));
+        // Strings, byte strings, extensions and numbers whose bytes are
+        // container markers are skipped whole.
+        let mut flat = vec![0x9a];
+        flat.extend_from_slice(&[0xa3, 0x91, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xc4, 3, 0x91, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xd9, 2, 0x81, 0x81]);
+        flat.extend_from_slice(&[0xc5, 0, 2, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xd6, 1, 0x91, 0x91, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xc7, 2, 5, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xcd, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xcb, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91]);
+        flat.extend_from_slice(&[0xd4, 1, 0x91]);
+        flat.extend_from_slice(&[0x91, 0x90]);
+        assert!(nests_within(&flat, 2));
+        assert!(!nests_within(&flat, 1));
+        // A body cut short is judged on what it holds.
+        assert!(nests_within(&arrays(2000)[..100], 100));
+        assert!(!nests_within(&arrays(2000)[..1500], 1024));
+        assert!(nests_within(&[], 0));
+        assert!(!nests_within(&[0x91, 0x01], 0));
+        // Enum variants with data count, one level each.
+        assert!(nests_within(&negations(99), 100));
+        assert!(!nests_within(&negations(100), 100));
+    }
+
+    // Goal: a payload or record body nested deeper than the general reader
+    // can follow is refused with a typed error instead of overflowing the
+    // stack (which aborts the process), and anything up to the limit still
+    // decodes. Method: a recursive enum 200,000 levels deep (a megabyte,
+    // the payload limit) decoded as a payload and as a record body, on a
+    // thread with the default 2 MiB stack; without the nesting walk this
+    // test dies of a stack overflow. Then one nested just within the limit,
+    // which only the general reader decodes (past the fast reader's
+    // depth), on the same stack.
+    #[test]
+    fn a_body_nested_past_the_limit_is_refused_not_a_stack_overflow() {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| {
+                let deep = negations(200_000);
+                assert!(deep.len() <= crate::PAYLOAD_BYTES_MAX);
+                let payload = crate::Payload::from_bytes(deep.clone());
+                assert!(matches!(
+                    payload.decode::<Expr>(),
+                    Err(rmp_serde::decode::Error::DepthLimitExceeded)
+                ));
+                match crate::codec::decode_body::<Expr>(&deep) {
+                    Err(crate::codec::Error::Body(why)) => assert!(why.contains("nested deeper")),
+                    other => panic!("a body too deep decoded as {other:?}"),
+                }
+                let levels = BODY_NESTING_MAX as usize - 1;
+                let mut expected = Expr::Lit(1);
+                for _ in 0..levels {
+                    expected = Expr::Neg(Box::new(expected));
+                }
+                let body = negations(levels);
+                assert_eq!(body, rmp_serde::to_vec(&expected).unwrap());
+                assert!(from_slice::<Expr>(&body).is_err(), "past the fast reader");
+                let payload = crate::Payload::from_bytes(body.clone());
+                assert_eq!(payload.decode::<Expr>().unwrap(), expected);
+                assert_eq!(crate::codec::decode_body::<Expr>(&body).unwrap(), expected);
+            })
+            .unwrap()
+            .join()
+            .expect("decoding on a 2 MiB stack");
     }
 }
