@@ -78,6 +78,12 @@ pub enum EngineError {
         /// The limit.
         max: usize,
     },
+    /// A payload nested deeper than any decoder here follows.
+    #[error("payload nests arrays, maps or enum variants deeper than the limit of {max} levels")]
+    PayloadTooDeep {
+        /// The limit ([`keel_storage::BODY_NESTING_MAX`]).
+        max: u32,
+    },
     /// No instance or run by that id.
     #[error("unknown instance or run {0:?}")]
     UnknownInstance(String),
@@ -412,7 +418,7 @@ impl ClientCore {
     /// read blocks), for a process with no shard to read it. Queued while
     /// the store is held here, so a list either is queued before shutdown
     /// gives the store up (and the readers, joined at shutdown, finish it)
-    /// or finds it gone.
+    /// or finds it gone; with the readers' queue full it is asked again.
     async fn list_here(
         &self,
         filter: RunFilter,
@@ -431,9 +437,14 @@ impl ClientCore {
                 page_size,
                 after,
             };
-            reads.submit(Box::new(move || {
+            let job = Box::new(move || {
                 let _ = tx.send(list_answer(query.perform(&*store)));
-            }));
+            });
+            if reads.try_submit(job).is_err() {
+                // Not to the blocking pool, which shutdown does not wait
+                // for: the list would keep the store open after it.
+                return Answer::Retry("the store's readers are busy".into());
+            }
         }
         rx.await
             .unwrap_or_else(|_| Answer::Retry("the index read stopped".into()))
@@ -659,20 +670,28 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn check_size(p: &Payload) -> Result<(), EngineError> {
+fn check_limits(p: &Payload) -> Result<(), EngineError> {
     if p.len() > PAYLOAD_BYTES_MAX {
         return Err(EngineError::PayloadTooLarge {
             bytes: p.len(),
             max: PAYLOAD_BYTES_MAX,
         });
     }
+    // Refused here, to the sender, rather than written and then failing
+    // to decode at every replay of the run.
+    if p.nests_too_deep() {
+        return Err(EngineError::PayloadTooDeep {
+            max: keel_storage::BODY_NESTING_MAX,
+        });
+    }
     Ok(())
 }
 
-/// Encodes a payload a request carries, refused over the size limit.
+/// Encodes a payload a request carries, refused over the size and nesting
+/// limits.
 fn encode_checked<T: Serialize>(value: &T) -> Result<Payload, EngineError> {
     let p = Payload::encode(value).map_err(|e| EngineError::Encode(e.to_string()))?;
-    check_size(&p)?;
+    check_limits(&p)?;
     Ok(p)
 }
 
@@ -834,7 +853,7 @@ impl Client {
         options: StartOptions,
         signal: Option<StartSignal>,
     ) -> Result<Answer, EngineError> {
-        check_size(&input)?;
+        check_limits(&input)?;
         // The run lives on the shard that resolves the instance's name, so
         // this start and later requests naming the instance meet there.
         let shards = self.core.routes.count();
@@ -1156,5 +1175,31 @@ mod tests {
             1,
             "something still holds the store after shutdown"
         );
+    }
+
+    // Goal: a client is refused a payload nested deeper than any decoder
+    // follows, before anything is sent or written (it would fail to decode
+    // at every replay of the run). Method: a recursive enum one level
+    // within the limit and one past it.
+    #[test]
+    fn a_payload_nested_past_the_limit_is_refused_before_it_is_sent() {
+        #[derive(serde::Serialize)]
+        enum Expr {
+            Lit(u8),
+            Neg(Box<Expr>),
+        }
+        let nest = |levels: usize| {
+            let mut e = Expr::Lit(1);
+            for _ in 0..levels {
+                e = Expr::Neg(Box::new(e));
+            }
+            e
+        };
+        let max = keel_storage::BODY_NESTING_MAX;
+        assert!(encode_checked(&nest(max as usize - 1)).is_ok());
+        assert!(matches!(
+            encode_checked(&nest(max as usize)),
+            Err(EngineError::PayloadTooDeep { max: m }) if m == max
+        ));
     }
 }

@@ -31,6 +31,12 @@ pub(crate) struct ReadQueue {
 }
 
 impl ReadQueue {
+    /// Queues `job` for a reader, or hands it back when the queue is full
+    /// or the readers are gone. Never blocks.
+    pub(crate) fn try_submit(&self, job: ReadJob) -> Result<(), ReadJob> {
+        self.tx.try_send(job).map_err(|e| e.into_inner())
+    }
+
     /// Queues `job` for a reader, or runs it on the blocking pool when the
     /// queue is full. Never blocks.
     pub(crate) fn submit(&self, job: ReadJob) {
@@ -43,8 +49,9 @@ impl ReadQueue {
                 );
                 self.overflow.spawn_blocking(job);
             }
-            // The readers are gone (they only stop once every queue is
-            // dropped, so this is a bug): the read still happens.
+            // The readers are gone (they stop only when the engine's
+            // shutdown joins them, after the shards stopped queueing, so
+            // this is a bug): the read still happens.
             Err(TrySendError::Disconnected(job)) => {
                 tracing::error!("store readers stopped; reading on the blocking pool");
                 self.overflow.spawn_blocking(job);

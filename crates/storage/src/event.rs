@@ -34,6 +34,12 @@ impl Payload {
         rmp_serde::to_vec_named(value).map(Payload)
     }
 
+    /// Whether the payload nests arrays and maps deeper than
+    /// [`crate::BODY_NESTING_MAX`]: it would not decode.
+    pub fn nests_too_deep(&self) -> bool {
+        !crate::slice_de::nests_within(&self.0, crate::slice_de::BODY_NESTING_MAX)
+    }
+
     /// Decodes the payload into `T`, refusing trailing bytes.
     pub fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T, rmp_serde::decode::Error> {
         // The records' fast reader first; what it refuses, rmp-serde's

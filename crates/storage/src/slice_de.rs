@@ -12,7 +12,7 @@
 //! It refuses, with the payload-free [`Refused`], everything it does not
 //! read the way `rmp_serde` does: invalid UTF-8 (which `rmp_serde` hands
 //! over as bytes), extension types, 128-bit integers, nesting deeper than
-//! [`SLICE_DEPTH_MAX`]. A refusal is remembered even when the type being
+//! [`BODY_NESTING_MAX`]. A refusal is remembered even when the type being
 //! decoded catches it (a lenient field that takes the default on any
 //! error): the reader may then stand elsewhere in the body than
 //! `rmp_serde`'s would, so the whole decode is refused. A refusal is never
@@ -27,21 +27,23 @@ use std::cell::Cell;
 use std::fmt;
 
 /// Deepest nesting of arrays and maps this reader follows before it
-/// refuses (the general reader then takes over with its own limit).
-pub(crate) const SLICE_DEPTH_MAX: u32 = 128;
+/// refuses: the body's own limit, so a body it refuses for depth alone is
+/// refused for good (see [`BODY_NESTING_MAX`]).
+pub(crate) const SLICE_DEPTH_MAX: u32 = BODY_NESTING_MAX;
 
-/// Deepest nesting of arrays and maps (an enum variant with data is a map
-/// of one entry) a body may have for the general reader to decode it.
-/// `rmp_serde` counts the depth of arrays and maps it reads as values, but
-/// not of enum variants, so a recursive enum nested deeply enough
-/// overflows the stack of the thread decoding it, which aborts the whole
-/// process; a payload that deep is refused with a typed error instead
-/// (`rmp_serde`'s own limit for what it counts is 1,024 too).
-pub const BODY_NESTING_MAX: u32 = 1024;
+/// Deepest nesting of non-empty arrays and maps (an enum variant with data
+/// is a map of one entry) a record body or payload may have; deeper is
+/// refused with a typed error, and a client is refused such a payload
+/// before it is sent. Decoding recurses once per level on the decoding
+/// thread's stack, and each level's frame holds a value of the type being
+/// decoded; `rmp_serde` does not count enum variants in its own limit, so
+/// without this one a recursive enum nested deeply enough overflowed the
+/// stack and aborted the process. 128 is also `serde_json`'s default.
+pub const BODY_NESTING_MAX: u32 = 128;
 
-/// Whether `body` nests arrays and maps at most `limit` deep, walked
-/// without recursion. A body cut short, or damaged, answers for what it
-/// holds: what the walk read before it ran out was not too deep.
+/// Whether `body` nests non-empty arrays and maps at most `limit` deep,
+/// walked without recursion. A body cut short, or damaged, answers for
+/// what it holds: what the walk read before it ran out was not too deep.
 pub(crate) fn nests_within(body: &[u8], limit: u32) -> bool {
     // Items still to read in each open container; the bottom one is the
     // body's single value.
@@ -889,6 +891,35 @@ mod tests {
         flat.extend_from_slice(&[0x91, 0x90]);
         assert!(nests_within(&flat, 2));
         assert!(!nests_within(&flat, 1));
+        // Every other scalar, string and extension marker, skipped whole,
+        // then a map whose key is a container; and a map of two entries
+        // whose last value nests.
+        let mut rest = vec![0xdc, 0, 25];
+        rest.extend_from_slice(&[0xc6, 0, 0, 0, 2, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xda, 0, 1, 0x91]);
+        rest.extend_from_slice(&[0xdb, 0, 0, 0, 1, 0x91]);
+        rest.extend_from_slice(&[0xc8, 0, 1, 9, 0x91]);
+        rest.extend_from_slice(&[0xc9, 0, 0, 0, 1, 9, 0x91]);
+        rest.extend_from_slice(&[0xd5, 1, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xd7, 1, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91]);
+        rest.push(0xd8);
+        rest.extend_from_slice(&[1; 17]);
+        rest.extend_from_slice(&[0xca, 0x91, 0x91, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xcc, 0x91]);
+        rest.extend_from_slice(&[0xce, 0x91, 0x91, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xcf, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xd0, 0x91]);
+        rest.extend_from_slice(&[0xd1, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xd2, 0x91, 0x91, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xd3, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91, 0x91]);
+        rest.extend_from_slice(&[0xc0, 0xc1, 0xc2, 0xc3, 0xe0, 0xff, 0x7f]);
+        // The 24th item: a map whose key is an array of an array.
+        rest.extend_from_slice(&[0x81, 0x91, 0x91, 0x01, 0x02]);
+        // The 25th: two entries, the last value an array of an array.
+        rest.extend_from_slice(&[0x82, 0x01, 0x02, 0x03, 0x91, 0x91, 0x04]);
+        assert!(nests_within(&rest[..rest.len() - 1], 4), "cut short");
+        assert!(nests_within(&rest, 4));
+        assert!(!nests_within(&rest, 3));
         // A body cut short is judged on what it holds.
         assert!(nests_within(&arrays(2000)[..100], 100));
         assert!(!nests_within(&arrays(2000)[..1500], 1024));
@@ -899,15 +930,14 @@ mod tests {
         assert!(!nests_within(&negations(100), 100));
     }
 
-    // Goal: a payload or record body nested deeper than the general reader
-    // can follow is refused with a typed error instead of overflowing the
-    // stack (which aborts the process), and anything up to the limit still
-    // decodes. Method: a recursive enum 200,000 levels deep (a megabyte,
-    // the payload limit) decoded as a payload and as a record body, on a
-    // thread with the default 2 MiB stack; without the nesting walk this
-    // test dies of a stack overflow. Then one nested just within the limit,
-    // which only the general reader decodes (past the fast reader's
-    // depth), on the same stack.
+    // Goal: a payload or record body nested deeper than the limit is
+    // refused with a typed error instead of overflowing the stack (which
+    // aborts the process), and one at the limit still decodes. Method: a
+    // recursive enum 200,000 levels deep (a megabyte, the payload limit)
+    // decoded as a payload and as a record body, on a thread with the
+    // default 2 MiB stack; without the nesting walk this test dies of a
+    // stack overflow. Then one level past the limit, refused the same way,
+    // and one at it, decoded.
     #[test]
     fn a_body_nested_past_the_limit_is_refused_not_a_stack_overflow() {
         std::thread::Builder::new()
@@ -924,6 +954,9 @@ mod tests {
                     Err(crate::codec::Error::Body(why)) => assert!(why.contains("nested deeper")),
                     other => panic!("a body too deep decoded as {other:?}"),
                 }
+                let past = crate::Payload::from_bytes(negations(BODY_NESTING_MAX as usize));
+                assert!(past.nests_too_deep());
+                assert!(past.decode::<Expr>().is_err());
                 let levels = BODY_NESTING_MAX as usize - 1;
                 let mut expected = Expr::Lit(1);
                 for _ in 0..levels {
@@ -931,8 +964,8 @@ mod tests {
                 }
                 let body = negations(levels);
                 assert_eq!(body, rmp_serde::to_vec(&expected).unwrap());
-                assert!(from_slice::<Expr>(&body).is_err(), "past the fast reader");
                 let payload = crate::Payload::from_bytes(body.clone());
+                assert!(!payload.nests_too_deep());
                 assert_eq!(payload.decode::<Expr>().unwrap(), expected);
                 assert_eq!(crate::codec::decode_body::<Expr>(&body).unwrap(), expected);
             })

@@ -136,6 +136,9 @@ impl ApiError {
             E::PayloadTooLarge { .. } => {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", msg)
             }
+            E::PayloadTooDeep { .. } => {
+                ApiError::new(StatusCode::BAD_REQUEST, "payload_too_deep", msg)
+            }
             E::UnknownInstance(_) => ApiError::new(StatusCode::NOT_FOUND, "unknown_run", msg),
             E::RunClosed { .. } | E::AlreadyClosed { .. } => {
                 ApiError::new(StatusCode::CONFLICT, "run_closed", msg)
