@@ -391,16 +391,30 @@ impl<'de> de::MapAccess<'de> for Items<'_, 'de> {
     }
 }
 
-/// An enum written as a map of one entry: the variant's name, then its
-/// body (nil for a unit variant).
-struct Variant<'a, 'de>(&'a mut SliceReader<'de>);
+/// An enum as rmp-serde writes it: a map of one entry, the variant's name
+/// then its body (nil for a unit variant); or, `bare`, the name alone,
+/// which only a unit variant may be.
+struct Variant<'a, 'de> {
+    de: &'a mut SliceReader<'de>,
+    bare: bool,
+}
+
+impl<'a, 'de> Variant<'a, 'de> {
+    /// The reader, for a variant with a body; refused for a bare name.
+    fn body(self) -> Result<&'a mut SliceReader<'de>> {
+        if self.bare {
+            return self.de.refuse();
+        }
+        Ok(self.de)
+    }
+}
 
 impl<'de> de::EnumAccess<'de> for Variant<'_, 'de> {
     type Error = Refused;
     type Variant = Self;
 
     fn variant_seed<V: DeserializeSeed<'de>>(self, seed: V) -> Result<(V::Value, Self)> {
-        let name = seed.deserialize(&mut *self.0)?;
+        let name = seed.deserialize(&mut *self.de)?;
         Ok((name, self))
     }
 }
@@ -409,18 +423,21 @@ impl<'de> de::VariantAccess<'de> for Variant<'_, 'de> {
     type Error = Refused;
 
     fn unit_variant(self) -> Result<()> {
-        match self.0.byte()? {
+        if self.bare {
+            return Ok(());
+        }
+        match self.de.byte()? {
             0xc0 => Ok(()),
-            _ => self.0.refuse(),
+            _ => self.de.refuse(),
         }
     }
 
     fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, seed: T) -> Result<T::Value> {
-        seed.deserialize(self.0)
+        seed.deserialize(self.body()?)
     }
 
     fn tuple_variant<V: Visitor<'de>>(self, _len: usize, visitor: V) -> Result<V::Value> {
-        self.0.any(visitor, false)
+        self.body()?.any(visitor, false)
     }
 
     fn struct_variant<V: Visitor<'de>>(
@@ -428,44 +445,7 @@ impl<'de> de::VariantAccess<'de> for Variant<'_, 'de> {
         _fields: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value> {
-        self.0.any(visitor, false)
-    }
-}
-
-/// An enum written as its variant's name alone: a unit variant.
-struct UnitVariant<'a, 'de>(&'a mut SliceReader<'de>);
-
-impl<'de> de::EnumAccess<'de> for UnitVariant<'_, 'de> {
-    type Error = Refused;
-    type Variant = Self;
-
-    fn variant_seed<V: DeserializeSeed<'de>>(self, seed: V) -> Result<(V::Value, Self)> {
-        let name = seed.deserialize(&mut *self.0)?;
-        Ok((name, self))
-    }
-}
-
-impl<'de> de::VariantAccess<'de> for UnitVariant<'_, 'de> {
-    type Error = Refused;
-
-    fn unit_variant(self) -> Result<()> {
-        Ok(())
-    }
-
-    fn newtype_variant_seed<T: DeserializeSeed<'de>>(self, _seed: T) -> Result<T::Value> {
-        self.0.refuse()
-    }
-
-    fn tuple_variant<V: Visitor<'de>>(self, _len: usize, _visitor: V) -> Result<V::Value> {
-        self.0.refuse()
-    }
-
-    fn struct_variant<V: Visitor<'de>>(
-        self,
-        _fields: &'static [&'static str],
-        _visitor: V,
-    ) -> Result<V::Value> {
-        self.0.refuse()
+        self.body()?.any(visitor, false)
     }
 }
 
@@ -605,7 +585,10 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
         let marker = self.peek()?;
         if !matches!(marker, 0x80..=0x8f | 0xde | 0xdf) {
             // Not a map: the variant's name alone.
-            return visitor.visit_enum(UnitVariant(self));
+            return visitor.visit_enum(Variant {
+                de: self,
+                bare: true,
+            });
         }
         self.at += 1;
         let len = match self.sized(marker)? {
@@ -616,7 +599,7 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
             return self.refuse();
         }
         // Counted like an array: an enum can nest itself through its body.
-        self.nested(|de| visitor.visit_enum(Variant(de)))
+        self.nested(|de| visitor.visit_enum(Variant { de, bare: false }))
     }
 
     fn deserialize_identifier<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
