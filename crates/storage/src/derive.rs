@@ -567,8 +567,13 @@ fn close(
             cancel_child(out, parent, entry.child_run_id, entry.close_policy, reason)?;
         }
     }
-    // A cancellation addressed to this run is done once it closes.
-    out.delete(Cf::Outbox, keys::outbox_cancel_key(run));
+    // A cancellation addressed to this run is done once it closes. Only a
+    // child is ever sent one (`cancel_child`): a run without a parent
+    // writes no tombstone, which every close would otherwise leave in the
+    // family the outbox windows scan.
+    if meta.parent.is_some() {
+        out.delete(Cf::Outbox, keys::outbox_cancel_key(run));
+    }
     // Sends still in flight: a run closes only once they are answered
     // (the machine holds its close back), except when terminated, which
     // drops them.

@@ -1271,3 +1271,46 @@ fn the_rocksdb_writer_counts_its_idle_and_validating_time() {
         "validating three starts is quicker than the pauses: {after:?}"
     );
 }
+
+#[test]
+fn only_a_child_s_close_removes_a_cancellation_addressed_to_it() {
+    // Goal: a close writes the tombstone of the cancellation addressed to
+    // its run only when the run can have one (it is a child); a parentless
+    // run's close leaves nothing in the outbox family, whose windows
+    // recovery scans (a blind delete per close piled up there). Method:
+    // derive a start and a completion over empty maps, once without a
+    // parent and once as a child, and look at the outbox writes of the
+    // completion.
+    use keel_storage::derive::{apply_batch, PreparedBatch};
+    use keel_storage::keys::{self, Cf};
+    use keel_storage::kv::{mutations_of, Maps};
+    let run = run_id(7);
+    let close_writes = |parent: Option<ParentRef>| {
+        let mut start = started(run, "tomb", "wf");
+        if let EventKind::WorkflowStarted(s) = &mut start {
+            s.parent = parent;
+        }
+        let prepare = |events| PreparedBatch::new(CommitBatch::append(run, events)).unwrap();
+        let mut maps = Maps::default();
+        let (writes, _) = apply_batch(&maps, &prepare(vec![ev(1, 100, start)])).unwrap();
+        maps.apply(&mutations_of(writes));
+        let (writes, _) =
+            apply_batch(&maps, &prepare(vec![ev(2, 200, workflow_completed())])).unwrap();
+        writes
+            .into_iter()
+            .filter(|((cf, _), _)| *cf == Cf::Outbox)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(close_writes(None), vec![]);
+    let parent = ParentRef {
+        instance_id: InstanceId::new("parent"),
+        run_id: run_id(8),
+        step: Step(3),
+        close_policy: ParentClosePolicy::Terminate,
+    };
+    let child = close_writes(Some(parent));
+    assert!(
+        child.contains(&((Cf::Outbox, keys::outbox_cancel_key(run)), None)),
+        "{child:?}"
+    );
+}
