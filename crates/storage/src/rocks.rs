@@ -1236,17 +1236,15 @@ impl WriteWatch {
 const PROBE_KEY: &[u8] = b"keel-write-probe";
 
 fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
+    // Each family's handle is looked up once per batch (a search of the
+    // open's family names by string), not once per key.
+    let handles = Cf::ALL.map(|cf| db.cf_handle(cf.name()));
+    let handle = |cf: Cf| handles[cf.index()].ok_or(Error::Closed);
     let mut batch = WriteBatch::default();
     for m in mutations {
         match m {
-            Mutation::Put(cf, k, v) => {
-                let h = db.cf_handle(cf.name()).ok_or(Error::Closed)?;
-                batch.put_cf(&h, k, v);
-            }
-            Mutation::Delete(cf, k) => {
-                let h = db.cf_handle(cf.name()).ok_or(Error::Closed)?;
-                batch.delete_cf(&h, k);
-            }
+            Mutation::Put(cf, k, v) => batch.put_cf(handle(cf)?, k, v),
+            Mutation::Delete(cf, k) => batch.delete_cf(handle(cf)?, k),
         }
     }
     db.write_opt(batch, wo).map_err(|e| {
