@@ -396,11 +396,14 @@ impl ReadQuery {
                     .map(Intent::Task)
                     .collect();
                 rows.extend(store.run_timers(*run)?.into_iter().map(Intent::Timer));
+                // Read past the other runs' messages rather than load the
+                // whole outbox: only this run's rows are held.
                 rows.extend(
                     store
-                        .outbox(usize::MAX)?
+                        .outbox_after(None, usize::MAX, &mut |m: &OutboxMessage| {
+                            m.target() == *run || m.owner() == *run
+                        })?
                         .into_iter()
-                        .filter(|m: &OutboxMessage| m.target() == *run || m.owner() == *run)
                         .map(Intent::Outbox),
                 );
                 ReadResult::Intents(rows)
