@@ -339,6 +339,11 @@ pub(crate) struct ClientCore {
     shutting_down: AtomicBool,
     /// Why the engine stopped, when its store failed for good.
     failed: OnceLock<String>,
+    /// Where a retry's pause sleeps (the engine's activity runtime): one
+    /// timer wheel for every caller, whatever executor it runs on, instead
+    /// of a thread per pause. Once that runtime is shut down a pause ends
+    /// at once and the call finds the engine stopped.
+    pauses: tokio::runtime::Handle,
 }
 
 impl ClientCore {
@@ -347,6 +352,7 @@ impl ClientCore {
         routes: Arc<Routes>,
         store: Arc<dyn Store>,
         reads: ReadQueue,
+        pauses: tokio::runtime::Handle,
     ) -> Self {
         let shared = store.shared().is_some();
         ClientCore {
@@ -357,6 +363,7 @@ impl ClientCore {
             rng: Mutex::new(seed),
             shutting_down: AtomicBool::new(false),
             failed: OnceLock::new(),
+            pauses,
         }
     }
 
@@ -559,12 +566,12 @@ impl ClientCore {
                     if tries >= CLIENT_RETRIES_MAX {
                         return Err(EngineError::Unavailable(why));
                     }
-                    // A short pause without a runtime of our own: the
-                    // caller may be on any executor.
+                    // A short pause on the engine's runtime, awaited
+                    // through a channel: the caller may be on any executor.
                     let pause = Duration::from_millis(5u64 << tries.min(6));
                     let (tx, rx) = oneshot::channel::<()>();
-                    std::thread::spawn(move || {
-                        std::thread::sleep(pause);
+                    self.pauses.spawn(async move {
+                        tokio::time::sleep(pause).await;
                         let _ = tx.send(());
                     });
                     let _ = rx.await;
@@ -1156,7 +1163,7 @@ mod tests {
             .build()
             .unwrap();
         let (reads, readers) = crate::readers::Readers::start(overflow.handle().clone()).unwrap();
-        let core = ClientCore::new(1, routes, store.clone(), reads);
+        let core = ClientCore::new(1, routes, store.clone(), reads, overflow.handle().clone());
         let request = Request::List {
             filter: RunFilter::default(),
             page_size: 10,

@@ -516,6 +516,7 @@ impl Engine {
             routes.clone(),
             store.clone(),
             reads.clone(),
+            activity_rt.handle().clone(),
         ));
         let host = Arc::new(Host {
             store,
