@@ -132,3 +132,89 @@ async fn a_started_child_is_awaited_later_and_stopped_through_its_handle() -> an
     e.shutdown().await;
     Ok(())
 }
+
+/// Starts a child, waits, starts another, then continues as new once.
+struct Spaced;
+impl Workflow for Spaced {
+    const NAME: &'static str = "spaced";
+    type Input = bool;
+    type Output = ();
+    async fn run(ctx: WorkflowContext, again: bool) -> Result<(), WorkflowError> {
+        if !again {
+            return Ok(());
+        }
+        ctx.child::<Echo>(1).await?;
+        ctx.timer(Duration::from_millis(40)).await;
+        ctx.child::<Echo>(2).await?;
+        Err(WorkflowError::continue_as_new(&false))
+    }
+}
+
+/// The milliseconds in a run id's leading bits (`run_id_high`'s layout).
+fn id_ms(run: keel::RunId) -> u64 {
+    let high = u64::from_be_bytes(run.as_bytes()[..8].try_into().unwrap());
+    high >> (64 - keel::driver::RUN_ID_TIME_BITS)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_and_continuations_get_run_ids_in_time_order() -> anyhow::Result<()> {
+    // Goal: a child's run id and a continuation's start with the workflow's
+    // time when it made them, as client-made ids do, so runs made later
+    // sort later in the store's key order. Method: a parent starts a child,
+    // waits 40 ms, starts another and continues as new; the ids in its
+    // history carry times inside the test's wall-clock window, in order
+    // and at least the timer apart.
+    let dir = tempfile::tempdir()?;
+    let e = Engine::builder()
+        .data_dir(dir.path().join("data"))
+        .register_workflow::<Echo>()
+        .register_workflow::<Spaced>()
+        .build()?;
+    let c = e.client();
+    let wall_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    let before = wall_ms();
+    let first = c.start::<Spaced>("spaced", &true).await?.run_id();
+    tokio::time::timeout(Duration::from_secs(20), c.result::<Spaced>("spaced")).await??;
+    let after = wall_ms();
+    let history = e.store().history(first)?;
+    let children: Vec<keel::RunId> = history
+        .iter()
+        .filter_map(|ev| match &ev.kind {
+            keel::storage::EventKind::ChildScheduled(child) => Some(child.child_run_id),
+            _ => None,
+        })
+        .collect();
+    let continued = history
+        .iter()
+        .find_map(|ev| match &ev.kind {
+            keel::storage::EventKind::WorkflowContinuedAsNew { new_run_id, .. } => {
+                Some(*new_run_id)
+            }
+            _ => None,
+        })
+        .expect("the run continued as new");
+    assert_eq!(children.len(), 2);
+    let times: Vec<u64> = [children[0], children[1], continued]
+        .into_iter()
+        .map(id_ms)
+        .collect();
+    for t in &times {
+        assert!(
+            (before..=after).contains(t),
+            "{times:?} outside {before}..={after}"
+        );
+    }
+    assert!(
+        times[1] >= times[0] + 40,
+        "the timer lies between: {times:?}"
+    );
+    assert!(times[2] >= times[1], "{times:?}");
+    assert!(children[0].as_bytes() < children[1].as_bytes());
+    assert_eq!(c.describe("spaced").await?.run_id, continued);
+    Ok(())
+}

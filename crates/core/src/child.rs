@@ -208,11 +208,15 @@ impl<W: ChildOutput> ChildCall<W> {
             group: group.clone(),
             child_instance_id,
             // An async child's closure is bound only in its parent's
-            // process: the child's run lands on the parent's shard.
+            // process: the child's run lands on the parent's shard (its id
+            // keeps 64 random bits, since its low word follows the high).
+            // Any other child's id starts with the workflow's time, as a
+            // client-made id starts with the client's: children scheduled
+            // together sit together in the store's key order.
             child_run_id: if self.workflow_type == crate::concurrency::ASYNC_WORKFLOW_TYPE {
                 crate::driver::run_id_beside(core.run_id, a)
             } else {
-                RunId::from_u64_pair(a, b)
+                RunId::from_u64_pair(crate::driver::run_id_high(core.now.0, a), b)
             },
             workflow_type: self.workflow_type.clone(),
             input,

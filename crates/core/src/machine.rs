@@ -1220,8 +1220,10 @@ impl RunMachine {
                 Err(WorkflowError::Cancelled(reason)) => EventKind::WorkflowCancelled { reason },
                 Err(WorkflowError::ContinueAsNew(input)) => {
                     let (a, b) = (core.next_random(), core.next_random());
+                    // Time first, as every other run id the engine makes.
+                    let high = crate::driver::run_id_high(core.now.0, a);
                     EventKind::WorkflowContinuedAsNew {
-                        new_run_id: RunId::from_u64_pair(a, b),
+                        new_run_id: RunId::from_u64_pair(high, b),
                         input,
                         carried: Box::new(core.carried()),
                     }
