@@ -339,11 +339,75 @@ pub(crate) struct ClientCore {
     shutting_down: AtomicBool,
     /// Why the engine stopped, when its store failed for good.
     failed: OnceLock<String>,
-    /// Where a retry's pause sleeps (the engine's activity runtime): one
-    /// timer wheel for every caller, whatever executor it runs on, instead
-    /// of a thread per pause. Once that runtime is shut down a pause ends
-    /// at once and the call finds the engine stopped.
-    pauses: tokio::runtime::Handle,
+    /// Ends retry pauses (see [`Pauses`]).
+    pauses: Pauses,
+}
+
+/// One thread, started at the first pause, that ends every caller's retry
+/// pause at its time: a caller may be on any executor, so it awaits a
+/// channel rather than a runtime's timer. Not the engine's activity
+/// runtime, whose workers activity code may block (a pause must end even
+/// then), and not a thread per pause, which under overload grew with the
+/// callers. Each call waits on at most one pause, so the queue holds at
+/// most one entry per call in flight; the thread ends when the client
+/// core is dropped.
+#[derive(Default)]
+struct Pauses {
+    queue: OnceLock<crossbeam_channel::Sender<(Instant, oneshot::Sender<()>)>>,
+}
+
+impl Pauses {
+    /// A channel answered once `pause` has passed (or at once, dropped, if
+    /// the pause thread could not start).
+    fn after(&self, pause: Duration) -> oneshot::Receiver<()> {
+        let (tx, rx) = oneshot::channel();
+        let queue = self.queue.get_or_init(|| {
+            let (queue, pending) = crossbeam_channel::unbounded();
+            let _ = std::thread::Builder::new()
+                .name("keel-pause".into())
+                .spawn(move || end_pauses(pending));
+            queue
+        });
+        let _ = queue.send((Instant::now() + pause, tx));
+        rx
+    }
+}
+
+/// The pause thread: answers each queued pause at its time, earliest first.
+fn end_pauses(pending: crossbeam_channel::Receiver<(Instant, oneshot::Sender<()>)>) {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut due: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
+    let mut waiting: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
+    let mut next = 0u64;
+    loop {
+        let now = Instant::now();
+        while let Some(Reverse((at, id))) = due.peek().copied() {
+            if at > now {
+                break;
+            }
+            due.pop();
+            if let Some(tx) = waiting.remove(&id) {
+                let _ = tx.send(());
+            }
+        }
+        let got = match due.peek() {
+            Some(Reverse((at, _))) => pending.recv_timeout(at.saturating_duration_since(now)),
+            None => pending
+                .recv()
+                .map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
+        };
+        match got {
+            Ok((at, tx)) => {
+                next += 1;
+                due.push(Reverse((at, next)));
+                waiting.insert(next, tx);
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            // The client core is gone: nobody awaits what is left.
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        }
+    }
 }
 
 impl ClientCore {
@@ -352,7 +416,6 @@ impl ClientCore {
         routes: Arc<Routes>,
         store: Arc<dyn Store>,
         reads: ReadQueue,
-        pauses: tokio::runtime::Handle,
     ) -> Self {
         let shared = store.shared().is_some();
         ClientCore {
@@ -363,7 +426,7 @@ impl ClientCore {
             rng: Mutex::new(seed),
             shutting_down: AtomicBool::new(false),
             failed: OnceLock::new(),
-            pauses,
+            pauses: Pauses::default(),
         }
     }
 
@@ -566,15 +629,10 @@ impl ClientCore {
                     if tries >= CLIENT_RETRIES_MAX {
                         return Err(EngineError::Unavailable(why));
                     }
-                    // A short pause on the engine's runtime, awaited
-                    // through a channel: the caller may be on any executor.
+                    // A short pause, awaited through a channel: the caller
+                    // may be on any executor.
                     let pause = Duration::from_millis(5u64 << tries.min(6));
-                    let (tx, rx) = oneshot::channel::<()>();
-                    self.pauses.spawn(async move {
-                        tokio::time::sleep(pause).await;
-                        let _ = tx.send(());
-                    });
-                    let _ = rx.await;
+                    let _ = self.pauses.after(pause).await;
                 }
                 Answer::Refused(Refusal::Shutdown) => return Err(self.stopped()),
                 other => return Ok(other),
@@ -1156,6 +1214,29 @@ mod tests {
     use keel_storage::{Durability, MemStore};
 
     #[test]
+    fn pauses_end_at_their_time_without_a_runtime() {
+        // Goal: a retry pause ends, and no earlier than asked, for a caller
+        // on no runtime at all, whatever order pauses were queued in.
+        // Method: queue three pauses out of order, wait on each with a
+        // plain executor, and time it; the short one must not wait for the
+        // long one queued before it.
+        let pauses = Pauses::default();
+        let asked = Instant::now();
+        let long = pauses.after(Duration::from_millis(1_000));
+        let short = pauses.after(Duration::from_millis(10));
+        let middle = pauses.after(Duration::from_millis(30));
+        let mut ended = Vec::new();
+        for (name, rx) in [("short", short), ("middle", middle), ("long", long)] {
+            assert_eq!(futures::executor::block_on(rx), Ok(()), "{name}");
+            ended.push((name, asked.elapsed()));
+        }
+        assert!(ended[0].1 >= Duration::from_millis(10), "{ended:?}");
+        assert!(ended[0].1 < Duration::from_millis(1_000), "{ended:?}");
+        assert!(ended[1].1 >= Duration::from_millis(30), "{ended:?}");
+        assert!(ended[2].1 >= Duration::from_millis(1_000), "{ended:?}");
+    }
+
+    #[test]
     fn a_process_without_shards_lists_the_shared_index() {
         let store: Arc<dyn Store> = Arc::new(MemStore::shared_by_processes(Durability::Sync));
         let routes = Arc::new(Routes::new(4, None));
@@ -1163,7 +1244,7 @@ mod tests {
             .build()
             .unwrap();
         let (reads, readers) = crate::readers::Readers::start(overflow.handle().clone()).unwrap();
-        let core = ClientCore::new(1, routes, store.clone(), reads, overflow.handle().clone());
+        let core = ClientCore::new(1, routes, store.clone(), reads);
         let request = Request::List {
             filter: RunFilter::default(),
             page_size: 10,

@@ -516,7 +516,6 @@ impl Engine {
             routes.clone(),
             store.clone(),
             reads.clone(),
-            activity_rt.handle().clone(),
         ));
         let host = Arc::new(Host {
             store,
