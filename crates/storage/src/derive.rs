@@ -1017,6 +1017,12 @@ fn derive_event(
             // start is done with too.
             out.delete(Cf::Outbox, keys::outbox_start_key(run, *step));
             out.delete(Cf::Children, task_key(*step));
+            // So is a cancellation sent to it: a child that never started
+            // never closes to remove it, and its delivery would meet "no
+            // such run" forever. (A child that ran removed it at its close.)
+            if matches!(event.kind, EventKind::ChildFailed { .. }) {
+                out.delete(Cf::Outbox, keys::outbox_cancel_key(*child_run_id));
+            }
         }
         EventKind::ChildCancelRequested {
             step,

@@ -1314,3 +1314,62 @@ fn only_a_child_s_close_removes_a_cancellation_addressed_to_it() {
         "{child:?}"
     );
 }
+
+#[test]
+fn a_child_that_never_started_takes_its_cancellation_with_it() {
+    // Goal: a cancellation sent to a child whose start was refused does
+    // not stay in the outbox (its delivery would meet "no such run"
+    // forever). Method: a parent schedules a child, asks to cancel it
+    // before it started, and records that the child failed to start; the
+    // outbox must then be empty on every store and `verify` agree.
+    for_each_store(|store| {
+        let mut parent = start(store, 1, "parent", "order");
+        let child_run = run_id(2);
+        let child_instance = InstanceId::for_child(parent.run, Step(1));
+        parent
+            .commit(
+                store,
+                vec![ship_child(
+                    &child_instance,
+                    child_run,
+                    ParentClosePolicy::Terminate,
+                )],
+            )
+            .unwrap();
+        parent
+            .commit(
+                store,
+                vec![EventKind::ChildCancelRequested {
+                    step: Step(1),
+                    child_run_id: child_run,
+                    policy: ParentClosePolicy::RequestCancel,
+                    reason: "not needed".into(),
+                }],
+            )
+            .unwrap();
+        assert!(
+            store
+                .outbox(10)
+                .unwrap()
+                .iter()
+                .any(|m| matches!(m, OutboxMessage::CancelChild { .. })),
+            "the cancellation is queued"
+        );
+        parent
+            .commit(
+                store,
+                vec![EventKind::ChildFailed {
+                    step: Step(1),
+                    child_run_id: child_run,
+                    failure: keel_storage::Failure::new(
+                        keel_storage::FailureKind::Application,
+                        "child did not start",
+                        false,
+                    ),
+                }],
+            )
+            .unwrap();
+        assert_eq!(store.outbox(10).unwrap(), vec![]);
+        assert!(store.verify().unwrap().ok);
+    });
+}
