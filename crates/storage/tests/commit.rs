@@ -601,22 +601,30 @@ fn ship_child(
     }))
 }
 
+/// Starts parent run `n` of `instance`, which schedules a `ship` child
+/// (run `child`, with `policy`) at step 1: the parent's builder, and the
+/// child's instance.
+fn parent_of_child(
+    store: &dyn Store,
+    n: u64,
+    instance: &str,
+    child: keel_storage::RunId,
+    policy: ParentClosePolicy,
+) -> (RunBuilder, InstanceId) {
+    let mut parent = start(store, n, instance, "order");
+    let child_instance = InstanceId::for_child(parent.run, Step(1));
+    parent
+        .commit(store, vec![ship_child(&child_instance, child, policy)])
+        .unwrap();
+    (parent, child_instance)
+}
+
 #[test]
 fn child_start_and_result_flow_through_the_outbox() {
     for_each_store(|store| {
-        let mut parent = start(store, 1, "parent", "order");
         let child_run = run_id(2);
-        let child_instance = InstanceId::for_child(parent.run, Step(1));
-        parent
-            .commit(
-                store,
-                vec![ship_child(
-                    &child_instance,
-                    child_run,
-                    ParentClosePolicy::Terminate,
-                )],
-            )
-            .unwrap();
+        let (mut parent, child_instance) =
+            parent_of_child(store, 1, "parent", child_run, ParentClosePolicy::Terminate);
         let parent_ref = ParentRef {
             instance_id: InstanceId::new("parent"),
             run_id: parent.run,
@@ -716,19 +724,14 @@ fn child_start_and_result_flow_through_the_outbox() {
 fn a_start_row_is_dropped_once_its_parent_closed_and_its_child_started() {
     for_each_store(|store| {
         for (n, child_first) in [(1u64, true), (3, false)] {
-            let mut parent = start(store, n, &format!("parent-{n}"), "order");
             let child_run = run_id(n + 1);
-            let child_instance = InstanceId::for_child(parent.run, Step(1));
-            parent
-                .commit(
-                    store,
-                    vec![ship_child(
-                        &child_instance,
-                        child_run,
-                        ParentClosePolicy::Abandon,
-                    )],
-                )
-                .unwrap();
+            let (mut parent, child_instance) = parent_of_child(
+                store,
+                n,
+                &format!("parent-{n}"),
+                child_run,
+                ParentClosePolicy::Abandon,
+            );
             let parent_ref = ParentRef {
                 instance_id: InstanceId::new(format!("parent-{n}")),
                 run_id: parent.run,
@@ -756,19 +759,14 @@ fn a_start_row_is_dropped_once_its_parent_closed_and_its_child_started() {
         // A child that started in the same millisecond as its parent, with
         // a smaller run id, is rebuilt first by `verify`: its row, kept
         // for the parent's notice, must be rebuilt all the same.
-        let mut parent = start(store, 10, "parent-10", "order");
         let child_run = run_id(9);
-        let child_instance = InstanceId::for_child(parent.run, Step(1));
-        parent
-            .commit(
-                store,
-                vec![ship_child(
-                    &child_instance,
-                    child_run,
-                    ParentClosePolicy::Abandon,
-                )],
-            )
-            .unwrap();
+        let (parent, child_instance) = parent_of_child(
+            store,
+            10,
+            "parent-10",
+            child_run,
+            ParentClosePolicy::Abandon,
+        );
         let mut child = RunBuilder::new(child_run, 10_000);
         let mut child_start = started(child_run, child_instance.as_str(), "ship");
         if let EventKind::WorkflowStarted(start) = &mut child_start {
@@ -1323,19 +1321,9 @@ fn a_child_that_never_started_takes_its_cancellation_with_it() {
     // before it started, and records that the child failed to start; the
     // outbox must then be empty on every store and `verify` agree.
     for_each_store(|store| {
-        let mut parent = start(store, 1, "parent", "order");
         let child_run = run_id(2);
-        let child_instance = InstanceId::for_child(parent.run, Step(1));
-        parent
-            .commit(
-                store,
-                vec![ship_child(
-                    &child_instance,
-                    child_run,
-                    ParentClosePolicy::Terminate,
-                )],
-            )
-            .unwrap();
+        let (mut parent, _) =
+            parent_of_child(store, 1, "parent", child_run, ParentClosePolicy::Terminate);
         parent
             .commit(
                 store,
