@@ -82,14 +82,19 @@ pub type ScanAhead = HashMap<(Cf, Vec<u8>), Vec<(Vec<u8>, Vec<u8>)>>;
 /// timers and children are dropped or given their close policy).
 pub const CLOSE_SCANNED_CFS: [Cf; 3] = [Cf::Tasks, Cf::RunTimers, Cf::Children];
 
+/// The cache's hashing: seeded per process like the standard library's (run
+/// and instance ids come from users), at a fraction of SipHash's cost, which
+/// was a visible part of the writer's validation.
+type Hashing = foldhash::fast::RandomState;
+
 /// The rows of one run born here: (family, key) → value.
 type OwnedRows = BTreeMap<(Cf, Vec<u8>), Vec<u8>>;
 
 /// See the module documentation.
 #[derive(Default)]
 pub struct WriterCache {
-    records: HashMap<(Cf, Vec<u8>), Vec<u8>>,
-    born: HashMap<[u8; 16], OwnedRows>,
+    records: HashMap<(Cf, Vec<u8>), Vec<u8>, Hashing>,
+    born: HashMap<[u8; 16], OwnedRows, Hashing>,
     rows: usize,
     /// Estimated bytes of `records` and of `born` (see [`Self::bytes`]).
     records_bytes: usize,
@@ -138,28 +143,59 @@ impl Learned {
     /// commits that were accepted (their closes end runs' rows in memory).
     pub fn of<'a>(writes: &Writes, batches: impl IntoIterator<Item = &'a PreparedBatch>) -> Self {
         let mut born = Vec::new();
-        let mut kept = Vec::new();
-        for ((cf, k), v) in writes {
-            match cf {
-                // A run's first event is written exactly once: when it is
-                // created.
-                Cf::Events
-                    if v.is_some()
-                        && keys::parse_event_key(k).is_some_and(|(_, s)| s == Seq::FIRST) =>
-                {
+        let kept = writes
+            .iter()
+            .filter(|((cf, k), v)| Self::keeps(*cf, k, v, &mut born))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Self::with(kept, born, batches)
+    }
+
+    /// [`Learned::of`], taking the writes instead of copying what it keeps
+    /// (a writer whose group is already written has no other use for them).
+    pub fn take<'a>(writes: Writes, batches: impl IntoIterator<Item = &'a PreparedBatch>) -> Self {
+        let mut born = Vec::new();
+        let kept = writes
+            .into_iter()
+            .filter(|((cf, k), v)| Self::keeps(*cf, k, v, &mut born))
+            .collect();
+        Self::with(kept, born, batches)
+    }
+
+    /// Whether the cache keeps a write; a run's first event adds the run to
+    /// `born` instead.
+    fn keeps(cf: Cf, k: &[u8], v: &Option<Vec<u8>>, born: &mut Vec<[u8; 16]>) -> bool {
+        match cf {
+            // A run's first event is written exactly once: when it is
+            // created.
+            Cf::Events => {
+                if v.is_some() && keys::parse_event_key(k).is_some_and(|(_, s)| s == Seq::FIRST) {
                     born.extend(keys::run_prefix(k).map(|r| *r.as_bytes()));
                 }
-                Cf::Runs | Cf::Instances => kept.push(((*cf, k.clone()), v.clone())),
-                cf if owner(*cf, k).is_some() => kept.push(((*cf, k.clone()), v.clone())),
-                _ => {}
+                false
+            }
+            Cf::Runs | Cf::Instances => true,
+            cf => owner(cf, k).is_some(),
+        }
+    }
+
+    fn with<'a>(
+        kept: Vec<Write>,
+        born: Vec<[u8; 16]>,
+        batches: impl IntoIterator<Item = &'a PreparedBatch>,
+    ) -> Self {
+        let mut born = born;
+        let mut closed = Vec::new();
+        for append in batches.into_iter().flat_map(|b| &b.batch.appends) {
+            // Found here too when the writes leave the events out
+            // (`EventRows::Caller`); a run counted twice is born once.
+            if append.events.first().is_some_and(|e| e.seq == Seq::FIRST) {
+                born.push(*append.run_id.as_bytes());
+            }
+            if append.events.iter().any(|e| e.kind.closes_run()) {
+                closed.push(*append.run_id.as_bytes());
             }
         }
-        let closed = batches
-            .into_iter()
-            .flat_map(|b| &b.batch.appends)
-            .filter(|a| a.events.iter().any(|e| e.kind.closes_run()))
-            .map(|a| *a.run_id.as_bytes())
-            .collect();
         Learned {
             writes: kept,
             born,
@@ -369,8 +405,11 @@ impl CachedView<'_> {
     /// What the view answers for `key` without the store: `None` when it
     /// does not know.
     pub fn known(&self, cf: Cf, key: &[u8]) -> Option<Option<Vec<u8>>> {
-        if let Some(v) = self.ahead.get(&(cf, key.to_vec())) {
-            return Some(v.clone());
+        // Empty unless the store reads ahead (PostgreSQL).
+        if !self.ahead.is_empty() {
+            if let Some(v) = self.ahead.get(&(cf, key.to_vec())) {
+                return Some(v.clone());
+            }
         }
         if matches!(cf, Cf::Runs | Cf::Instances) {
             return self

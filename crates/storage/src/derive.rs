@@ -240,44 +240,64 @@ pub fn apply_batch_raw(
     checks: Checks,
 ) -> Result<(Writes, RawAck)> {
     let mut overlay = Overlay::new(base);
-    let mut ack = RawAck {
-        appends: Vec::with_capacity(prepared.batch.appends.len()),
-        rows: Vec::new(),
-    };
-    if let Some(fence) = prepared.batch.fence {
-        crate::lease::check_fence(&overlay, fence)?;
-    }
-    for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
-        ack.appends.push(apply_append_checked(
-            &mut overlay,
-            append.run_id,
-            &append.events,
-            encoded,
-            checks,
-        )?);
-    }
-    for (run, info) in &prepared.batch.parked {
-        match info {
-            Some(info) => overlay.put(
-                Cf::Meta,
-                keys::parked_key(*run),
-                enc(RecordKind::Parked, info)?,
-            ),
-            None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
+    let ack = apply_batch_step(&mut overlay, prepared, checks, EventRows::Written)?;
+    Ok((overlay.into_writes(), ack))
+}
+
+/// Validates a whole batch as one [step](Overlay::step) of `out`, a group
+/// commit's overlay holding the commits validated before it: on success its
+/// writes join the group's, on any error `out` is left as it was.
+pub fn apply_batch_step(
+    out: &mut Overlay<'_>,
+    prepared: &PreparedBatch,
+    checks: Checks,
+    rows: EventRows,
+) -> Result<RawAck> {
+    let (appends, stepped) = out.step(|overlay| {
+        let mut appends = Vec::with_capacity(prepared.batch.appends.len());
+        if let Some(fence) = prepared.batch.fence {
+            crate::lease::check_fence(overlay, fence)?;
         }
-    }
-    let writes = overlay.into_writes();
-    // In key order, as the writes are (the column families' order).
-    for (cf, cf_rows) in [Cf::Timers, Cf::Outbox, Cf::Tasks].map(|cf| {
-        let rows = writes
-            .range((cf, Vec::new())..)
-            .take_while(move |((c, _), _)| *c == cf);
-        (cf, rows)
-    }) {
-        ack.rows
-            .extend(cf_rows.map(|((_, k), v)| (cf, k.clone(), v.clone())));
-    }
-    Ok((writes, ack))
+        for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
+            appends.push(append_to(
+                overlay,
+                append.run_id,
+                &append.events,
+                encoded,
+                checks,
+                rows,
+            )?);
+        }
+        for (run, info) in &prepared.batch.parked {
+            match info {
+                Some(info) => overlay.put(
+                    Cf::Meta,
+                    keys::parked_key(*run),
+                    enc(RecordKind::Parked, info)?,
+                ),
+                None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
+            }
+        }
+        Ok::<_, Error>(appends)
+    })?;
+    // The batch's intent rows, each once with its value after the batch,
+    // in key order (the column families' order: timers, outbox, tasks).
+    let mut written: Vec<(Cf, &[u8])> = stepped
+        .keys()
+        .filter(|(cf, _)| matches!(cf, Cf::Timers | Cf::Outbox | Cf::Tasks))
+        .collect();
+    written.sort_unstable();
+    written.dedup();
+    let rows = written
+        .into_iter()
+        .map(|(cf, k)| {
+            let value = out
+                .pending(cf, k)
+                .expect("a key the step wrote is pending in its overlay");
+            (cf, k.to_vec(), value.clone())
+        })
+        .collect();
+    Ok(RawAck { appends, rows })
 }
 
 /// One intent row of a commit's writes, decoded into `ack`.
@@ -403,6 +423,48 @@ pub fn apply_append_checked(
     encoded: &[Vec<u8>],
     checks: Checks,
 ) -> Result<AppendAck> {
+    append_to(out, run, events, encoded, checks, EventRows::Written)
+}
+
+/// Where a validated commit's event rows go.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum EventRows {
+    /// Into the writes, with the rows derived from them.
+    Written,
+    /// Nowhere: the caller writes each accepted batch's encoded events
+    /// itself ([`event_rows`]). RocksDB's writer does: events are most of a
+    /// group's rows and bytes, validation never reads them, and this way
+    /// they are neither copied nor sorted into the group's overlay.
+    Caller,
+}
+
+/// The event rows of an accepted batch: each event's key and its encoded
+/// bytes, as [`EventRows::Written`] would have written them.
+pub fn event_rows(prepared: &PreparedBatch) -> impl Iterator<Item = ([u8; 24], &[u8])> {
+    prepared
+        .batch
+        .appends
+        .iter()
+        .zip(&prepared.encoded)
+        .flat_map(|(append, encoded)| {
+            append
+                .events
+                .iter()
+                .zip(encoded)
+                .map(move |(event, bytes)| {
+                    (keys::event_key_array(append.run_id, event.seq), &bytes[..])
+                })
+        })
+}
+
+fn append_to(
+    out: &mut dyn KvWrite,
+    run: RunId,
+    events: &[Event],
+    encoded: &[Vec<u8>],
+    checks: Checks,
+    rows: EventRows,
+) -> Result<AppendAck> {
     debug_assert_eq!(events.len(), encoded.len());
     let invalid = |detail: String| Error::InvalidCommit { run, detail };
     let (first, last) = match (events.first(), events.last()) {
@@ -457,7 +519,9 @@ pub fn apply_append_checked(
             );
         }
         derive_event(out, run, &mut meta, event, checks)?;
-        out.put(Cf::Events, keys::event_key(run, event.seq), bytes.clone());
+        if rows == EventRows::Written {
+            out.put(Cf::Events, keys::event_key(run, event.seq), bytes.clone());
+        }
     }
     let mut meta = meta.expect("the first event of a new run is WorkflowStarted");
     meta.next_seq = last.seq.next();

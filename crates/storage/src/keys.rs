@@ -92,9 +92,14 @@ impl Cf {
 
 /// `run ‖ seq`.
 pub fn event_key(run: RunId, seq: Seq) -> Vec<u8> {
-    let mut k = Vec::with_capacity(24);
-    k.extend_from_slice(run.as_bytes());
-    k.extend_from_slice(&seq.0.to_be_bytes());
+    event_key_array(run, seq).to_vec()
+}
+
+/// [`event_key`] without an allocation.
+pub fn event_key_array(run: RunId, seq: Seq) -> [u8; 24] {
+    let mut k = [0; 24];
+    k[..16].copy_from_slice(run.as_bytes());
+    k[16..].copy_from_slice(&seq.0.to_be_bytes());
     k
 }
 

@@ -89,6 +89,25 @@ pub fn mutations_of(writes: Writes) -> Vec<Mutation> {
 pub struct Overlay<'a> {
     base: &'a dyn KvRead,
     writes: Cow<'a, Writes>,
+    /// While a [step](Overlay::step) runs: what each of its writes
+    /// replaced, in the order written.
+    undo: Option<Vec<Undo>>,
+}
+
+/// One write of a step and the pending write it replaced (`None`: the key
+/// had none).
+type Undo = ((Cf, Vec<u8>), Option<Option<Vec<u8>>>);
+
+/// The keys a successful [step](Overlay::step) wrote, in the order
+/// written (a key written twice is listed twice).
+#[derive(Debug, Default)]
+pub struct Stepped(Vec<Undo>);
+
+impl Stepped {
+    /// The written keys.
+    pub fn keys(&self) -> impl Iterator<Item = (Cf, &[u8])> {
+        self.0.iter().map(|((cf, k), _)| (*cf, k.as_slice()))
+    }
 }
 
 impl std::fmt::Debug for Overlay<'_> {
@@ -110,6 +129,7 @@ impl<'a> Overlay<'a> {
         Overlay {
             base,
             writes: Cow::Owned(writes),
+            undo: None,
         }
     }
 
@@ -119,12 +139,60 @@ impl<'a> Overlay<'a> {
         Overlay {
             base,
             writes: Cow::Borrowed(writes),
+            undo: None,
         }
     }
 
     /// Takes another overlay's writes on top of this one's.
     pub fn absorb(&mut self, writes: Writes) {
         self.writes.to_mut().extend(writes);
+    }
+
+    /// Runs `f` as one step of this overlay: if it fails, every write it
+    /// made is taken back and the overlay is as before; if it succeeds, its
+    /// writes stay and the keys it wrote come with its result. A group
+    /// commit validates each commit as a step of the group's own overlay,
+    /// so a write goes into one map once and a read searches one map,
+    /// instead of a map per commit merged into the group's afterwards.
+    pub fn step<T, E>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> std::result::Result<T, E>,
+    ) -> std::result::Result<(T, Stepped), E> {
+        assert!(self.undo.is_none(), "overlay steps do not nest");
+        self.undo = Some(Vec::new());
+        let result = f(self);
+        let undo = self.undo.take().unwrap_or_default();
+        match result {
+            Ok(t) => Ok((t, Stepped(undo))),
+            Err(e) => {
+                let writes = self.writes.to_mut();
+                for (key, before) in undo.into_iter().rev() {
+                    match before {
+                        Some(v) => writes.insert(key, v),
+                        None => writes.remove(&key),
+                    };
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The pending write at `key`, if any (`Some(None)`: a delete).
+    pub fn pending(&self, cf: Cf, key: &[u8]) -> Option<&Option<Vec<u8>>> {
+        self.writes.get(&(cf, key.to_vec()))
+    }
+
+    fn write(&mut self, cf: Cf, key: Vec<u8>, value: Option<Vec<u8>>) {
+        let writes = self.writes.to_mut();
+        match &mut self.undo {
+            Some(undo) => {
+                let before = writes.insert((cf, key.clone()), value);
+                undo.push(((cf, key), before));
+            }
+            None => {
+                writes.insert((cf, key), value);
+            }
+        }
     }
 
     /// The writes, for absorbing into a parent overlay.
@@ -190,11 +258,11 @@ impl KvRead for Overlay<'_> {
 
 impl KvWrite for Overlay<'_> {
     fn put(&mut self, cf: Cf, key: Vec<u8>, value: Vec<u8>) {
-        self.writes.to_mut().insert((cf, key), Some(value));
+        self.write(cf, key, Some(value));
     }
 
     fn delete(&mut self, cf: Cf, key: Vec<u8>) {
-        self.writes.to_mut().insert((cf, key), None);
+        self.write(cf, key, None);
     }
 }
 
@@ -260,5 +328,69 @@ impl KvWrite for Maps {
 
     fn delete(&mut self, cf: Cf, key: Vec<u8>) {
         self.cfs[cf.index()].remove(&key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Goal: a failed overlay step leaves the overlay exactly as it was, and
+    // a successful one keeps its writes and names its keys. Method: an
+    // overlay with pending writes over a base, a step that overwrites a
+    // pending put, deletes a pending key, writes a new key twice and reads
+    // its own writes, run once failing and once succeeding.
+    use super::*;
+
+    fn value(o: &Overlay<'_>, cf: Cf, key: &[u8]) -> Option<Vec<u8>> {
+        o.get(cf, key).expect("in memory")
+    }
+
+    #[test]
+    fn a_failed_step_takes_back_every_write_and_a_good_one_keeps_them() {
+        let mut base = Maps::default();
+        base.put(Cf::Runs, b"base".to_vec(), b"b".to_vec());
+        let mut overlay = Overlay::new(&base);
+        overlay.put(Cf::Runs, b"a".to_vec(), b"1".to_vec());
+        overlay.put(Cf::Tasks, b"t".to_vec(), b"2".to_vec());
+        let before = overlay.writes.clone().into_owned();
+
+        let step = |o: &mut Overlay<'_>| {
+            o.put(Cf::Runs, b"a".to_vec(), b"3".to_vec());
+            o.delete(Cf::Tasks, b"t".to_vec());
+            o.delete(Cf::Runs, b"base".to_vec());
+            o.put(Cf::Events, b"new".to_vec(), b"4".to_vec());
+            o.put(Cf::Events, b"new".to_vec(), b"5".to_vec());
+            assert_eq!(value(o, Cf::Runs, b"a"), Some(b"3".to_vec()));
+            assert_eq!(value(o, Cf::Runs, b"base"), None);
+            assert_eq!(value(o, Cf::Tasks, b"t"), None);
+        };
+        let failed = overlay.step(|o| {
+            step(o);
+            Err::<(), _>("refused")
+        });
+        assert_eq!(failed.unwrap_err(), "refused");
+        assert_eq!(*overlay.writes, before);
+        assert_eq!(value(&overlay, Cf::Runs, b"base"), Some(b"b".to_vec()));
+
+        let ((), stepped) = overlay
+            .step(|o| {
+                step(o);
+                Ok::<_, ()>(())
+            })
+            .expect("the step succeeds");
+        let keys: Vec<_> = stepped.keys().collect();
+        assert_eq!(
+            keys,
+            [
+                (Cf::Runs, &b"a"[..]),
+                (Cf::Tasks, b"t"),
+                (Cf::Runs, b"base"),
+                (Cf::Events, b"new"),
+                (Cf::Events, b"new"),
+            ]
+        );
+        assert_eq!(value(&overlay, Cf::Runs, b"a"), Some(b"3".to_vec()));
+        assert_eq!(value(&overlay, Cf::Events, b"new"), Some(b"5".to_vec()));
+        assert_eq!(overlay.pending(Cf::Tasks, b"t"), Some(&None));
+        assert_eq!(value(&overlay, Cf::Runs, b"base"), None);
     }
 }

@@ -30,7 +30,9 @@ use tracing::{debug, info_span};
 use crate::acked;
 use crate::cache::{CachedView, Learned, ReadAhead, ScanAhead, WriterCache};
 use crate::codec::{self, RecordKind};
-use crate::derive::{apply_batch_raw, Checks, CommitAck, CommitBatch, PreparedBatch, RawAck};
+use crate::derive::{
+    apply_batch_step, event_rows, Checks, CommitAck, CommitBatch, EventRows, PreparedBatch, RawAck,
+};
 use crate::error::{Error, Result};
 use crate::health::{
     HealthCell, StoreHealth, WriteFault, STORE_IO_RECOVERY_MS_MAX, STORE_PROBE_INTERVAL_MS,
@@ -38,7 +40,7 @@ use crate::health::{
 };
 use crate::ids::{RunId, Seq};
 use crate::keys::{prefix_end, Cf, STORE_META_KEY};
-use crate::kv::{mutations_of, KvRead, Mutation, Overlay, PrefixVisitor};
+use crate::kv::{KvRead, Mutation, Overlay, PrefixVisitor, Writes};
 use crate::state::StoreMeta;
 use crate::stats::StoreMemory;
 use crate::store::{CommitHandle, Durability, Store};
@@ -671,7 +673,7 @@ fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     mutations.push(Mutation::Put(Cf::Meta, STORE_META_KEY.to_vec(), bytes));
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
-    write_batch(db, mutations, &wo)?;
+    write_mutations(db, mutations, &wo)?;
     tracing::info!(path = %path.display(), rebuilt_runs = ?runs, from, to = SCHEMA_VERSION,
         "migrated the data directory to the current schema");
     Ok(())
@@ -1052,16 +1054,12 @@ fn writer_loop(
             scans: &scans,
         };
         let mut overlay = Overlay::new(&view);
-        let mut results = Vec::with_capacity(group.len());
-        for req in &group {
-            match apply_batch_raw(&overlay, &req.prepared, Checks::ALL) {
-                Ok((writes, ack)) => {
-                    overlay.absorb(writes);
-                    results.push(Ok(ack));
-                }
-                Err(e) => results.push(Err(e)),
-            }
-        }
+        let results: Vec<_> = group
+            .iter()
+            .map(|req| {
+                apply_batch_step(&mut overlay, &req.prepared, Checks::ALL, EventRows::Caller)
+            })
+            .collect();
         stats.validated(validating.elapsed());
         let mut took = None;
         let written = if overlay.is_empty() {
@@ -1071,18 +1069,18 @@ fn writer_loop(
             Err(e)
         } else {
             let writes = overlay.into_writes();
-            let accepted = group
+            let accepted: Vec<&PreparedBatch> = group
                 .iter()
                 .zip(&results)
                 .filter(|(_, r)| r.is_ok())
-                .map(|(req, _)| &req.prepared);
-            let learned = Learned::of(&writes, accepted);
+                .map(|(req, _)| &req.prepared)
+                .collect();
             let started = std::time::Instant::now();
-            let written = write_batch(&db, mutations_of(writes), &wo);
+            let written = write_batch(&db, &writes, &accepted, &wo);
             took = Some(started.elapsed());
             match &written {
                 Ok(()) => {
-                    cache.learn(learned);
+                    cache.learn(Learned::take(writes, accepted));
                     // Synced: acknowledged from here on.
                     if let Some(acked) = &acked {
                         acked.store(db.latest_sequence_number(), Ordering::Release);
@@ -1227,7 +1225,7 @@ impl WriteWatch {
     /// Tries whether a write goes through now (deleting a key that never
     /// exists, synced like a commit: it needs the log to take a record).
     fn probe(&mut self, db: &DB, wo: &WriteOptions) {
-        let written = write_batch(db, vec![Mutation::Delete(Cf::Meta, PROBE_KEY.to_vec())], wo);
+        let written = write_mutations(db, vec![Mutation::Delete(Cf::Meta, PROBE_KEY.to_vec())], wo);
         self.wrote(&written);
     }
 }
@@ -1235,9 +1233,58 @@ impl WriteWatch {
 /// The key a stopped writer's probe deletes (never written).
 const PROBE_KEY: &[u8] = b"keel-write-probe";
 
-fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
+/// Writes a group: `writes`, and the events of the `accepted` batches,
+/// which validation left out of them (`EventRows::Caller`).
+fn write_batch(
+    db: &DB,
+    writes: &Writes,
+    accepted: &[&PreparedBatch],
+    wo: &WriteOptions,
+) -> Result<()> {
     // Each family's handle is looked up once per batch (a search of the
     // open's family names by string), not once per key.
+    let handles = Cf::ALL.map(|cf| db.cf_handle(cf.name()));
+    let handle = |cf: Cf| handles[cf.index()].ok_or(Error::Closed);
+    // Sized once: RocksDB's record of a write is a tag, the family, two
+    // lengths and the bytes, so the batch's buffer is not grown (and
+    // copied) as it fills.
+    let bytes: usize = writes
+        .iter()
+        .map(|((_, k), v)| k.len() + v.as_ref().map_or(0, Vec::len))
+        .sum::<usize>()
+        + writes.len() * WRITE_BATCH_RECORD_HEADER_BYTES_MAX
+        + WRITE_BATCH_HEADER_BYTES
+        + accepted
+            .iter()
+            .flat_map(|p| p.encoded.iter().flatten())
+            .map(|e| e.len() + 24 + WRITE_BATCH_RECORD_HEADER_BYTES_MAX)
+            .sum::<usize>();
+    let mut batch = WriteBatch::with_capacity_bytes(bytes);
+    let events = handle(Cf::Events)?;
+    for prepared in accepted {
+        for (key, bytes) in event_rows(prepared) {
+            batch.put_cf(events, key, bytes);
+        }
+    }
+    for ((cf, k), v) in writes {
+        match v {
+            Some(v) => batch.put_cf(handle(*cf)?, k, v),
+            None => batch.delete_cf(handle(*cf)?, k),
+        }
+    }
+    write_opt(db, batch, wo)
+}
+
+/// RocksDB's fixed header of a write batch: a sequence number and a count.
+const WRITE_BATCH_HEADER_BYTES: usize = 12;
+
+/// The most a write batch's record adds to its key and value: a tag byte,
+/// the family's id and the two lengths, each a varint of at most 5 bytes.
+const WRITE_BATCH_RECORD_HEADER_BYTES_MAX: usize = 16;
+
+/// Writes `mutations` in their order as one batch (a delete and then a
+/// put of the same key leave the put).
+fn write_mutations(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
     let handles = Cf::ALL.map(|cf| db.cf_handle(cf.name()));
     let handle = |cf: Cf| handles[cf.index()].ok_or(Error::Closed);
     let mut batch = WriteBatch::default();
@@ -1247,6 +1294,10 @@ fn write_batch(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<(
             Mutation::Delete(cf, k) => batch.delete_cf(handle(cf)?, k),
         }
     }
+    write_opt(db, batch, wo)
+}
+
+fn write_opt(db: &DB, batch: WriteBatch, wo: &WriteOptions) -> Result<()> {
     db.write_opt(batch, wo).map_err(|e| {
         let detail = e.into_string();
         Error::Unwritable {
