@@ -1361,3 +1361,80 @@ fn a_child_that_never_started_takes_its_cancellation_with_it() {
         assert!(store.verify().unwrap().ok);
     });
 }
+
+#[test]
+fn a_group_keeps_its_good_commits_and_answers_each_with_its_own_rows() {
+    // Goal: validating a group as steps of one overlay (RocksDB's writer)
+    // writes and answers exactly what validating its good commits one by
+    // one does; a refused commit between them leaves no trace, and leaving
+    // the events to the writer leaves only them out. Method: four batches
+    // over empty maps (a start and a schedule; a completion, a schedule
+    // and then a completion of an unknown step, refused; the same without
+    // the bad event; another run's start), validated as one group both
+    // ways and one by one, comparing the writes and each answer.
+    use keel_storage::derive::{apply_batch, apply_batch_step, Checks, EventRows, PreparedBatch};
+    use keel_storage::keys::Cf;
+    use keel_storage::kv::{mutations_of, Maps, Overlay};
+    let (a, b) = (run_id(1), run_id(2));
+    let prepare = |run, events| PreparedBatch::new(CommitBatch::append(run, events)).unwrap();
+    let batches = [
+        prepare(
+            a,
+            vec![
+                ev(1, 100, started(a, "a", "wf")),
+                ev(2, 100, scheduled(a, 1)),
+            ],
+        ),
+        prepare(
+            a,
+            vec![
+                ev(3, 200, completed(a, 1, 1)),
+                ev(4, 200, scheduled(a, 2)),
+                ev(5, 200, completed(a, 9, 1)),
+            ],
+        ),
+        prepare(
+            a,
+            vec![ev(3, 200, completed(a, 1, 1)), ev(4, 200, scheduled(a, 2))],
+        ),
+        prepare(b, vec![ev(1, 300, started(b, "b", "wf"))]),
+    ];
+
+    // One by one, each good commit over the writes of those before it.
+    let mut maps = Maps::default();
+    let mut alone = Vec::new();
+    let mut all_writes = keel_storage::kv::Writes::new();
+    for (i, batch) in batches.iter().enumerate() {
+        match apply_batch(&maps, batch) {
+            Ok((writes, ack)) => {
+                maps.apply(&mutations_of(writes.clone()));
+                all_writes.extend(writes);
+                alone.push(Some(ack));
+            }
+            Err(e) => {
+                assert_eq!(i, 1, "only the second batch is bad: {e}");
+                alone.push(None);
+            }
+        }
+    }
+
+    for rows in [EventRows::Written, EventRows::Caller] {
+        let empty = Maps::default();
+        let mut group = Overlay::new(&empty);
+        let answers: Vec<_> = batches
+            .iter()
+            .map(|batch| {
+                apply_batch_step(&mut group, batch, Checks::ALL, rows)
+                    .and_then(|raw| raw.decode())
+                    .ok()
+            })
+            .collect();
+        assert_eq!(answers, alone, "{rows:?}");
+        let expected: keel_storage::kv::Writes = all_writes
+            .iter()
+            .filter(|((cf, _), _)| rows == EventRows::Written || *cf != Cf::Events)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(group.into_writes(), expected, "{rows:?}");
+    }
+}
