@@ -196,6 +196,9 @@ impl Learned {
                 closed.push(*append.run_id.as_bytes());
             }
         }
+        // Once each: `learn` bounds the cache by how many runs are born.
+        born.sort_unstable();
+        born.dedup();
         Learned {
             writes: kept,
             born,

@@ -1241,9 +1241,7 @@ fn write_batch(
     accepted: &[&PreparedBatch],
     wo: &WriteOptions,
 ) -> Result<()> {
-    // Each family's handle is looked up once per batch (a search of the
-    // open's family names by string), not once per key.
-    let handles = Cf::ALL.map(|cf| db.cf_handle(cf.name()));
+    let handles = handles(db);
     let handle = |cf: Cf| handles[cf.index()].ok_or(Error::Closed);
     // Sized once: RocksDB's record of a write is a tag, the family, two
     // lengths and the bytes, so the batch's buffer is not grown (and
@@ -1285,7 +1283,7 @@ const WRITE_BATCH_RECORD_HEADER_BYTES_MAX: usize = 16;
 /// Writes `mutations` in their order as one batch (a delete and then a
 /// put of the same key leave the put).
 fn write_mutations(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
-    let handles = Cf::ALL.map(|cf| db.cf_handle(cf.name()));
+    let handles = handles(db);
     let handle = |cf: Cf| handles[cf.index()].ok_or(Error::Closed);
     let mut batch = WriteBatch::default();
     for m in mutations {
@@ -1295,6 +1293,12 @@ fn write_mutations(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Resu
         }
     }
     write_opt(db, batch, wo)
+}
+
+/// Each family's handle, looked up once per batch (a search of the open's
+/// family names by string), not once per key; `None` once closed.
+fn handles(db: &DB) -> [Option<&rocksdb::ColumnFamily>; Cf::ALL.len()] {
+    Cf::ALL.map(|cf| db.cf_handle(cf.name()))
 }
 
 fn write_opt(db: &DB, batch: WriteBatch, wo: &WriteOptions) -> Result<()> {
