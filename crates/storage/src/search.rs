@@ -393,13 +393,31 @@ pub fn attributes_as_payloads(attrs: &[(String, SearchValue)]) -> Vec<(String, P
 /// Appends `s` so that the bytes sort as the string does and end at an
 /// unambiguous terminator: `0x00` becomes `0x00 0xff`, the end `0x00 0x01`.
 fn push_str(out: &mut Vec<u8>, s: &str) {
-    for &b in s.as_bytes() {
-        out.push(b);
-        if b == 0 {
-            out.push(0xff);
+    let bytes = s.as_bytes();
+    out.reserve(bytes.len() + 2);
+    if bytes.contains(&0) {
+        for &b in bytes {
+            out.push(b);
+            if b == 0 {
+                out.push(0xff);
+            }
         }
+    } else {
+        out.extend_from_slice(bytes);
     }
     out.extend_from_slice(&[0, 1]);
+}
+
+/// The most bytes an index key's tail adds: the inverted start time and
+/// the run id.
+const INDEX_TAIL_BYTES: usize = 8 + 16;
+
+/// The bytes of an index key with a one- or two-byte prefix, `text`
+/// escaped and terminated, and the tail: keys are sized once instead of
+/// growing as they are built (the writer builds them for every run that
+/// starts or closes).
+fn index_key_capacity(text: &str) -> usize {
+    2 + text.len() + 2 + INDEX_TAIL_BYTES
 }
 
 fn inverted(t: Timestamp) -> [u8; 8] {
@@ -470,26 +488,35 @@ pub fn index_keys(meta: &RunMeta) -> Vec<Vec<u8>> {
         k.extend_from_slice(&inverted(meta.started_at));
         k.extend_from_slice(meta.run_id.as_bytes());
     };
+    let workflow_type = meta.workflow_type.as_str();
     let mut out = Vec::with_capacity(6 + meta.search_attributes.len());
-    let mut k = status_prefix(meta.status, None);
+    let mut k = Vec::with_capacity(index_key_capacity(""));
+    k.extend_from_slice(&[BY_STATUS, meta.status.code()]);
     tail(&mut k);
     out.push(k);
-    let mut k = status_prefix(meta.status, Some(&meta.workflow_type));
+    let mut k = Vec::with_capacity(index_key_capacity(workflow_type));
+    k.extend_from_slice(&[BY_STATUS_TYPE, meta.status.code()]);
+    push_str(&mut k, workflow_type);
     tail(&mut k);
     out.push(k);
-    let mut k = vec![BY_TYPE];
-    push_str(&mut k, &meta.workflow_type);
+    let mut k = Vec::with_capacity(index_key_capacity(workflow_type));
+    k.push(BY_TYPE);
+    push_str(&mut k, workflow_type);
     tail(&mut k);
     out.push(k);
-    let mut k = vec![BY_INSTANCE];
-    push_str(&mut k, meta.instance_id.as_str());
+    let instance = meta.instance_id.as_str();
+    let mut k = Vec::with_capacity(index_key_capacity(instance));
+    k.push(BY_INSTANCE);
+    push_str(&mut k, instance);
     tail(&mut k);
     out.push(k);
-    let mut k = vec![BY_START];
+    let mut k = Vec::with_capacity(index_key_capacity(""));
+    k.push(BY_START);
     tail(&mut k);
     out.push(k);
     if let Some(closed) = meta.closed_at {
-        let mut k = vec![BY_CLOSE];
+        let mut k = Vec::with_capacity(index_key_capacity(""));
+        k.push(BY_CLOSE);
         k.extend_from_slice(&inverted(closed));
         k.extend_from_slice(meta.run_id.as_bytes());
         out.push(k);
@@ -1371,6 +1398,22 @@ mod tests {
     // refuses the rest with where and why; key encodings sort as values do.
     // Method: table of texts; pairs of values compared through their keys.
     use super::*;
+
+    #[test]
+    fn strings_in_keys_escape_their_zero_bytes_and_sort_as_strings() {
+        let key = |s: &str| {
+            let mut k = vec![BY_TYPE];
+            push_str(&mut k, s);
+            k
+        };
+        assert_eq!(key("a\0b"), [BY_TYPE, b'a', 0, 0xff, b'b', 0, 1]);
+        assert_eq!(key("ab"), [BY_TYPE, b'a', b'b', 0, 1]);
+        let mut texts = ["", "a", "a\0", "a\0\0", "a\u{1}", "ab", "b", "\0"];
+        let mut keys: Vec<Vec<u8>> = texts.iter().map(|t| key(t)).collect();
+        texts.sort_unstable();
+        keys.sort_unstable();
+        assert_eq!(keys, texts.iter().map(|t| key(t)).collect::<Vec<_>>());
+    }
 
     #[test]
     fn parses_conditions_and_refuses_bad_text() {
