@@ -964,6 +964,12 @@ fn bench_w1_reports_its_p50_over_the_disks_fsync() {
         (ratio - p50 / (per_workflow * fsync)).abs() < 1e-9,
         "the ratio is the p50 over four syncs: {synced}"
     );
+    let commit = synced["writer"]["commit_ms_mean"].as_f64().unwrap();
+    let engine_share = synced["disk"]["p50_over_commits"].as_f64().unwrap();
+    assert!(
+        commit > 0.0 && (engine_share - p50 / (per_workflow * commit)).abs() < 1e-9,
+        "the engine's share is the p50 over four commits as answered: {synced}"
+    );
     let buffered = run(&["--buffered"]);
     assert_eq!(buffered["workload"], "w1 concurrency=1 buffered");
     assert!(buffered["disk"].is_null(), "{buffered}");
