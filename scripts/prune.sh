@@ -25,9 +25,10 @@ keel_prune_except() {
   while IFS= read -r path; do
     [ -n "$path" ] || continue
     grep -qxF "$path" <<<"$keep" && continue
-    kb=$(du -sk "$path" | cut -f1)
+    # A file another cargo removed meanwhile counts as nothing freed.
+    kb=$(du -sk "$path" 2>/dev/null | cut -f1 || true)
     rm -rf "$path" "$path.d"
-    freed_kb=$((freed_kb + kb))
+    freed_kb=$((freed_kb + ${kb:-0}))
     n=$((n + 1))
   done < <(keel_prune_candidates "$release")
   echo "keel: pruned $n old test executables and incremental caches ($((freed_kb / 1024)) MiB) from $CARGO_TARGET_DIR" >&2
