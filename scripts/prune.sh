@@ -39,11 +39,22 @@ keel_prune_except() {
 keel_prune_for_build() {
   local release="${CARGO_TARGET_DIR:?}/release" free_gib
   [ -d "$release" ] || return 0
-  free_gib=$(df -P -BG "$release" | awk 'NR == 2 { sub("G", "", $4); print $4 }')
+  free_gib=$(keel_free_gib "$release")
   if [ "${free_gib:-0}" -lt "$KEEL_TEST_BUILD_SPACE_GIB" ]; then
     echo "keel: ${free_gib} GiB free, the test build needs about ${KEEL_TEST_BUILD_SPACE_GIB}" >&2
     keel_prune_except "$release" ""
+    free_gib=$(keel_free_gib "$release")
+    if [ "${free_gib:-0}" -lt "$KEEL_TEST_BUILD_SPACE_GIB" ]; then
+      # Said now, so that a linker killed later by a full disk (SIGBUS)
+      # has an explanation above it.
+      echo "keel: warning: still only ${free_gib} GiB free in $CARGO_TARGET_DIR; the build may fill the disk (files younger than an hour were kept: another cargo may be using them)" >&2
+    fi
   fi
+}
+
+# Free GiB on the disk that holds "$1".
+keel_free_gib() {
+  df -P -BG "$1" | awk 'NR == 2 { sub("G", "", $4); print $4 }'
 }
 
 # After the tests: removes the old executables that are not this
