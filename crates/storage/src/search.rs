@@ -408,18 +408,6 @@ fn push_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&[0, 1]);
 }
 
-/// The most bytes an index key's tail adds: the inverted start time and
-/// the run id.
-const INDEX_TAIL_BYTES: usize = 8 + 16;
-
-/// The bytes of an index key with a one- or two-byte prefix, `text`
-/// escaped and terminated, and the tail: keys are sized once instead of
-/// growing as they are built (the writer builds them for every run that
-/// starts or closes).
-fn index_key_capacity(text: &str) -> usize {
-    2 + text.len() + 2 + INDEX_TAIL_BYTES
-}
-
 fn inverted(t: Timestamp) -> [u8; 8] {
     (u64::MAX - t.0).to_be_bytes()
 }
@@ -462,12 +450,17 @@ pub fn count_status(
 }
 
 fn status_prefix(status: RunStatus, workflow_type: Option<&str>) -> Vec<u8> {
+    let mut k = Vec::new();
+    push_status_prefix(&mut k, status, workflow_type);
+    k
+}
+
+fn push_status_prefix(out: &mut Vec<u8>, status: RunStatus, workflow_type: Option<&str>) {
     match workflow_type {
-        None => vec![BY_STATUS, status.code()],
+        None => out.extend_from_slice(&[BY_STATUS, status.code()]),
         Some(t) => {
-            let mut k = vec![BY_STATUS_TYPE, status.code()];
-            push_str(&mut k, t);
-            k
+            out.extend_from_slice(&[BY_STATUS_TYPE, status.code()]);
+            push_str(out, t);
         }
     }
 }
@@ -484,47 +477,46 @@ fn attribute_prefix(name: &str, value: Option<&SearchValue>, tag: u8) -> Vec<u8>
 
 /// Every index key of a run in the state `meta` describes.
 pub fn index_keys(meta: &RunMeta) -> Vec<Vec<u8>> {
-    let tail = |k: &mut Vec<u8>| {
+    // The inverted start time and the run id.
+    const TAIL_BYTES: usize = 8 + 16;
+    // Each key is sized once for its prefix (two bytes at most), an
+    // escaped string and its terminator, and the tail, instead of growing
+    // as it is built: the writer builds them for every run that starts or
+    // closes.
+    let sized = |text: &str| Vec::with_capacity(2 + text.len() + 2 + TAIL_BYTES);
+    let tail = |mut k: Vec<u8>| {
         k.extend_from_slice(&inverted(meta.started_at));
         k.extend_from_slice(meta.run_id.as_bytes());
+        k
     };
-    let workflow_type = meta.workflow_type.as_str();
+    let (workflow_type, instance) = (meta.workflow_type.as_str(), meta.instance_id.as_str());
     let mut out = Vec::with_capacity(6 + meta.search_attributes.len());
-    let mut k = Vec::with_capacity(index_key_capacity(""));
-    k.extend_from_slice(&[BY_STATUS, meta.status.code()]);
-    tail(&mut k);
-    out.push(k);
-    let mut k = Vec::with_capacity(index_key_capacity(workflow_type));
-    k.extend_from_slice(&[BY_STATUS_TYPE, meta.status.code()]);
-    push_str(&mut k, workflow_type);
-    tail(&mut k);
-    out.push(k);
-    let mut k = Vec::with_capacity(index_key_capacity(workflow_type));
+    let mut k = sized("");
+    push_status_prefix(&mut k, meta.status, None);
+    out.push(tail(k));
+    let mut k = sized(workflow_type);
+    push_status_prefix(&mut k, meta.status, Some(workflow_type));
+    out.push(tail(k));
+    let mut k = sized(workflow_type);
     k.push(BY_TYPE);
     push_str(&mut k, workflow_type);
-    tail(&mut k);
-    out.push(k);
-    let instance = meta.instance_id.as_str();
-    let mut k = Vec::with_capacity(index_key_capacity(instance));
+    out.push(tail(k));
+    let mut k = sized(instance);
     k.push(BY_INSTANCE);
     push_str(&mut k, instance);
-    tail(&mut k);
-    out.push(k);
-    let mut k = Vec::with_capacity(index_key_capacity(""));
+    out.push(tail(k));
+    let mut k = sized("");
     k.push(BY_START);
-    tail(&mut k);
-    out.push(k);
+    out.push(tail(k));
     if let Some(closed) = meta.closed_at {
-        let mut k = Vec::with_capacity(index_key_capacity(""));
+        let mut k = sized("");
         k.push(BY_CLOSE);
         k.extend_from_slice(&inverted(closed));
         k.extend_from_slice(meta.run_id.as_bytes());
         out.push(k);
     }
     for (name, value) in &meta.search_attributes {
-        let mut k = attribute_prefix(name, Some(value), 0);
-        tail(&mut k);
-        out.push(k);
+        out.push(tail(attribute_prefix(name, Some(value), 0)));
     }
     out
 }
