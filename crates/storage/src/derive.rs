@@ -239,9 +239,57 @@ pub fn apply_batch_raw(
     prepared: &PreparedBatch,
     checks: Checks,
 ) -> Result<(Writes, RawAck)> {
+    // A fresh overlay holds this batch's writes only: an error drops it
+    // whole, so no step (and no record of what each write replaced) is
+    // needed, and every intent row in it is the batch's.
     let mut overlay = Overlay::new(base);
-    let ack = apply_batch_step(&mut overlay, prepared, checks, EventRows::Written)?;
-    Ok((overlay.into_writes(), ack))
+    let appends = validate_batch(&mut overlay, prepared, checks, EventRows::Written)?;
+    let writes = overlay.into_writes();
+    let rows = writes
+        .iter()
+        .filter(|((cf, _), _)| is_intent_family(*cf))
+        .map(|((cf, k), v)| (*cf, k.clone(), v.clone()))
+        .collect();
+    Ok((writes, RawAck { appends, rows }))
+}
+
+/// The families of intent rows, which a commit's answer carries.
+fn is_intent_family(cf: Cf) -> bool {
+    matches!(cf, Cf::Timers | Cf::Outbox | Cf::Tasks)
+}
+
+/// Validates every append and parking of a batch into `overlay`.
+fn validate_batch(
+    overlay: &mut Overlay<'_>,
+    prepared: &PreparedBatch,
+    checks: Checks,
+    rows: EventRows,
+) -> Result<Vec<AppendAck>> {
+    let mut appends = Vec::with_capacity(prepared.batch.appends.len());
+    if let Some(fence) = prepared.batch.fence {
+        crate::lease::check_fence(overlay, fence)?;
+    }
+    for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
+        appends.push(append_to(
+            overlay,
+            append.run_id,
+            &append.events,
+            encoded,
+            checks,
+            rows,
+        )?);
+    }
+    for (run, info) in &prepared.batch.parked {
+        match info {
+            Some(info) => overlay.put(
+                Cf::Meta,
+                keys::parked_key(*run),
+                enc(RecordKind::Parked, info)?,
+            ),
+            None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
+        }
+    }
+    Ok(appends)
 }
 
 /// Validates a whole batch as one [step](Overlay::step) of `out`, a group
@@ -253,38 +301,12 @@ pub fn apply_batch_step(
     checks: Checks,
     rows: EventRows,
 ) -> Result<RawAck> {
-    let (appends, stepped) = out.step(|overlay| {
-        let mut appends = Vec::with_capacity(prepared.batch.appends.len());
-        if let Some(fence) = prepared.batch.fence {
-            crate::lease::check_fence(overlay, fence)?;
-        }
-        for (append, encoded) in prepared.batch.appends.iter().zip(&prepared.encoded) {
-            appends.push(append_to(
-                overlay,
-                append.run_id,
-                &append.events,
-                encoded,
-                checks,
-                rows,
-            )?);
-        }
-        for (run, info) in &prepared.batch.parked {
-            match info {
-                Some(info) => overlay.put(
-                    Cf::Meta,
-                    keys::parked_key(*run),
-                    enc(RecordKind::Parked, info)?,
-                ),
-                None => overlay.delete(Cf::Meta, keys::parked_key(*run)),
-            }
-        }
-        Ok::<_, Error>(appends)
-    })?;
+    let (appends, stepped) = out.step(|overlay| validate_batch(overlay, prepared, checks, rows))?;
     // The batch's intent rows, each once with its value after the batch,
     // in key order (the column families' order: timers, outbox, tasks).
     let mut written: Vec<(Cf, &[u8])> = stepped
         .keys()
-        .filter(|(cf, _)| matches!(cf, Cf::Timers | Cf::Outbox | Cf::Tasks))
+        .filter(|(cf, _)| is_intent_family(*cf))
         .collect();
     written.sort_unstable();
     written.dedup();
