@@ -32,6 +32,21 @@ pub trait KvRead {
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<()>;
 
+    /// [`KvRead::scan`] for a pass that reads its rows once and keeps
+    /// none of them (describing a run streams its whole history): where
+    /// the store caches the blocks it reads, this pass leaves the cache to
+    /// the rows read again, so a long history neither evicts them nor
+    /// grows the process up to the cache's bound.
+    fn scan_once(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        self.scan(cf, prefix, from, visit)
+    }
+
     /// Visits, for each of `prefixes` in turn, the keys that start with
     /// it, in key order: `visit(i, item)` gets the prefix's index, and
     /// returning false moves on to the next prefix. A read that fails

@@ -100,7 +100,10 @@ const RACED_OPEN_TRIES_MAX: u32 = 8;
 pub const LIVE_COPY_ATTEMPTS_MAX: u32 = 50;
 
 /// Memory all memtables together may use before RocksDB flushes them.
-pub const MEMTABLES_BYTES_MAX: usize = 32 << 20;
+/// They are the largest part of what a long import or a 100,000-member
+/// fan-out grows the process by; W1 runs no slower at 16 MiB than at 32
+/// (BENCHMARKS.md, "the memtables halved").
+pub const MEMTABLES_BYTES_MAX: usize = 16 << 20;
 
 /// Memory for table blocks read from disk, one cache shared by every
 /// column family. (Left unset, RocksDB gives each family its own 32 MiB
@@ -858,6 +861,16 @@ impl KvRead for RocksStore {
         // reads each block once; engines and followers read them again.
         let fill_cache = self.mode != OpenMode::ReadOnly;
         DbView(&self.db).scan_filling(cf, prefix, from, fill_cache, visit)
+    }
+
+    fn scan_once(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
+        DbView(&self.db).scan_filling(cf, prefix, from, false, visit)
     }
 
     fn scan_prefixes(&self, cf: Cf, prefixes: &[Vec<u8>], visit: &mut PrefixVisitor<'_>) {

@@ -159,20 +159,34 @@ pub trait Store: Send + Sync + 'static {
         from: Seq,
         visit: &mut dyn FnMut(Event) -> bool,
     ) -> Result<()> {
-        let mut failure = None;
-        self.view().scan(
-            Cf::Events,
-            run.as_bytes(),
-            &keys::event_key(run, from),
-            &mut |k, v| match decode_event(run, k, v) {
-                Ok(e) => visit(e),
-                Err(e) => {
-                    failure = Some(e);
-                    false
-                }
-            },
-        )?;
-        failure.map_or(Ok(()), Err)
+        each_event(run, visit, |rows| {
+            self.view().scan(
+                Cf::Events,
+                run.as_bytes(),
+                &keys::event_key(run, from),
+                rows,
+            )
+        })
+    }
+
+    /// [`Store::for_each_event`] for a pass that keeps nothing it reads
+    /// ([`KvRead::scan_once`]): describing a run streams its whole history
+    /// once, and a history of a million events must not fill the block
+    /// cache on its way.
+    fn for_each_event_once(
+        &self,
+        run: RunId,
+        from: Seq,
+        visit: &mut dyn FnMut(Event) -> bool,
+    ) -> Result<()> {
+        each_event(run, visit, |rows| {
+            self.view().scan_once(
+                Cf::Events,
+                run.as_bytes(),
+                &keys::event_key(run, from),
+                rows,
+            )
+        })
     }
 
     /// The whole histories of `runs`, one after another in the order
@@ -538,6 +552,25 @@ fn scan_typed<T: serde::de::DeserializeOwned>(
         }
     })?;
     failure.map_or(Ok(out), Err)
+}
+
+/// The events of `run` that `scan` reads, decoded, each given to `visit`
+/// until it returns false; a record that does not decode ends the read
+/// with its error.
+fn each_event(
+    run: RunId,
+    visit: &mut dyn FnMut(Event) -> bool,
+    scan: impl FnOnce(&mut dyn FnMut(&[u8], &[u8]) -> bool) -> Result<()>,
+) -> Result<()> {
+    let mut failure = None;
+    scan(&mut |k, v| match decode_event(run, k, v) {
+        Ok(e) => visit(e),
+        Err(e) => {
+            failure = Some(e);
+            false
+        }
+    })?;
+    failure.map_or(Ok(()), Err)
 }
 
 /// One record of the events family, decoded; a record that does not decode

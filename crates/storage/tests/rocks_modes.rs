@@ -568,3 +568,51 @@ fn a_schema_4_directory_is_read_as_it_is_and_only_its_version_migrates() {
     assert!(body_is_map(&record(a.run)), "untouched by the migration");
     assert!(!body_is_map(&record(b.run)), "written again by this build");
 }
+
+/// Goal: a history read once (how `describe` streams a run's whole history)
+/// leaves the block cache as it found it, so a long history neither evicts
+/// the engine's working set nor grows the process up to the cache's bound;
+/// an ordinary read of the same history does fill it.
+/// Method: a run of 4,001 events flushed to a table file, read with
+/// `for_each_event_once` and then `for_each_event`, the block cache's usage
+/// taken from `Store::memory` before and after each.
+#[test]
+fn a_history_read_once_leaves_the_block_cache_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let mut r = RunBuilder::new(run_id(7), 100);
+    r.commit(&store, vec![started(r.run, "long", "wf")])
+        .unwrap();
+    for chunk in 0..40u32 {
+        let kinds = (0..100u32)
+            .map(|i| signal("tick", &[(chunk * 100 + i) as u8; 64]))
+            .collect();
+        r.commit(&store, kinds).unwrap();
+    }
+    store.flush().unwrap();
+    let cached = |s: &RocksStore| s.memory().unwrap().block_cache_bytes;
+    let before = cached(&store);
+    let mut once = 0u64;
+    store
+        .for_each_event_once(r.run, keel_storage::Seq::FIRST, &mut |_| {
+            once += 1;
+            true
+        })
+        .unwrap();
+    assert_eq!(once, 4_001, "every event is read");
+    assert_eq!(cached(&store), before, "nothing read once is kept");
+    let mut again = 0u64;
+    store
+        .for_each_event(r.run, keel_storage::Seq::FIRST, &mut |_| {
+            again += 1;
+            true
+        })
+        .unwrap();
+    assert_eq!(again, 4_001);
+    assert!(
+        cached(&store) > before + 64 * 1024,
+        "an ordinary read caches the blocks it read: {} -> {}",
+        before,
+        cached(&store)
+    );
+}

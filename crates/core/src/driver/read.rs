@@ -291,7 +291,7 @@ impl ReadQuery {
                 None => ReadResult::Describe(None),
                 Some(meta) => {
                     let mut facts = keel_storage::history::HistoryFacts::default();
-                    store.for_each_event(*run, Seq::FIRST, &mut |e| {
+                    store.for_each_event_once(*run, Seq::FIRST, &mut |e| {
                         facts.see(&e);
                         true
                     })?;
