@@ -1,13 +1,13 @@
 # Sourced by .ci/run: keeps the shared target directory from filling the
 # disk. A checkout at a new path (a clean CI clone) gives each package a
-# new hash, so cargo writes a new test executable per test target (about
-# 70, each 500-600 MB with RocksDB linked in: about 42 GB in all) and new
-# incremental caches, and never removes the old ones. Libraries (.rlib,
+# new hash, so cargo writes a new executable per test and example target
+# (about 30, each 300-560 MB with RocksDB linked in: about 11 GB in all)
+# and new incremental caches (about 7 GB), and never removes the old ones. Libraries (.rlib,
 # RocksDB's build) are never touched here, so nothing makes a build compile
 # RocksDB again: a checkout whose tests were removed only builds them again.
 
 # Free space (GiB) the test build needs on the target directory's disk.
-KEEL_TEST_BUILD_SPACE_GIB=50
+KEEL_TEST_BUILD_SPACE_GIB=25
 
 # Test and example executables (the files cargo marks executable that are
 # not libraries) and incremental caches, untouched for an hour: a cargo

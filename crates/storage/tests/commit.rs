@@ -9,11 +9,9 @@
 // written" is checked by comparing a byte dump of every column family
 // before and after the refused commit.
 
-mod common;
-
 use std::sync::Barrier;
 
-use common::*;
+use crate::common::*;
 use keel_storage::{
     AppendAck, CommitBatch, Durability, DurableKey, Error, Event, EventKind, InstanceId, MemStore,
     OutboxMessage, Outcome, ParentClosePolicy, ParentRef, Payload, PgStore, RocksStore, RunAppend,

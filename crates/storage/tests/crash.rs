@@ -6,9 +6,7 @@
 // Method: take a byte snapshot after every commit; after a crash the live
 // state must equal the snapshot of the last commit that should survive.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use keel_storage::keys::Cf;
 use keel_storage::kv::Maps;
 use keel_storage::{CrashMode, Durability, Error, MemStore, Seq, Store};

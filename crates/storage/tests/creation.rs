@@ -8,9 +8,7 @@
 // crates/cli/tests/crash.rs), and so are the directories of secondaries
 // whose process was killed.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use keel_storage::{Durability, Error, RocksStore, Store};
 
 fn leftovers(parent: &std::path::Path) -> Vec<String> {

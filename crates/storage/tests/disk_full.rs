@@ -9,13 +9,11 @@
 //! free, checking every 5 s), the store is polled until healthy, and the
 //! directory is reopened and compared with every acknowledged commit.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use keel_storage::{Durability, Error, RocksStore, Store, StoreHealth, WriteFault};
 
 /// Size of the file system the test fills.

@@ -8,9 +8,7 @@
 // through `MemStore::with_live_mut` and commits across the boundary.
 // Payloads are built one byte either side of the limit.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use keel_storage::codec::{self, RecordKind};
 use keel_storage::keys::{self, Cf};
 use keel_storage::{

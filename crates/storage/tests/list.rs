@@ -13,9 +13,7 @@
 // runs in key order, shuffled, repeated and absent, and visitors that stop
 // early.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use keel_storage::keys::Cf;
 use keel_storage::search::{self, Field, Op};
 use keel_storage::{

@@ -12,11 +12,9 @@
 //! acknowledged-commit record is written), then damage a copy of the
 //! directory the way each case does and open it.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::*;
+use crate::common::*;
 use keel_storage::acked::ACKED_FILE;
 use keel_storage::{wal, Durability, Error, RocksStore, Store};
 

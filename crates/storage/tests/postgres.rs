@@ -23,12 +23,10 @@
 // (keel_cert) prove the connection really is encrypted, and certificates
 // of the wrong authority or for another host name are refused.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use keel_storage::{
     CommitBatch, DatabaseFault, Error, Fence, Note, PgOptions, PgStore, Relay, RelayTo, Seq,
     ShardLease, ShardLeases, Store, Timestamp, SCHEMA_VERSION, SCHEMA_VERSION_READ_AS_IS,

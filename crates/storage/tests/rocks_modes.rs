@@ -7,11 +7,9 @@
 // Method: real stores in tempdirs; the schema-version case writes the store
 // metadata record directly through the `rocksdb` crate after closing.
 
-mod common;
-
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use keel_storage::codec::{self, RecordKind};
 use keel_storage::keys::{Cf, STORE_META_KEY};
 use keel_storage::{
@@ -330,7 +328,7 @@ fn commits_queued_before_close_are_answered() {
 }
 
 /// Finds `needle` in the `.sst` files of `dir`: (file, offset) of each hit.
-pub fn find_in_ssts(dir: &Path, needle: &[u8]) -> Vec<(std::path::PathBuf, usize)> {
+pub(crate) fn find_in_ssts(dir: &Path, needle: &[u8]) -> Vec<(std::path::PathBuf, usize)> {
     let mut hits = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
@@ -398,13 +396,12 @@ fn second_writer_in_another_process_is_locked_out() {
     use std::process::{Command, Stdio};
     let dir = tempfile::tempdir().unwrap();
     populated(dir.path()).0.close().unwrap();
+    // The helper's name as the test harness knows it: its module path
+    // without the crate's name.
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    let helper = format!("{module}::helper_hold_writer_open");
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "helper_hold_writer_open",
-            "--ignored",
-            "--nocapture",
-        ])
+        .args(["--exact", &helper, "--ignored", "--nocapture"])
         .env(HOLD_DIR_VAR, dir.path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

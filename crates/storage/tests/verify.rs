@@ -7,11 +7,9 @@
 // commit path (MemStore: `with_live_mut`; RocksDB: raw `rocksdb` writes, or
 // a flipped byte inside an `.sst` file of a copied directory), verify.
 
-mod common;
-
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use keel_storage::codec::{self, RecordKind};
 use keel_storage::keys::{self, Cf};
 use keel_storage::{

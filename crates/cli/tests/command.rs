@@ -1,0 +1,15 @@
+//! The `keel` command's integration tests as one test binary: each file of
+//! `tests/` is a module here, with its own goal and method in its first
+//! comment.
+//!
+//! One binary instead of one per file: each test binary links RocksDB
+//! statically (about 500 MB), so one per file cost gigabytes of disk and a
+//! link each per build. Tests of different files run side by side in one
+//! process, as the tests of one file always did.
+
+#[path = "cli.rs"]
+mod cli;
+#[path = "crash.rs"]
+mod crash;
+#[path = "processes.rs"]
+mod processes;
