@@ -221,6 +221,24 @@ impl Workflow for DeadlineShape {
     }
 }
 
+/// A run left open on purpose: it starts a child that waits for a signal
+/// nobody sends, then waits an hour on a timer. Its bundle is exported
+/// while both wait, so the rows only an open run holds (its timer in both
+/// timer families, its child) are pinned by the golden derived rows.
+#[derive(Debug)]
+pub struct OpenShape;
+impl Workflow for OpenShape {
+    const NAME: &'static str = "shapes.open";
+    type Input = ();
+    type Output = ();
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+        let child = ctx.child::<DeadlineShape>(()).start().await?;
+        ctx.timer(std::time::Duration::from_secs(3600)).await;
+        child.result().await?;
+        Ok(())
+    }
+}
+
 /// Every shape workflow, plus the seed workflows.
 pub fn workflows() -> WorkflowRegistry {
     let mut r = crate::seeds::workflows();
@@ -232,6 +250,7 @@ pub fn workflows() -> WorkflowRegistry {
         .register::<SendShape>()
         .register::<TickShape>()
         .register::<CancelWaitShape>()
-        .register::<DeadlineShape>();
+        .register::<DeadlineShape>()
+        .register::<OpenShape>();
     r
 }
