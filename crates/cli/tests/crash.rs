@@ -134,26 +134,36 @@ fn killed_while_creating_its_directory_it_opens_next_time() {
 /// directory is opened, instead of recovery keeping the records before it
 /// and dropping acknowledged commits after it; a torn tail, what a crash
 /// leaves, still opens.
-/// Method: SIGKILL `keel demo-worker` after 800 ms, well before it would
-/// finish its 20,000 orders (a clean shutdown moves the log into tables),
-/// so the newest log holds commits no table has yet; flip one byte halfway through that log in one
-/// copy of the directory, append a torn record to it in another, and open
-/// each.
+/// Method: SIGKILL `keel demo-worker` once its newest log holds 128 KiB,
+/// well before it would finish its 20,000 orders (a clean shutdown moves
+/// the log into tables), so that log holds commits no table has yet (a
+/// fixed delay could fall just after a flush started a new, nearly empty
+/// log); flip one byte halfway through that log in one copy of the
+/// directory, append a torn record to it in another, and open each.
 #[test]
 fn damage_inside_the_log_is_refused_and_a_torn_tail_is_not() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let mut child = worker_of(&data, 20_000).spawn().unwrap();
     wait_for_directory(&data);
-    std::thread::sleep(Duration::from_millis(800));
+    let newest_log = || {
+        std::fs::read_dir(&data)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .max()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        let len = newest_log().and_then(|p| std::fs::metadata(p).ok().map(|m| m.len()));
+        if len.is_some_and(|l| l >= 128 * 1024) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let _ = child.kill();
     child.wait().unwrap();
-    let wal = std::fs::read_dir(&data)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "log"))
-        .max()
-        .expect("a write-ahead log");
+    let wal = newest_log().expect("a write-ahead log");
     let wal_name = wal.file_name().unwrap().to_owned();
     let len = std::fs::metadata(&wal).unwrap().len() as usize;
     assert!(len > 64 * 1024, "the log holds commits: {len} bytes");

@@ -36,7 +36,9 @@ pub trait KvRead {
     /// none of them (describing a run streams its whole history): where
     /// the store caches the blocks it reads, this pass leaves the cache to
     /// the rows read again, so a long history neither evicts them nor
-    /// grows the process up to the cache's bound.
+    /// grows the process up to the cache's bound. A view that forwards
+    /// `scan` to such a store forwards this too, or its passes fill the
+    /// cache again (the default is a plain `scan`).
     fn scan_once(
         &self,
         cf: Cf,
