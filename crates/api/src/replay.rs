@@ -112,7 +112,10 @@ impl Bundle {
 
     /// Reads the run `id` (a run id or an instance id) from a store. Events
     /// are read up to the run's metadata as first read, so a bundle taken
-    /// beside a live engine is one consistent prefix of the history.
+    /// beside a live engine is one consistent prefix of the history; they
+    /// are read once, without filling the store's block cache (an export
+    /// from `keel serve` reads a history of any length in the engine's own
+    /// process).
     pub fn from_store(store: &dyn Store, id: &str) -> Result<Self, Error> {
         let run = store
             .resolve(id)?
@@ -122,7 +125,7 @@ impl Bundle {
             .ok_or_else(|| Error::UnknownRun(id.to_string()))?;
         let last = meta.next_seq.0.saturating_sub(1);
         let mut events = Vec::with_capacity(last.min(1 << 20) as usize);
-        store.for_each_event(run, Seq::FIRST, &mut |e| {
+        store.for_each_event_once(run, Seq::FIRST, &mut |e| {
             if e.seq.0 > last {
                 return false;
             }
