@@ -159,14 +159,7 @@ pub trait Store: Send + Sync + 'static {
         from: Seq,
         visit: &mut dyn FnMut(Event) -> bool,
     ) -> Result<()> {
-        each_event(run, visit, |rows| {
-            self.view().scan(
-                Cf::Events,
-                run.as_bytes(),
-                &keys::event_key(run, from),
-                rows,
-            )
-        })
+        each_event(self.view(), run, from, Pass::Cached, visit)
     }
 
     /// [`Store::for_each_event`] for a pass that keeps nothing it reads
@@ -179,14 +172,7 @@ pub trait Store: Send + Sync + 'static {
         from: Seq,
         visit: &mut dyn FnMut(Event) -> bool,
     ) -> Result<()> {
-        each_event(run, visit, |rows| {
-            self.view().scan_once(
-                Cf::Events,
-                run.as_bytes(),
-                &keys::event_key(run, from),
-                rows,
-            )
-        })
+        each_event(self.view(), run, from, Pass::Once, visit)
     }
 
     /// The whole histories of `runs`, one after another in the order
@@ -554,22 +540,37 @@ fn scan_typed<T: serde::de::DeserializeOwned>(
     failure.map_or(Ok(out), Err)
 }
 
-/// The events of `run` that `scan` reads, decoded, each given to `visit`
-/// until it returns false; a record that does not decode ends the read
-/// with its error.
+/// How [`each_event`] reads: through the store's cache, or once
+/// ([`KvRead::scan_once`]).
+#[derive(Clone, Copy)]
+enum Pass {
+    Cached,
+    Once,
+}
+
+/// The events of `run` from `from` in `view`, decoded, each given to
+/// `visit` until it returns false; a record that does not decode ends the
+/// read with its error.
 fn each_event(
+    view: &dyn KvRead,
     run: RunId,
+    from: Seq,
+    pass: Pass,
     visit: &mut dyn FnMut(Event) -> bool,
-    scan: impl FnOnce(&mut dyn FnMut(&[u8], &[u8]) -> bool) -> Result<()>,
 ) -> Result<()> {
     let mut failure = None;
-    scan(&mut |k, v| match decode_event(run, k, v) {
+    let mut rows = |k: &[u8], v: &[u8]| match decode_event(run, k, v) {
         Ok(e) => visit(e),
         Err(e) => {
             failure = Some(e);
             false
         }
-    })?;
+    };
+    let start = keys::event_key(run, from);
+    match pass {
+        Pass::Cached => view.scan(Cf::Events, run.as_bytes(), &start, &mut rows)?,
+        Pass::Once => view.scan_once(Cf::Events, run.as_bytes(), &start, &mut rows)?,
+    }
     failure.map_or(Ok(()), Err)
 }
 
