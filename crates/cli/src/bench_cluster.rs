@@ -208,11 +208,14 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
     let samples = rt.block_on(async {
         let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let mut tasks = Vec::with_capacity(args.workflows as usize);
+        // Finished tasks are joined as the run goes, so the harness's own
+        // memory does not grow with the number of workflows (see `w1`).
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut out = Vec::with_capacity(args.workflows as usize);
         for i in 0..args.workflows {
             let permit = sem.clone().acquire_owned().await?;
             let (client, done) = (client.clone(), done.clone());
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let _permit = permit;
                 let (at, t0) = (unix_ms(), Instant::now());
                 let id = format!("w1-{slot}-{i}");
@@ -223,11 +226,13 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
                     println!("done {n}");
                 }
                 Ok::<_, keel::EngineError>((at, t0.elapsed().as_secs_f64() * 1000.0))
-            }));
+            });
+            while let Some(finished) = tasks.try_join_next() {
+                out.push(finished??);
+            }
         }
-        let mut out = Vec::with_capacity(tasks.len());
-        for t in tasks {
-            out.push(t.await??);
+        while let Some(finished) = tasks.join_next().await {
+            out.push(finished??);
         }
         Ok::<_, anyhow::Error>(out)
     })?;

@@ -397,20 +397,24 @@ fn w1_round(
     let t0 = Instant::now();
     rt.block_on(async {
         let sem = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
-        let mut tasks = Vec::with_capacity(n as usize);
+        // Finished tasks are joined as the run goes (see `w1`).
+        let mut tasks = tokio::task::JoinSet::new();
         for i in 0..n {
             let permit = sem.clone().acquire_owned().await?;
             let (client, bar, id) = (client.clone(), bar.clone(), format!("{prefix}-{i}"));
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let _permit = permit;
                 client.start::<ThreeSteps>(&id, &(i as u32)).await?;
                 client.result::<ThreeSteps>(&id).await?;
                 bar.inc(1);
                 Ok::<(), keel::EngineError>(())
-            }));
+            });
+            while let Some(finished) = tasks.try_join_next() {
+                finished??;
+            }
         }
-        for t in tasks {
-            t.await??;
+        while let Some(finished) = tasks.join_next().await {
+            finished??;
         }
         anyhow::Ok(())
     })?;
