@@ -241,6 +241,45 @@ impl WriterLoad {
     }
 }
 
+/// The client tasks of a W1 run, joined as the run goes: a finished
+/// task's memory (its future, about 3.5 KB in the `bench` profile) stays
+/// until its handle is joined, and holding every handle to the end made a
+/// run's max RSS grow with the number of workflows: the harness, not the
+/// engine (BENCHMARKS.md, "the harness, not the engine").
+pub(crate) struct ClientTasks<T> {
+    running: tokio::task::JoinSet<Result<T, keel::EngineError>>,
+    done: Vec<T>,
+}
+
+impl<T: Send + 'static> ClientTasks<T> {
+    pub(crate) fn new(expected: u64) -> Self {
+        ClientTasks {
+            running: tokio::task::JoinSet::new(),
+            done: Vec::with_capacity(expected as usize),
+        }
+    }
+
+    /// Spawns `task` and joins every task finished by now.
+    pub(crate) fn spawn(
+        &mut self,
+        task: impl std::future::Future<Output = Result<T, keel::EngineError>> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        self.running.spawn(task);
+        while let Some(finished) = self.running.try_join_next() {
+            self.done.push(finished??);
+        }
+        Ok(())
+    }
+
+    /// Waits for the rest; every task's output, in the order they finished.
+    pub(crate) async fn finish(mut self) -> anyhow::Result<Vec<T>> {
+        while let Some(finished) = self.running.join_next().await {
+            self.done.push(finished??);
+        }
+        Ok(self.done)
+    }
+}
+
 fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     if args.processes > 1 {
         return w1_cluster(args);
@@ -287,13 +326,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     let bar = progress(args.workflows, "w1");
     let started = Instant::now();
     let latencies: Vec<f64> = rt.block_on(async {
-        // Finished tasks are reaped as the run goes: a task's memory (its
-        // future, about 3.5 KB in the `bench` profile) stays until its
-        // handle is joined, and holding every handle to the end made the
-        // run's max RSS grow with the number of workflows, which is the
-        // harness, not the engine.
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut out = Vec::with_capacity(args.workflows as usize);
+        let mut tasks = ClientTasks::new(args.workflows);
         let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let mut ticker = args
             .rate
@@ -315,15 +348,9 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
                 client.result::<ThreeSteps>(&id).await?;
                 bar.inc(1);
                 Ok::<f64, keel::EngineError>(t0.elapsed().as_secs_f64() * 1000.0)
-            });
-            while let Some(done) = tasks.try_join_next() {
-                out.push(done??);
-            }
+            })?;
         }
-        while let Some(done) = tasks.join_next().await {
-            out.push(done??);
-        }
-        Ok::<_, anyhow::Error>(out)
+        tasks.finish().await
     })?;
     let wall = started.elapsed().as_secs_f64();
     bar.finish_and_clear();

@@ -28,7 +28,7 @@ use keel_storage::{PgOptions, PgStore, ShardLeases};
 use serde::{Deserialize, Serialize};
 
 use super::bench_pg::{ServerCounters, ServerLoad};
-use super::{Noop, ThreeSteps};
+use super::{ClientTasks, Noop, ThreeSteps};
 use crate::output::{percentile, progress};
 
 /// Shards the processes of a cluster benchmark spread runs over (every
@@ -208,10 +208,7 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
     let samples = rt.block_on(async {
         let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        // Finished tasks are joined as the run goes, so the harness's own
-        // memory does not grow with the number of workflows (see `w1`).
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut out = Vec::with_capacity(args.workflows as usize);
+        let mut tasks = ClientTasks::new(args.workflows);
         for i in 0..args.workflows {
             let permit = sem.clone().acquire_owned().await?;
             let (client, done) = (client.clone(), done.clone());
@@ -226,15 +223,9 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
                     println!("done {n}");
                 }
                 Ok::<_, keel::EngineError>((at, t0.elapsed().as_secs_f64() * 1000.0))
-            });
-            while let Some(finished) = tasks.try_join_next() {
-                out.push(finished??);
-            }
+            })?;
         }
-        while let Some(finished) = tasks.join_next().await {
-            out.push(finished??);
-        }
-        Ok::<_, anyhow::Error>(out)
+        tasks.finish().await
     })?;
     println!(
         "result {}",

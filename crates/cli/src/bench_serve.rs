@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use keel::{Engine, Workflow, WorkflowContext, WorkflowError};
 use serde::Serialize;
 
-use crate::bench::{Noop, ThreeSteps};
+use crate::bench::{ClientTasks, Noop, ThreeSteps};
 use crate::output::{max_rss_mb, percentile, progress};
 
 /// Runs held waiting on a signal for describe to read.
@@ -397,8 +397,7 @@ fn w1_round(
     let t0 = Instant::now();
     rt.block_on(async {
         let sem = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
-        // Finished tasks are joined as the run goes (see `w1`).
-        let mut tasks = tokio::task::JoinSet::new();
+        let mut tasks = ClientTasks::new(n);
         for i in 0..n {
             let permit = sem.clone().acquire_owned().await?;
             let (client, bar, id) = (client.clone(), bar.clone(), format!("{prefix}-{i}"));
@@ -408,15 +407,9 @@ fn w1_round(
                 client.result::<ThreeSteps>(&id).await?;
                 bar.inc(1);
                 Ok::<(), keel::EngineError>(())
-            });
-            while let Some(finished) = tasks.try_join_next() {
-                finished??;
-            }
+            })?;
         }
-        while let Some(finished) = tasks.join_next().await {
-            finished??;
-        }
-        anyhow::Ok(())
+        tasks.finish().await.map(drop)
     })?;
     bar.finish_and_clear();
     Ok(n as f64 / t0.elapsed().as_secs_f64())
