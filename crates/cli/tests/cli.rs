@@ -745,6 +745,77 @@ fn a_directory_others_can_write_to_is_warned_about() {
 }
 
 #[test]
+fn a_scratch_name_held_by_a_file_is_passed_over_without_leaving_directories() {
+    // Goal: an inspection command works, quietly, when a file sits where
+    // older builds kept their scratch directory (`keel-UID`), and when one
+    // sits at the scratch directory's own name it warns, takes one
+    // alternative, and later commands reuse that one instead of leaving a
+    // new directory each time. Method: the binary runs `list` against a
+    // stopped directory with TMPDIR pointing at a fresh temp dir holding
+    // such files; the temp dir is listed afterwards.
+    let uid = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self").unwrap().uid()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    drop(RocksStore::open(&data, keel_storage::Durability::Sync).unwrap());
+    let d = data.to_str().unwrap();
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let list = || {
+        Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["list", "--data", d])
+            .env("TMPDIR", &tmp)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running keel")
+    };
+    let names = || {
+        let mut names: Vec<String> = std::fs::read_dir(&tmp)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+
+    std::fs::write(tmp.join(format!("keel-{uid}")), b"a user's file").unwrap();
+    let o = list();
+    expect_code(&o, 0, "list beside a file named like the old scratch dir");
+    assert!(!stderr(&o).contains("WARN"), "{}", stderr(&o));
+    assert_eq!(
+        names(),
+        [format!("keel-{uid}"), format!("keel-scratch-{uid}")]
+    );
+
+    std::fs::remove_dir_all(tmp.join(format!("keel-scratch-{uid}"))).unwrap();
+    std::fs::write(tmp.join(format!("keel-scratch-{uid}")), b"in the way").unwrap();
+    for round in 0..3 {
+        let o = list();
+        expect_code(&o, 0, "list with the scratch name taken");
+        assert!(
+            stderr(&o).contains("using another"),
+            "round {round}: {}",
+            stderr(&o)
+        );
+        assert_eq!(
+            names(),
+            [
+                format!("keel-{uid}"),
+                format!("keel-scratch-{uid}"),
+                format!("keel-scratch-{uid}-1"),
+            ],
+            "round {round}: one alternative, reused"
+        );
+    }
+    assert_eq!(
+        std::fs::read(tmp.join(format!("keel-scratch-{uid}"))).unwrap(),
+        b"in the way"
+    );
+}
+
+#[test]
 fn list_finds_runs_by_search_attributes_and_pages() {
     // Goal: `keel list --where` finds runs by search attributes and status
     // through the index, prints them as a table or JSON, pages with a

@@ -1440,27 +1440,56 @@ mod creation {
     /// dir (`keel-secondary-PID-RANDOM`): removed like the new ones.
     const OLD_SECONDARY_PREFIX: &str = "keel-secondary-";
 
-    /// The per-user directory for keel's scratch files (`keel-UID` in the
-    /// temp dir, owner-only). One that is not ours or that others can write
-    /// to is not used: a fresh private one is made beside it instead.
+    /// What older builds called the scratch directory (`keel-UID`): a
+    /// name plain enough for anything else to take, such as a file a user
+    /// left in the temp dir.
+    const OLD_SCRATCH_PREFIX: &str = "keel-";
+
+    /// The scratch directory's name before the user id.
+    const SCRATCH_PREFIX: &str = "keel-scratch-";
+
+    /// Most alternatives to the scratch directory's own name tried when
+    /// something that is not a private directory of this user holds it
+    /// (`keel-scratch-UID-1`, `-2`, ...). Each is reused by later commands,
+    /// so none accumulate.
+    const SCRATCH_DIR_ALTERNATIVES_MAX: u32 = 8;
+
+    /// The per-user directory for keel's scratch files
+    /// (`keel-scratch-UID` in the temp dir, owner-only). A path of that
+    /// name that is not a directory private to this user (a file, someone
+    /// else's directory, one others can write to) is left alone, with a
+    /// warning, and the first usable of a few numbered alternatives beside
+    /// it is taken instead.
     pub(super) fn scratch_dir() -> Result<PathBuf> {
         let uid = user_id();
         let base = std::env::temp_dir();
-        let dir = base.join(format!("keel-{uid}"));
-        match create_private_dir(&dir) {
-            Ok(()) => return Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e.into()),
-        }
-        if private_to_us(&dir, uid) {
+        let own = base.join(format!("{SCRATCH_PREFIX}{uid}"));
+        let alternatives = (1..=SCRATCH_DIR_ALTERNATIVES_MAX)
+            .map(|n| base.join(format!("{SCRATCH_PREFIX}{uid}-{n}")));
+        for dir in std::iter::once(own.clone()).chain(alternatives) {
+            match create_private_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if !private_to_us(&dir, uid) {
+                        continue;
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+            if dir != own {
+                tracing::warn!(taken = %own.display(), dir = %dir.display(),
+                    "keel's scratch directory's name is held by something that is not a directory private to this user; using another");
+            }
             return Ok(dir);
         }
-        tracing::warn!(dir = %dir.display(),
-            "keel's scratch directory is not private to this user; using a new one");
-        let fresh = tempfile::Builder::new()
-            .prefix(&format!("keel-{uid}-"))
-            .tempdir_in(&base)?;
-        Ok(fresh.keep())
+        Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!(
+                "no private scratch directory could be made: {} and its {SCRATCH_DIR_ALTERNATIVES_MAX} numbered alternatives are all taken",
+                own.display()
+            ),
+        )
+        .into())
     }
 
     /// The effective user id: the owner of a file this process creates
@@ -1509,13 +1538,21 @@ mod creation {
 
     /// Removes the directories of secondaries whose process is gone (an
     /// inspection command killed before it could remove its own), in
-    /// `scratch` and, from older builds, in the temp dir.
+    /// `scratch` and, from older builds, in the temp dir and in the old
+    /// scratch directory (if it is one private to this user).
     pub(super) fn remove_dead_secondaries(scratch: &Path) {
         let old = std::env::temp_dir();
+        let uid = user_id();
+        let old_scratch = old.join(format!("{OLD_SCRATCH_PREFIX}{uid}"));
+        let old_scratch = private_to_us(&old_scratch, uid).then_some(old_scratch);
         for (dir, prefix) in [
-            (scratch, SECONDARY_PREFIX),
-            (old.as_path(), OLD_SECONDARY_PREFIX),
+            (Some(scratch), SECONDARY_PREFIX),
+            (Some(old.as_path()), OLD_SECONDARY_PREFIX),
+            (old_scratch.as_deref(), SECONDARY_PREFIX),
         ] {
+            let Some(dir) = dir else {
+                continue;
+            };
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };

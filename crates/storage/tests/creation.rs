@@ -115,15 +115,36 @@ fn a_killed_secondary_s_directory_is_removed_by_the_next_one() {
         use std::os::unix::fs::MetadataExt;
         std::fs::metadata("/proc/self").unwrap().uid()
     };
-    let scratch = std::env::temp_dir().join(format!("keel-{uid}"));
+    let scratch = std::env::temp_dir().join(format!("keel-scratch-{uid}"));
     let dead = scratch.join("secondary-4294967294-left");
     let old = std::env::temp_dir().join("keel-secondary-4294967294-left");
     for d in [&dead, &old] {
         std::fs::create_dir_all(d.join("inside")).unwrap();
     }
+    // And in the scratch directory of older builds, when it is one private
+    // to this user.
+    let old_scratch = std::env::temp_dir().join(format!("keel-{uid}"));
+    let in_old_scratch = {
+        use std::os::unix::fs::DirBuilderExt;
+        let _ = std::fs::DirBuilder::new().mode(0o700).create(&old_scratch);
+        let private = std::fs::metadata(&old_scratch).is_ok_and(|m| {
+            use std::os::unix::fs::PermissionsExt;
+            m.is_dir() && m.permissions().mode() & 0o077 == 0
+        });
+        private.then(|| old_scratch.join("secondary-4294967294-older"))
+    };
+    if let Some(d) = &in_old_scratch {
+        std::fs::create_dir_all(d.join("inside")).unwrap();
+    }
     let secondary = RocksStore::open_secondary(&data).unwrap();
     assert!(!dead.exists(), "the dead secondary's directory is removed");
     assert!(!old.exists(), "an older build's leftover is removed");
+    if let Some(d) = &in_old_scratch {
+        assert!(
+            !d.exists(),
+            "a leftover in the old scratch directory is removed"
+        );
+    }
     // A live one's lives in the private scratch dir.
     {
         use std::os::unix::fs::PermissionsExt;
