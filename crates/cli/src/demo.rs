@@ -731,7 +731,10 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
     let result: anyhow::Result<()> = rt.block_on(async {
         let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
-        let mut tasks = Vec::new();
+        // Joined as they finish, not held to the end: a finished task's
+        // memory is freed only once joined, so a long demo would otherwise
+        // grow with the orders it ran (as `bench`'s client loops did).
+        let mut tasks = tokio::task::JoinSet::new();
         let slots = args.slots.max(1);
         for i in (0..args.workflows).filter(|i| *i as usize % slots == args.slot) {
             let permit = sem.clone().acquire_owned().await?;
@@ -741,7 +744,7 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
                 out.clone(),
                 args.prefix.clone(),
             );
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let _permit = permit;
                 let id = format!("{prefix}-{i}");
                 let order = demo_app::order(i);
@@ -775,10 +778,13 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
                 writeln!(out, "done {n}")?;
                 out.flush()?;
                 Ok::<(), anyhow::Error>(())
-            }));
+            });
+            while let Some(finished) = tasks.try_join_next() {
+                finished??;
+            }
         }
-        for t in tasks {
-            t.await??;
+        while let Some(finished) = tasks.join_next().await {
+            finished??;
         }
         Ok(())
     });
