@@ -813,6 +813,20 @@ fn a_scratch_name_held_by_a_file_is_passed_over_without_leaving_directories() {
         std::fs::read(tmp.join(format!("keel-scratch-{uid}"))).unwrap(),
         b"in the way"
     );
+    // Every numbered alternative taken too: the command still works, in a
+    // directory of a random name.
+    std::fs::remove_dir(tmp.join(format!("keel-scratch-{uid}-1"))).unwrap();
+    for n in 1..=8 {
+        std::fs::write(tmp.join(format!("keel-scratch-{uid}-{n}")), b"taken").unwrap();
+    }
+    let o = list();
+    expect_code(&o, 0, "list with every scratch name taken");
+    assert!(
+        stderr(&o).contains("using a new directory"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(names().len(), 2 + 8 + 1, "{:?}", names());
 }
 
 #[test]

@@ -1459,7 +1459,8 @@ mod creation {
     /// name that is not a directory private to this user (a file, someone
     /// else's directory, one others can write to) is left alone, with a
     /// warning, and the first usable of a few numbered alternatives beside
-    /// it is taken instead.
+    /// it is taken instead (and, should all be taken, a new one of a random
+    /// name).
     pub(super) fn scratch_dir() -> Result<PathBuf> {
         let uid = user_id();
         let base = std::env::temp_dir();
@@ -1482,14 +1483,15 @@ mod creation {
             }
             return Ok(dir);
         }
-        Err(std::io::Error::new(
-            std::io::ErrorKind::AlreadyExists,
-            format!(
-                "no private scratch directory could be made: {} and its {SCRATCH_DIR_ALTERNATIVES_MAX} numbered alternatives are all taken",
-                own.display()
-            ),
-        )
-        .into())
+        // Every name taken (by another user, on purpose or not): a fresh
+        // directory of a random name still lets the command work; it is
+        // left behind, as one per command in this rare case.
+        tracing::warn!(taken = %own.display(),
+            "keel's scratch directory's name and its {SCRATCH_DIR_ALTERNATIVES_MAX} numbered alternatives are all held by something else; using a new directory");
+        let fresh = tempfile::Builder::new()
+            .prefix(&format!("{SCRATCH_PREFIX}{uid}-"))
+            .tempdir_in(&base)?;
+        Ok(fresh.keep())
     }
 
     /// The effective user id: the owner of a file this process creates
