@@ -124,9 +124,14 @@ fn a_killed_secondary_s_directory_is_removed_by_the_next_one() {
     // And in the scratch directory of older builds, when it is one private
     // to this user.
     let old_scratch = std::env::temp_dir().join(format!("keel-{uid}"));
-    let in_old_scratch = {
+    let made_old_scratch = {
         use std::os::unix::fs::DirBuilderExt;
-        let _ = std::fs::DirBuilder::new().mode(0o700).create(&old_scratch);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&old_scratch)
+            .is_ok()
+    };
+    let in_old_scratch = {
         let private = std::fs::metadata(&old_scratch).is_ok_and(|m| {
             use std::os::unix::fs::PermissionsExt;
             m.is_dir() && m.permissions().mode() & 0o077 == 0
@@ -144,6 +149,10 @@ fn a_killed_secondary_s_directory_is_removed_by_the_next_one() {
             !d.exists(),
             "a leftover in the old scratch directory is removed"
         );
+    }
+    if made_old_scratch {
+        // Made here only for the check: not left behind.
+        let _ = std::fs::remove_dir(&old_scratch);
     }
     // A live one's lives in the private scratch dir.
     {
