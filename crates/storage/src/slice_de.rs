@@ -602,8 +602,22 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
         self.nested(|de| visitor.visit_enum(Variant { de, bare: false }))
     }
 
+    /// A variant's or a field's name is handed over as bytes, unchecked as
+    /// UTF-8: serde's derived identifiers match names as bytes as well as
+    /// strings, and the check was a tenth of decoding an event (a variant
+    /// name per event). Invalid UTF-8 then fails as an unknown name, as
+    /// with `rmp_serde`, which hands such a name over as bytes too; an
+    /// identifier that takes only strings fails here, and its record is
+    /// read by `rmp_serde` instead, like every refusal.
     fn deserialize_identifier<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        self.any(visitor, true)
+        let marker = self.byte()?;
+        match self.sized(marker)? {
+            Some((Opens::Str, len)) => visitor.visit_borrowed_bytes(self.take(len)?),
+            Some((Opens::Map, len)) => self.map(visitor, len),
+            Some((Opens::Array, len)) => self.seq(visitor, len),
+            Some((Opens::Bin, len)) => visitor.visit_borrowed_bytes(self.take(len)?),
+            None => self.scalar(marker, visitor),
+        }
     }
 
     fn deserialize_ignored_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {

@@ -589,6 +589,10 @@ fn decode_event(run: RunId, key: &[u8], value: &[u8]) -> Result<Event> {
 /// cursor where the view has one. `visit` is called from inside the scan,
 /// so a view that holds a lock while it scans (the in-memory store) must
 /// not use this: `visit` may read the store.
+/// Most events a history's vector is sized for before its first event is
+/// read (from the length of the history read before it).
+const HISTORY_READ_AHEAD_EVENTS_MAX: usize = 4096;
+
 pub(crate) fn histories_through_one_cursor(
     view: &dyn KvRead,
     runs: &[RunId],
@@ -598,9 +602,18 @@ pub(crate) fn histories_through_one_cursor(
     // The run being read, and how many runs were handed over before it.
     let mut reading: Option<(usize, ReadHistory)> = None;
     let mut handed = 0;
+    // The last history's length: the next one's vector starts that large
+    // (the runs of one read are often alike), instead of growing from
+    // empty and copying its events at every doubling.
+    let last_len = std::cell::Cell::new(0);
     let mut hand_over_until =
         |end: usize, reading: &mut Option<(usize, ReadHistory)>, handed: &mut usize| {
-            if let Some((i, read)) = reading.take() {
+            if let Some((i, mut read)) = reading.take() {
+                last_len.set(read.events.len());
+                // Not handed over much larger than it is.
+                if read.events.capacity() > 2 * read.events.len() {
+                    read.events.shrink_to_fit();
+                }
                 visit(i, read);
                 *handed = i + 1;
             }
@@ -612,7 +625,14 @@ pub(crate) fn histories_through_one_cursor(
     view.scan_prefixes(Cf::Events, &prefixes, &mut |i, item| {
         if reading.as_ref().is_none_or(|(j, _)| *j != i) {
             hand_over_until(i, &mut reading, &mut handed);
-            reading = Some((i, ReadHistory::default()));
+            let events = Vec::with_capacity(last_len.get().min(HISTORY_READ_AHEAD_EVENTS_MAX));
+            reading = Some((
+                i,
+                ReadHistory {
+                    events,
+                    failure: None,
+                },
+            ));
         }
         let (_, read) = reading.as_mut().expect("set above");
         if read.failure.is_some() {
