@@ -261,7 +261,7 @@ pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, Error> {
     // `rmp_serde` does, and every refusal, like every damaged body, falls
     // through to the general reader below, which produces the exact typed
     // error or the value.
-    if let Ok(value) = crate::slice_de::from_slice(body) {
+    if let Ok(value) = crate::slice_de::from_record_slice(body) {
         return Ok(value);
     }
     // The general reader recurses into enum variants without counting:

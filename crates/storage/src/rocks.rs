@@ -356,8 +356,9 @@ impl RocksStore {
     fn open_mode_inner(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
         if mode == OpenMode::ReadWrite {
             creation::prepare(path)?;
-            // The next start cleans what killed inspection commands left.
-            if let Ok(scratch) = creation::scratch_dir() {
+            // The next start cleans what killed inspection commands left
+            // (finding the scratch directory, not making one).
+            if let Some(scratch) = creation::existing_scratch_dir() {
                 creation::remove_dead_secondaries(&scratch);
             }
         }
@@ -1492,6 +1493,19 @@ mod creation {
             .prefix(&format!("{SCRATCH_PREFIX}{uid}-"))
             .tempdir_in(&base)?;
         Ok(fresh.keep())
+    }
+
+    /// The scratch directory later commands would take, if one exists: the
+    /// first of its names that is a directory private to this user.
+    pub(super) fn existing_scratch_dir() -> Option<PathBuf> {
+        let uid = user_id();
+        let base = std::env::temp_dir();
+        std::iter::once(base.join(format!("{SCRATCH_PREFIX}{uid}")))
+            .chain(
+                (1..=SCRATCH_DIR_ALTERNATIVES_MAX)
+                    .map(|n| base.join(format!("{SCRATCH_PREFIX}{uid}-{n}"))),
+            )
+            .find(|dir| private_to_us(dir, uid))
     }
 
     /// The effective user id: the owner of a file this process creates

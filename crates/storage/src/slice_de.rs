@@ -154,11 +154,27 @@ type Result<T> = std::result::Result<T, Refused>;
 /// Decodes `T` from the whole of `body`; [`Refused`] for anything else,
 /// including bytes left after the value.
 pub(crate) fn from_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> Result<T> {
+    read(body, false)
+}
+
+/// [`from_slice`] for keel's own records, whose types all derive their
+/// `Deserialize` and flatten nothing: their variant and field names are
+/// handed over as bytes, unchecked as UTF-8 (see
+/// [`SliceReader::names_as_bytes`]). Not for users' types: a name handed
+/// over as bytes can decode differently from one handed over as a string
+/// (a `#[serde(flatten)]` into a JSON value takes string keys only, and an
+/// `Option` around it turns the difference into `None`, not an error).
+pub(crate) fn from_record_slice<'de, T: de::Deserialize<'de>>(body: &'de [u8]) -> Result<T> {
+    read(body, true)
+}
+
+fn read<'de, T: de::Deserialize<'de>>(body: &'de [u8], names_as_bytes: bool) -> Result<T> {
     let mut reader = SliceReader {
         body,
         at: 0,
         depth: 0,
         refused: Cell::new(false),
+        names_as_bytes,
     };
     let value = T::deserialize(&mut reader)?;
     if reader.at != body.len() || reader.refused.get() {
@@ -182,6 +198,12 @@ struct SliceReader<'de> {
     /// Set by every refusal, so one the decoded type caught still refuses
     /// the whole body.
     refused: Cell<bool>,
+    /// Identifiers (variant and field names) go to the visitor as bytes,
+    /// without a UTF-8 check: serde's derived identifiers match bytes as
+    /// they match strings, and the check was a tenth of decoding an event
+    /// (a variant name per event). Only for keel's own records
+    /// ([`from_record_slice`]).
+    names_as_bytes: bool,
 }
 
 impl<'de> SliceReader<'de> {
@@ -602,17 +624,23 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
         self.nested(|de| visitor.visit_enum(Variant { de, bare: false }))
     }
 
-    /// A variant's or a field's name is handed over as bytes, unchecked as
-    /// UTF-8: serde's derived identifiers match names as bytes as well as
-    /// strings, and the check was a tenth of decoding an event (a variant
-    /// name per event). Invalid UTF-8 then fails as an unknown name, as
-    /// with `rmp_serde`, which hands such a name over as bytes too; an
-    /// identifier that takes only strings fails here, and its record is
-    /// read by `rmp_serde` instead, like every refusal.
+    /// A record's variant or field name is handed over as bytes (see
+    /// [`SliceReader::names_as_bytes`]). Invalid UTF-8 then fails as an
+    /// unknown name, as with `rmp_serde`, which hands such a name over as
+    /// bytes too; any failure here refuses the whole body, even one the
+    /// decoded type would catch, so `rmp_serde` reads it instead.
     fn deserialize_identifier<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
+        if !self.names_as_bytes {
+            return self.any(visitor, true);
+        }
         let marker = self.byte()?;
         match self.sized(marker)? {
-            Some((Opens::Str, len)) => visitor.visit_borrowed_bytes(self.take(len)?),
+            Some((Opens::Str, len)) => {
+                let name = self.take(len)?;
+                visitor
+                    .visit_borrowed_bytes(name)
+                    .inspect_err(|_| self.refused.set(true))
+            }
             Some((Opens::Map, len)) => self.map(visitor, len),
             Some((Opens::Array, len)) => self.seq(visitor, len),
             Some((Opens::Bin, len)) => visitor.visit_borrowed_bytes(self.take(len)?),
@@ -646,15 +674,20 @@ mod tests {
             rmp_serde::to_vec(value).unwrap(),
             rmp_serde::to_vec_named(value).unwrap(),
         ] {
-            let fast: T = from_slice(&body).unwrap_or_else(|_| {
-                panic!(
-                    "refused {value:?} from {:02x?}",
-                    &body[..body.len().min(16)]
-                )
-            });
             let slow: T = rmp_serde::from_slice(&body).unwrap();
-            assert_eq!(fast, slow);
-            assert_eq!(&fast, value);
+            for (fast, mode) in [
+                (from_slice::<T>(&body), "payload"),
+                (from_record_slice::<T>(&body), "record"),
+            ] {
+                let fast = fast.unwrap_or_else(|_| {
+                    panic!(
+                        "{mode}: refused {value:?} from {:02x?}",
+                        &body[..body.len().min(16)]
+                    )
+                });
+                assert_eq!(fast, slow, "{mode}");
+                assert_eq!(&fast, value, "{mode}");
+            }
         }
     }
 
@@ -969,5 +1002,50 @@ mod tests {
             .unwrap()
             .join()
             .expect("decoding on a 2 MiB stack");
+    }
+
+    /// A key that takes strings only (as `serde_json::Value`'s map keys do).
+    #[derive(PartialEq, Eq, PartialOrd, Ord, Debug, Serialize)]
+    struct StrOnly(String);
+
+    impl<'de> Deserialize<'de> for StrOnly {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            struct V;
+            impl<'de> de::Visitor<'de> for V {
+                type Value = StrOnly;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a string")
+                }
+                fn visit_str<E: de::Error>(self, s: &str) -> std::result::Result<StrOnly, E> {
+                    Ok(StrOnly(s.to_string()))
+                }
+            }
+            d.deserialize_str(V)
+        }
+    }
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Flattened {
+        known: u32,
+        #[serde(flatten)]
+        rest: Option<BTreeMap<StrOnly, u32>>,
+    }
+
+    #[test]
+    fn a_users_flattened_fields_read_as_rmp_serde_reads_them() {
+        // Goal: a payload's type that flattens unknown fields into keys
+        // taking strings only decodes as rmp-serde decodes it. Handed over
+        // as bytes, the unknown names would fail as keys, and the `Option`
+        // would swallow that into `None` with no error to fall back on:
+        // payloads are read with names as strings. Method: both readers on
+        // the type encoded with field names.
+        let value = Flattened {
+            known: 1,
+            rest: Some(BTreeMap::from([(StrOnly("extra".into()), 2)])),
+        };
+        let body = rmp_serde::to_vec_named(&value).unwrap();
+        let slow: Flattened = rmp_serde::from_slice(&body).unwrap();
+        assert_eq!(slow, value);
+        assert_eq!(from_slice::<Flattened>(&body).ok(), Some(value));
     }
 }

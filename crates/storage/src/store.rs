@@ -585,14 +585,14 @@ fn decode_event(run: RunId, key: &[u8], value: &[u8]) -> Result<Event> {
     })
 }
 
-/// [`Store::for_each_history`] through [`KvRead::scan_prefixes`]: one
-/// cursor where the view has one. `visit` is called from inside the scan,
-/// so a view that holds a lock while it scans (the in-memory store) must
-/// not use this: `visit` may read the store.
 /// Most events a history's vector is sized for before its first event is
 /// read (from the length of the history read before it).
 const HISTORY_READ_AHEAD_EVENTS_MAX: usize = 4096;
 
+/// [`Store::for_each_history`] through [`KvRead::scan_prefixes`]: one
+/// cursor where the view has one. `visit` is called from inside the scan,
+/// so a view that holds a lock while it scans (the in-memory store) must
+/// not use this: `visit` may read the store.
 pub(crate) fn histories_through_one_cursor(
     view: &dyn KvRead,
     runs: &[RunId],

@@ -132,9 +132,11 @@ fn a_killed_secondary_s_directory_is_removed_by_the_next_one() {
             .is_ok()
     };
     let in_old_scratch = {
-        let private = std::fs::metadata(&old_scratch).is_ok_and(|m| {
-            use std::os::unix::fs::PermissionsExt;
-            m.is_dir() && m.permissions().mode() & 0o077 == 0
+        // As the store decides it: a directory itself (not a link), ours,
+        // and closed to others.
+        let private = std::fs::symlink_metadata(&old_scratch).is_ok_and(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.is_dir() && m.uid() == uid && m.mode() & 0o077 == 0
         });
         private.then(|| old_scratch.join("secondary-4294967294-older"))
     };
