@@ -1466,9 +1466,7 @@ mod creation {
         let uid = user_id();
         let base = std::env::temp_dir();
         let own = base.join(format!("{SCRATCH_PREFIX}{uid}"));
-        let alternatives = (1..=SCRATCH_DIR_ALTERNATIVES_MAX)
-            .map(|n| base.join(format!("{SCRATCH_PREFIX}{uid}-{n}")));
-        for dir in std::iter::once(own.clone()).chain(alternatives) {
+        for dir in scratch_names(&base, uid) {
             match create_private_dir(&dir) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -1499,23 +1497,30 @@ mod creation {
     /// first of its names that is a directory private to this user.
     pub(super) fn existing_scratch_dir() -> Option<PathBuf> {
         let uid = user_id();
-        let base = std::env::temp_dir();
-        std::iter::once(base.join(format!("{SCRATCH_PREFIX}{uid}")))
-            .chain(
-                (1..=SCRATCH_DIR_ALTERNATIVES_MAX)
-                    .map(|n| base.join(format!("{SCRATCH_PREFIX}{uid}-{n}"))),
-            )
-            .find(|dir| private_to_us(dir, uid))
+        scratch_names(&std::env::temp_dir(), uid).find(|dir| private_to_us(dir, uid))
+    }
+
+    /// The scratch directory's names in `base`, in the order they are
+    /// taken: its own, then the numbered alternatives.
+    fn scratch_names(base: &Path, uid: u32) -> impl Iterator<Item = PathBuf> + '_ {
+        (0..=SCRATCH_DIR_ALTERNATIVES_MAX).map(move |n| match n {
+            0 => base.join(format!("{SCRATCH_PREFIX}{uid}")),
+            n => base.join(format!("{SCRATCH_PREFIX}{uid}-{n}")),
+        })
     }
 
     /// The effective user id: the owner of a file this process creates
     /// (works without `/proc`, and without a libc dependency).
+    /// Found once per process (each finding makes a file).
     #[cfg(unix)]
     fn user_id() -> u32 {
         use std::os::unix::fs::MetadataExt;
-        tempfile::tempfile()
-            .and_then(|f| f.metadata())
-            .map_or(0, |m| m.uid())
+        static UID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        *UID.get_or_init(|| {
+            tempfile::tempfile()
+                .and_then(|f| f.metadata())
+                .map_or(0, |m| m.uid())
+        })
     }
 
     #[cfg(not(unix))]

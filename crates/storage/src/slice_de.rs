@@ -630,22 +630,19 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
     /// bytes too; any failure here refuses the whole body, even one the
     /// decoded type would catch, so `rmp_serde` reads it instead.
     fn deserialize_identifier<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
-        if !self.names_as_bytes {
-            return self.any(visitor, true);
-        }
-        let marker = self.byte()?;
-        match self.sized(marker)? {
-            Some((Opens::Str, len)) => {
+        if self.names_as_bytes {
+            let start = self.at;
+            let marker = self.byte()?;
+            if let Some((Opens::Str, len)) = self.sized(marker)? {
                 let name = self.take(len)?;
-                visitor
+                return visitor
                     .visit_borrowed_bytes(name)
-                    .inspect_err(|_| self.refused.set(true))
+                    .inspect_err(|_| self.refused.set(true));
             }
-            Some((Opens::Map, len)) => self.map(visitor, len),
-            Some((Opens::Array, len)) => self.seq(visitor, len),
-            Some((Opens::Bin, len)) => visitor.visit_borrowed_bytes(self.take(len)?),
-            None => self.scalar(marker, visitor),
+            // Not a string: read from its marker again, as any value.
+            self.at = start;
         }
+        self.any(visitor, true)
     }
 
     fn deserialize_ignored_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value> {
