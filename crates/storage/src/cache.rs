@@ -359,7 +359,8 @@ impl WriterCache {
                         start.instance_id.as_str().as_bytes().to_vec(),
                     );
                 }
-                for key in event.kind.terminal_keys() {
+                let terminal = event.kind.terminal_keys();
+                for key in crate::derive::dedupe_checked(&terminal, &event.kind) {
                     want(Cf::Dedupe, keys::dedupe_key(run, &key));
                 }
                 // What an attempt's answer or a cancel validates against:

@@ -318,3 +318,28 @@ mod cf_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod dedupe_key_tests {
+    // Goal: the layout the schema 6 migration reads dedupe keys by, in
+    // `derive::attempt_rows_beside_executions` and the PostgreSQL store's
+    // `migration_deletes` (offsets in SQL): the run's 16 bytes, then `a`,
+    // the step and the attempt (25 bytes), or `x` and the step (21).
+    use super::*;
+    use crate::ids::AttemptNo;
+
+    #[test]
+    fn attempt_and_execution_keys_have_the_layout_the_migration_reads() {
+        let run = RunId::from_u64_pair(7, 9);
+        let attempt = dedupe_key(run, &DurableKey::Attempt(Step(0x0102_0304), AttemptNo(5)));
+        let execution = dedupe_key(run, &DurableKey::Execution(Step(0x0102_0304)));
+        assert_eq!(attempt.len(), 25);
+        assert_eq!(execution.len(), 21);
+        assert_eq!(&attempt[..16], run.as_bytes());
+        assert_eq!(&execution[..16], run.as_bytes());
+        assert_eq!((attempt[16], execution[16]), (b'a', b'x'));
+        assert_eq!(attempt[17..21], execution[17..21]);
+        assert_eq!(&attempt[17..21], &[1, 2, 3, 4]);
+        assert_eq!(&attempt[21..], &5u32.to_be_bytes());
+    }
+}

@@ -73,13 +73,22 @@ pub use verify::{VerifyReport, Violation};
 /// [`Error::SchemaVersion`] naming both, except that a read-write open
 /// migrates an older directory (see `rocks::migrate`). Version 5: events
 /// (event version 8) and derived-state records (state version 4) are
-/// written positionally, which a build of version 4 cannot read.
-pub const SCHEMA_VERSION: u32 = 5;
+/// written positionally, which a build of version 4 cannot read. Version
+/// 6: an activity's result that closes its execution records the
+/// execution's durable id alone, not its attempt's as well (a row less per
+/// activity), which a build of version 5 would report missing.
+pub const SCHEMA_VERSION: u32 = 6;
 
-/// The newest older schema whose records this build reads as they are:
-/// migrating from it only records the new version (see `rocks::migrate`
-/// and the PostgreSQL store's `create_or_check`).
+/// The oldest schema whose records this build reads as they are: migrating
+/// from it, or from a newer one, keeps every record and drops only the
+/// rows [`SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`] stopped writing (see
+/// `rocks::migrate` and the PostgreSQL store's `create_or_check`); an older
+/// one has its derived state rebuilt from its events.
 pub const SCHEMA_VERSION_READ_AS_IS: u32 = 4;
+
+/// The schema from which an attempt's dedupe row is not written beside its
+/// execution's: a migration from an older one deletes such rows.
+pub const SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED: u32 = 6;
 
 /// Largest payload (input, result, signal, side effect value) in bytes.
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;

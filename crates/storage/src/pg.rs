@@ -1175,13 +1175,15 @@ fn read_version(shared: &Shared, conn: &Conn) -> Result<Option<u32>> {
 /// complete database is only read: an engine's role needs no CREATE
 /// privilege once the tables exist. Concurrent openers serialise on a
 /// transaction-scoped advisory lock. A database of
-/// [`crate::SCHEMA_VERSION_READ_AS_IS`] is migrated in the same
-/// transaction by recording the current version: its rows are read as
-/// they are. Engine processes of the older build must be stopped first,
-/// since they cannot read the rows this build writes.
+/// [`crate::SCHEMA_VERSION_READ_AS_IS`] or a newer older schema is
+/// migrated in one transaction: its rows are read as they are, the rows
+/// this build no longer writes are deleted ([`migration_deletes`]) and the
+/// current version is recorded. Engine processes of the older build must
+/// be stopped first, since they cannot read the rows this build writes.
 fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
-    if let Some(found) = read_version(shared, conn)? {
-        if found == crate::SCHEMA_VERSION_READ_AS_IS && schema_complete(shared, conn)? {
+    let recorded = read_version(shared, conn)?;
+    if let Some(found) = recorded {
+        if read_as_is(found) && schema_complete(shared, conn)? {
             // Engines of the older version still at work would read rows
             // they cannot decode: migrate only when none holds a shard
             // lease, a membership or the single writer's lease (checked
@@ -1200,10 +1202,11 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
                      and owner not in ('', '{sharded}', '{me}') \
                      and expires_at > clock_timestamp()) \
                  then raise exception 'keel: engine processes hold the database'; \
-                 end if; end $$;\n\
+                 end if; end $$;\n{dropped}\
                  update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
                  where schema_version = {found};\ncommit;",
                 s = shared.schema,
+                dropped = migration_deletes(&shared.schema, found),
                 sharded = SHARDED_OWNER,
                 me = shared.owner.replace('\'', "''"),
             );
@@ -1215,7 +1218,7 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             let now = read_version(shared, conn)?.unwrap_or(found);
             return check_version(shared, now);
         }
-        if found != crate::SCHEMA_VERSION_READ_AS_IS {
+        if !read_as_is(found) {
             check_version(shared, found)?;
             if schema_complete(shared, conn)? {
                 return Ok(());
@@ -1234,13 +1237,21 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
     script.push_str(&format!(
         "insert into \"{s}\".version (schema_version, created_by) \
          select {SCHEMA_VERSION}, 'keel {}' \
-         where not exists (select 1 from \"{s}\".version);\n\
-         update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
-         where schema_version = {};\ncommit;",
+         where not exists (select 1 from \"{s}\".version);\n",
         env!("CARGO_PKG_VERSION"),
-        crate::SCHEMA_VERSION_READ_AS_IS,
         s = shared.schema
     ));
+    // An older schema read as it is, missing objects added since: created
+    // above, and migrated here in the same transaction.
+    if let Some(found) = recorded.filter(|v| read_as_is(*v)) {
+        script.push_str(&migration_deletes(&shared.schema, found));
+        script.push_str(&format!(
+            "update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
+             where schema_version = {found};\n",
+            s = shared.schema
+        ));
+    }
+    script.push_str("commit;");
     block(conn.client.batch_execute(&script)).map_err(|e| shared.error(&e))?;
     match read_version(shared, conn)? {
         Some(found) => check_version(shared, found),
@@ -1249,6 +1260,35 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             "the tables were created but the version row is missing",
         )),
     }
+}
+
+/// Whether a database of schema `found` is migrated by an engine's open:
+/// an older schema whose rows this build reads as they are.
+fn read_as_is(found: u32) -> bool {
+    (crate::SCHEMA_VERSION_READ_AS_IS..SCHEMA_VERSION).contains(&found)
+}
+
+/// The statements (each ending in `;` and a newline) that migrate the rows
+/// of a database of schema `found` that this build reads as they are:
+/// before [`crate::SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`], the attempt rows
+/// written by the same event as their execution's row (so holding the
+/// same bytes) are deleted, as `derive::attempt_rows_beside_executions`
+/// finds them in a data directory. Key layout (`keys::dedupe_key`): the
+/// run's 16 bytes, `a`, the step and the attempt (4 bytes each) for an
+/// attempt; the run, `x` and the step for an execution.
+fn migration_deletes(schema: &str, found: u32) -> String {
+    if found >= crate::SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED {
+        return String::new();
+    }
+    let dedupe = table(schema, Cf::Dedupe);
+    format!(
+        "delete from {dedupe} a using {dedupe} x \
+         where length(a.k) = 25 and get_byte(a.k, 16) = {attempt} \
+         and x.k = substr(a.k, 1, 16) || '\\x{execution:02x}'::bytea || substr(a.k, 18, 4) \
+         and x.v = a.v;\n",
+        attempt = b'a',
+        execution = b'x',
+    )
 }
 
 /// Refuses to migrate a database of schema `found` while engine processes

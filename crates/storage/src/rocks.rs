@@ -643,8 +643,11 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
 /// encoding of new records changed (positional bodies), and this build
 /// reads schema 4's records as they are, so only the version is written:
 /// the older records stay maps until their keys are written again (and
-/// `verify` compares a record by its value, not its bytes). Only a
-/// read-write open migrates; inspection of an older directory asks for one.
+/// `verify` compares a record by its value, not its bytes). Schema 5 to 6:
+/// an attempt's result that closes its execution no longer writes the
+/// attempt's dedupe row beside the execution's, so those rows are deleted
+/// (in the same synced batch as the version). Only a read-write open
+/// migrates; inspection of an older directory asks for one.
 fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     let from = meta.schema_version;
     let mut mutations = Vec::new();
@@ -666,6 +669,11 @@ fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
             }
         }
         runs = Some(report.runs);
+    } else if from < crate::SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED {
+        let dropped = crate::derive::attempt_rows_beside_executions(&DbView(db))?;
+        tracing::info!(path = %path.display(), rows = dropped.len(),
+            "dropping the attempt rows an execution's row makes redundant");
+        mutations.extend(dropped.into_iter().map(|k| Mutation::Delete(Cf::Dedupe, k)));
     }
     meta.schema_version = SCHEMA_VERSION;
     let bytes = codec::encode(RecordKind::StoreMeta, &meta).map_err(|source| Error::Corrupt {

@@ -13,7 +13,7 @@ use futures::channel::oneshot;
 use crate::codec::{self, RecordKind};
 use crate::derive::{read_record, CommitAck, CommitBatch};
 use crate::error::{Error, Result};
-use crate::event::{DurableKey, Event};
+use crate::event::{DurableKey, Event, EventKind};
 use crate::ids::{InstanceId, RunId, Seq, Step, Timestamp};
 use crate::keys::{self, Cf};
 use crate::kv::KvRead;
@@ -224,13 +224,42 @@ pub trait Store: Send + Sync + 'static {
 
     /// Where the terminal event of a durable id is, if it has one.
     fn committed(&self, run: RunId, key: &DurableKey) -> Result<Option<Seq>> {
-        let entry: Option<DedupeEntry> = read_record(
-            self.view(),
-            Cf::Dedupe,
-            RecordKind::Dedupe,
-            &keys::dedupe_key(run, key),
-        )?;
-        Ok(entry.map(|e| e.seq))
+        let row = |key: &DurableKey| -> Result<Option<Seq>> {
+            let entry: Option<DedupeEntry> = read_record(
+                self.view(),
+                Cf::Dedupe,
+                RecordKind::Dedupe,
+                &keys::dedupe_key(run, key),
+            )?;
+            Ok(entry.map(|e| e.seq))
+        };
+        if let Some(seq) = row(key)? {
+            return Ok(Some(seq));
+        }
+        // An attempt whose result closed its execution has no row of its
+        // own: the execution's row points at that result.
+        let DurableKey::Attempt(step, attempt) = key else {
+            return Ok(None);
+        };
+        let Some(seq) = row(&DurableKey::Execution(*step))? else {
+            return Ok(None);
+        };
+        let Some(bytes) = self.view().get(Cf::Events, &keys::event_key(run, seq))? else {
+            return Ok(None);
+        };
+        let event: Event =
+            codec::decode(RecordKind::Event, &bytes).map_err(|source| Error::Corrupt {
+                cf: "events",
+                run: Some(run),
+                seq: Some(seq),
+                source,
+            })?;
+        let by_attempt = match &event.kind {
+            EventKind::ActivityCompleted { attempt_id, .. }
+            | EventKind::ActivityAttemptFailed { attempt_id, .. } => attempt_id.attempt == *attempt,
+            _ => false,
+        };
+        Ok(by_attempt.then_some(seq))
     }
 
     /// Timers due at or before `now`, in due order, at most `limit`.

@@ -13,9 +13,9 @@ use std::sync::Barrier;
 
 use crate::common::*;
 use keel_storage::{
-    AppendAck, CommitBatch, Durability, DurableKey, Error, Event, EventKind, InstanceId, MemStore,
-    OutboxMessage, Outcome, ParentClosePolicy, ParentRef, Payload, PgStore, RocksStore, RunAppend,
-    RunFilter, RunStatus, Seq, ShardLeases, Step, Store, Timestamp, PAYLOAD_BYTES_MAX,
+    AppendAck, AttemptNo, CommitBatch, Durability, DurableKey, Error, Event, EventKind, InstanceId,
+    MemStore, OutboxMessage, Outcome, ParentClosePolicy, ParentRef, Payload, PgStore, RocksStore,
+    RunAppend, RunFilter, RunStatus, Seq, ShardLeases, Step, Store, Timestamp, PAYLOAD_BYTES_MAX,
 };
 
 fn start(store: &dyn Store, n: u64, instance: &str, wtype: &str) -> RunBuilder {
@@ -167,12 +167,41 @@ fn duplicate_terminal_events_are_refused() {
         );
         let before = dump(store);
 
-        let err = b.commit(store, vec![completed(b.run, 1, 1)]).unwrap_err();
-        assert!(
-            matches!(&err, Error::DuplicateTerminal { run, key: DurableKey::Attempt(Step(1), a), committed }
-                if *run == b.run && a.0 == 1 && *committed == completed_at),
-            "{err}"
+        // The completion closed the attempt and its execution with one
+        // row, the execution's (schema 6): a second result of the same
+        // attempt, a completion or a failure to retry, is refused by it,
+        // and the attempt is still found committed at the completion.
+        assert_eq!(
+            store
+                .committed(b.run, &DurableKey::Attempt(Step(1), AttemptNo(1)))
+                .unwrap(),
+            Some(completed_at)
         );
+        assert_eq!(
+            store
+                .committed(b.run, &DurableKey::Attempt(Step(1), AttemptNo(2)))
+                .unwrap(),
+            None
+        );
+        let attempt_row =
+            keel_storage::keys::dedupe_key(b.run, &DurableKey::Attempt(Step(1), AttemptNo(1)));
+        assert!(
+            !before
+                .iter()
+                .any(|(cf, k, _)| *cf == keel_storage::keys::Cf::Dedupe && *k == attempt_row),
+            "the completion wrote no attempt row"
+        );
+        for again in [
+            completed(b.run, 1, 1),
+            attempt_failed(b.run, 1, 1, Some(90_000)),
+        ] {
+            let err = b.commit(store, vec![again]).unwrap_err();
+            assert!(
+                matches!(&err, Error::DuplicateTerminal { run, key: DurableKey::Execution(Step(1)), committed }
+                    if *run == b.run && *committed == completed_at),
+                "{err}"
+            );
+        }
         let err = b.commit(store, vec![timer_fired(2, 50_000)]).unwrap_err();
         assert!(
             matches!(&err, Error::DuplicateTerminal { key: DurableKey::Timer(Step(2)), committed, .. }

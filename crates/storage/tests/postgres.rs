@@ -868,7 +868,7 @@ fn a_commit_validated_over_a_refused_one_is_validated_again() {
         .expect("start");
         let key = keel_storage::keys::dedupe_key(
             b.run,
-            &keel_storage::DurableKey::Attempt(keel_storage::Step(2), keel_storage::AttemptNo(1)),
+            &keel_storage::DurableKey::Execution(keel_storage::Step(2)),
         );
         let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
         admin(
@@ -927,4 +927,79 @@ fn rewritten_tables_leave_room_on_their_pages_in_older_databases_too() {
     assert_eq!(roomy(), 0);
     drop(PgStore::open(scratch.0.clone()).expect("reopen"));
     assert_eq!(roomy(), 1, "opening an older schema gives it the room");
+}
+
+#[test]
+fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
+    // Goal: as for a data directory, an engine's open of a schema 5
+    // database deletes the attempt rows written beside their execution's
+    // (schema 6 writes the execution's alone), in the transaction that
+    // records the new version, and keeps every other row, a retried
+    // attempt's included; each attempt still reads as committed at its
+    // result, and the database verifies clean. Method: a run closing its
+    // three executions in each way (`closed_three_ways`); each execution's
+    // row copied under its closing attempt's key in SQL, as a schema 5
+    // build wrote it, and the version set to 5.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let store = PgStore::open(scratch.0.clone()).expect("create");
+    let (run, closing) = closed_three_ways(&store, 43);
+    let dedupe_rows = |store: &PgStore| {
+        let mut rows = Vec::new();
+        store
+            .view()
+            .scan(keel_storage::keys::Cf::Dedupe, &[], &[], &mut |k, v| {
+                rows.push((k.to_vec(), v.to_vec()));
+                true
+            })
+            .expect("scan");
+        rows
+    };
+    let written = dedupe_rows(&store);
+    drop(store);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let s = &scratch.0.schema;
+    for (step, attempt, _) in &closing {
+        let step = keel_storage::Step(*step);
+        let execution =
+            keel_storage::keys::dedupe_key(run, &keel_storage::DurableKey::Execution(step));
+        let key = keel_storage::DurableKey::Attempt(step, keel_storage::AttemptNo(*attempt));
+        let planted = admin(
+            &url,
+            &format!(
+                "insert into \"{s}\".kv_dedupe select '\\x{}'::bytea, v from \"{s}\".kv_dedupe \
+                 where k = '\\x{}'::bytea",
+                hex(&keel_storage::keys::dedupe_key(run, &key)),
+                hex(&execution)
+            ),
+        );
+        assert_eq!(planted, 1, "{key}");
+    }
+    admin(
+        &url,
+        &format!("update \"{s}\".version set schema_version = 5"),
+    );
+    let err = PgStore::open_read_only(scratch.0.clone()).expect_err("an older schema");
+    assert!(
+        matches!(err, Error::DatabaseSchemaVersion { found: 5, expected, .. } if expected == SCHEMA_VERSION),
+        "{err}"
+    );
+
+    let store = PgStore::open(scratch.0.clone()).expect("migrated by an engine's open");
+    assert_eq!(dedupe_rows(&store), written, "only the planted rows went");
+    let report = store.verify().expect("verify");
+    assert!(report.ok, "{report:?}");
+    for (step, attempt, seq) in &closing {
+        let key = keel_storage::DurableKey::Attempt(
+            keel_storage::Step(*step),
+            keel_storage::AttemptNo(*attempt),
+        );
+        assert_eq!(
+            store.committed(run, &key).expect("read"),
+            Some(*seq),
+            "{key}"
+        );
+    }
+    drop(store);
+    PgStore::open_read_only(scratch.0.clone()).expect("inspection opens it again");
 }

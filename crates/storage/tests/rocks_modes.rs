@@ -13,8 +13,8 @@ use crate::common::*;
 use keel_storage::codec::{self, RecordKind};
 use keel_storage::keys::{Cf, STORE_META_KEY};
 use keel_storage::{
-    CommitBatch, Durability, Error, OpenMode, RocksStore, Store, StoreMeta, SCHEMA_VERSION,
-    SCHEMA_VERSION_READ_AS_IS,
+    CommitBatch, Durability, DurableKey, Error, OpenMode, RocksStore, Store, StoreMeta,
+    SCHEMA_VERSION, SCHEMA_VERSION_READ_AS_IS,
 };
 
 /// A writer holding two runs: one closed, one open.
@@ -612,4 +612,71 @@ fn a_history_read_once_leaves_the_block_cache_alone() {
         before,
         cached(&store)
     );
+}
+
+#[test]
+fn a_schema_5_directory_loses_only_the_attempt_rows_its_executions_stand_for() {
+    // Goal: schema 6 no longer writes an attempt's dedupe row beside its
+    // execution's when the attempt's result closes the execution. A
+    // directory of schema 5 holds such rows; an engine's open deletes them
+    // (`verify` would report them as rows nothing derives) and keeps every
+    // other row, a retried attempt's included; each attempt still reads as
+    // committed at its result, and inspection opens the directory again.
+    // Method: a run closing its three executions in each way
+    // (`closed_three_ways`); the rows a schema 5 build wrote beside each
+    // execution's (the same bytes) are put back through the `rocksdb`
+    // crate, the version set to 5, and the directory opened.
+    let dir = tempfile::tempdir().unwrap();
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let (run, closing) = closed_three_ways(&store, 9);
+    let dedupe_rows = |store: &RocksStore| {
+        let mut rows = Vec::new();
+        store
+            .view()
+            .scan(Cf::Dedupe, &[], &[], &mut |k, v| {
+                rows.push((k.to_vec(), v.to_vec()));
+                true
+            })
+            .unwrap();
+        rows
+    };
+    let written = dedupe_rows(&store);
+    let retried = keel_storage::keys::dedupe_key(
+        run,
+        &DurableKey::Attempt(keel_storage::Step(2), keel_storage::AttemptNo(1)),
+    );
+    assert!(
+        written.iter().any(|(k, _)| *k == retried),
+        "a retried attempt keeps its row"
+    );
+    store.close().unwrap();
+    {
+        let opts = rocksdb::Options::default();
+        let names = rocksdb::DB::list_cf(&opts, dir.path()).unwrap();
+        let db = rocksdb::DB::open_cf(&opts, dir.path(), &names).unwrap();
+        let h = db.cf_handle(Cf::Dedupe.name()).unwrap();
+        for (step, attempt, _) in &closing {
+            let step = keel_storage::Step(*step);
+            let execution = keel_storage::keys::dedupe_key(run, &DurableKey::Execution(step));
+            let value = db
+                .get_cf(&h, execution)
+                .unwrap()
+                .expect("the execution's row");
+            let key = DurableKey::Attempt(step, keel_storage::AttemptNo(*attempt));
+            db.put_cf(&h, keel_storage::keys::dedupe_key(run, &key), value)
+                .unwrap();
+        }
+    }
+    mark_older_schema(dir.path(), 5);
+
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    assert_eq!(dedupe_rows(&store), written, "only the planted rows went");
+    let report = store.verify().unwrap();
+    assert!(report.ok, "{report:?}");
+    for (step, attempt, seq) in &closing {
+        let key = DurableKey::Attempt(keel_storage::Step(*step), keel_storage::AttemptNo(*attempt));
+        assert_eq!(store.committed(run, &key).unwrap(), Some(*seq), "{key}");
+    }
+    store.close().unwrap();
+    RocksStore::open_read_only(dir.path()).unwrap();
 }

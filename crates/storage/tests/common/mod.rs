@@ -307,3 +307,36 @@ pub fn body_is_map(record: &[u8]) -> bool {
         Some(0x80..=0x8f | 0xde | 0xdf)
     )
 }
+
+/// A run whose three activities close in each way an attempt's result can
+/// close its execution, for the schema 5 to 6 migration: step 1 completes
+/// on its first attempt, step 2 on its second after a failure to retry
+/// (whose attempt keeps a row of its own), step 3 fails for good on its
+/// first. Returns the run and the (step, attempt, seq) of each closing
+/// result.
+pub fn closed_three_ways(store: &dyn Store, n: u64) -> (RunId, Vec<(u32, u32, Seq)>) {
+    let mut r = RunBuilder::new(run_id(n), 100);
+    r.commit(
+        store,
+        vec![
+            started(r.run, &format!("three-ways-{n}"), "wf"),
+            scheduled(r.run, 1),
+            scheduled(r.run, 2),
+            scheduled(r.run, 3),
+        ],
+    )
+    .expect("start");
+    let mut closing = Vec::new();
+    for (kind, closes) in [
+        (completed(r.run, 1, 1), Some((1, 1))),
+        (attempt_failed(r.run, 2, 1, Some(5_000)), None),
+        (completed(r.run, 2, 2), Some((2, 2))),
+        (attempt_failed(r.run, 3, 1, None), Some((3, 1))),
+    ] {
+        r.commit(store, vec![kind]).expect("an attempt's result");
+        if let Some((step, attempt)) = closes {
+            closing.push((step, attempt, Seq(r.next - 1)));
+        }
+    }
+    (r.run, closing)
+}
