@@ -80,8 +80,8 @@ pub use verify::{VerifyReport, Violation};
 pub const SCHEMA_VERSION: u32 = 6;
 
 /// The oldest schema whose records this build reads as they are: migrating
-/// from it, or from a newer one, keeps every record and drops only the
-/// rows [`SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`] stopped writing (see
+/// from it, or from a newer one, rewrites no record; it deletes the rows
+/// that [`SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`] stopped writing (see
 /// `rocks::migrate` and the PostgreSQL store's `create_or_check`); an older
 /// one has its derived state rebuilt from its events.
 pub const SCHEMA_VERSION_READ_AS_IS: u32 = 4;

@@ -1188,30 +1188,24 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             // they cannot decode: migrate only when none holds a shard
             // lease, a membership or the single writer's lease (checked
             // again under the lock).
-            let now_ms = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            let now_ms = wall_clock_ms();
             refuse_if_live(shared, conn, found, now_ms)?;
-            // Only the version row changes: no CREATE or ownership needed.
+            // The version row changes and, from before schema 6, rows of
+            // `kv_dedupe` are deleted: no CREATE or ownership needed, but
+            // DELETE on that table.
             let script = format!(
                 "begin;\nselect pg_advisory_xact_lock(hashtext('keel-create:{s}')::int8);\n\
-                 do $$ begin if exists (select 1 from \"{s}\".shard_lease \
-                 where owner <> '' and expires_at_ms > {now_ms}) \
-                 or exists (select 1 from \"{s}\".member where expires_at_ms > {now_ms}) \
-                 or exists (select 1 from \"{s}\".lease where shard = 0 \
-                     and owner not in ('', '{sharded}', '{me}') \
-                     and expires_at > clock_timestamp()) \
-                 then raise exception 'keel: engine processes hold the database'; \
-                 end if; end $$;\n{dropped}\
+                 {live}{dropped}\
                  update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
                  where schema_version = {found};\ncommit;",
                 s = shared.schema,
+                live = live_engines_refused(shared, now_ms),
                 dropped = migration_deletes(&shared.schema, found),
-                sharded = SHARDED_OWNER,
-                me = shared.owner.replace('\'', "''"),
             );
             if let Err(e) = block(conn.client.batch_execute(&script)) {
-                // One joined between the check and the lock.
+                // One joined between the check and the lock. The failed
+                // script left its transaction open, failed: end it first.
+                let _ = block(conn.client.batch_execute("rollback"));
                 refuse_if_live(shared, conn, found, now_ms)?;
                 return Err(shared.error(&e));
             }
@@ -1242,8 +1236,11 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
         s = shared.schema
     ));
     // An older schema read as it is, missing objects added since: created
-    // above, and migrated here in the same transaction.
+    // above, and migrated here in the same transaction, once no engine
+    // process holds the database (the tables the check reads exist now).
     if let Some(found) = recorded.filter(|v| read_as_is(*v)) {
+        let now_ms = wall_clock_ms();
+        script.push_str(&live_engines_refused(shared, now_ms));
         script.push_str(&migration_deletes(&shared.schema, found));
         script.push_str(&format!(
             "update \"{s}\".version set schema_version = {SCHEMA_VERSION} \
@@ -1252,7 +1249,24 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
         ));
     }
     script.push_str("commit;");
-    block(conn.client.batch_execute(&script)).map_err(|e| shared.error(&e))?;
+    if let Err(e) = block(conn.client.batch_execute(&script)) {
+        // A migration held back by a live engine process: named (after
+        // ending the failed transaction the script left open).
+        if let Some(found) = recorded.filter(|v| read_as_is(*v)) {
+            let _ = block(conn.client.batch_execute("rollback"));
+            let live = refuse_if_live(shared, conn, found, wall_clock_ms());
+            if let Err(
+                in_use @ Error::Database {
+                    fault: DatabaseFault::InUse,
+                    ..
+                },
+            ) = live
+            {
+                return Err(in_use);
+            }
+        }
+        return Err(shared.error(&e));
+    }
     match read_version(shared, conn)? {
         Some(found) => check_version(shared, found),
         None => Err(shared.fault(
@@ -1260,6 +1274,35 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             "the tables were created but the version row is missing",
         )),
     }
+}
+
+/// This machine's clock in milliseconds since the Unix epoch, as the
+/// lease rows hold it.
+fn wall_clock_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// A statement (ending in a newline) that raises an exception, failing
+/// the transaction it is in, while an engine process holds a shard lease
+/// or a membership ending after `now_ms`, or another single writer holds
+/// the write lease: run under the creation lock before a migration, so that
+/// none joins between the check and the migration.
+fn live_engines_refused(shared: &Shared, now_ms: i64) -> String {
+    format!(
+        "do $$ begin if exists (select 1 from \"{s}\".shard_lease \
+         where owner <> '' and expires_at_ms > {now_ms}) \
+         or exists (select 1 from \"{s}\".member where expires_at_ms > {now_ms}) \
+         or exists (select 1 from \"{s}\".lease where shard = 0 \
+             and owner not in ('', '{sharded}', '{me}') \
+             and expires_at > clock_timestamp()) \
+         then raise exception 'keel: engine processes hold the database'; \
+         end if; end $$;\n",
+        s = shared.schema,
+        sharded = SHARDED_OWNER,
+        me = shared.owner.replace('\'', "''"),
+    )
 }
 
 /// Whether a database of schema `found` is migrated by an engine's open:

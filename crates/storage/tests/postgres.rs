@@ -203,10 +203,10 @@ fn another_schema_version_is_refused_naming_both() {
 }
 
 #[test]
-fn a_schema_4_database_is_read_as_it_is_and_only_its_version_migrates() {
+fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
     // Goal: as for a data directory, a database of schema 4 (derived rows
     // as msgpack maps with field names) is migrated by an engine's open
-    // recording the new version alone: a reader is refused until then,
+    // without rewriting a row: a reader is refused until then,
     // and afterwards the old rows read back as before and verify clean.
     // Method: a run committed, its run record rewritten as a schema 4
     // build wrote it and the version set to 4, then both opens.
@@ -936,70 +936,109 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
     // (schema 6 writes the execution's alone), in the transaction that
     // records the new version, and keeps every other row, a retried
     // attempt's included; each attempt still reads as committed at its
-    // result, and the database verifies clean. Method: a run closing its
-    // three executions in each way (`closed_three_ways`); each execution's
-    // row copied under its closing attempt's key in SQL, as a schema 5
-    // build wrote it, and the version set to 5.
+    // result, and the database verifies clean. Both ways an open migrates:
+    // a database with every object of this version, and one missing some
+    // (created in the same transaction), which is also held back while an
+    // engine process of the older version is live. Method: a run closing
+    // its three executions in each way (`closed_three_ways`); each
+    // execution's row copied under its closing attempt's key in SQL, as a
+    // schema 5 build wrote it, and the version set to 5; for the second
+    // way the runs table also loses its page room, which this version adds.
     let Some(url) = postgres_url() else { return };
-    let scratch = PgScratch::new(&url);
-    let store = PgStore::open(scratch.0.clone()).expect("create");
-    let (run, closing) = closed_three_ways(&store, 43);
-    let dedupe_rows = |store: &PgStore| {
-        let mut rows = Vec::new();
-        store
-            .view()
-            .scan(keel_storage::keys::Cf::Dedupe, &[], &[], &mut |k, v| {
-                rows.push((k.to_vec(), v.to_vec()));
-                true
-            })
-            .expect("scan");
-        rows
-    };
-    let written = dedupe_rows(&store);
-    drop(store);
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-    let s = &scratch.0.schema;
-    for (step, attempt, _) in &closing {
-        let step = keel_storage::Step(*step);
-        let execution =
-            keel_storage::keys::dedupe_key(run, &keel_storage::DurableKey::Execution(step));
-        let key = keel_storage::DurableKey::Attempt(step, keel_storage::AttemptNo(*attempt));
-        let planted = admin(
+    for (i, incomplete) in [false, true].into_iter().enumerate() {
+        let scratch = PgScratch::new(&url);
+        let store = PgStore::open(scratch.0.clone()).expect("create");
+        let (run, closing) = closed_three_ways(&store, 43 + i as u64);
+        let dedupe_rows = |store: &PgStore| {
+            let mut rows = Vec::new();
+            store
+                .view()
+                .scan(keel_storage::keys::Cf::Dedupe, &[], &[], &mut |k, v| {
+                    rows.push((k.to_vec(), v.to_vec()));
+                    true
+                })
+                .expect("scan");
+            rows
+        };
+        let written = dedupe_rows(&store);
+        drop(store);
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let s = &scratch.0.schema;
+        for (step, attempt, _) in &closing {
+            let step = keel_storage::Step(*step);
+            let execution =
+                keel_storage::keys::dedupe_key(run, &keel_storage::DurableKey::Execution(step));
+            let key = keel_storage::DurableKey::Attempt(step, keel_storage::AttemptNo(*attempt));
+            let planted = admin(
+                &url,
+                &format!(
+                    "insert into \"{s}\".kv_dedupe select '\\x{}'::bytea, v \
+                     from \"{s}\".kv_dedupe where k = '\\x{}'::bytea",
+                    hex(&keel_storage::keys::dedupe_key(run, &key)),
+                    hex(&execution)
+                ),
+            );
+            assert_eq!(planted, 1, "{key}");
+        }
+        admin(
             &url,
-            &format!(
-                "insert into \"{s}\".kv_dedupe select '\\x{}'::bytea, v from \"{s}\".kv_dedupe \
-                 where k = '\\x{}'::bytea",
-                hex(&keel_storage::keys::dedupe_key(run, &key)),
-                hex(&execution)
-            ),
+            &format!("update \"{s}\".version set schema_version = 5"),
         );
-        assert_eq!(planted, 1, "{key}");
-    }
-    admin(
-        &url,
-        &format!("update \"{s}\".version set schema_version = 5"),
-    );
-    let err = PgStore::open_read_only(scratch.0.clone()).expect_err("an older schema");
-    assert!(
-        matches!(err, Error::DatabaseSchemaVersion { found: 5, expected, .. } if expected == SCHEMA_VERSION),
-        "{err}"
-    );
+        let err = PgStore::open_read_only(scratch.0.clone()).expect_err("an older schema");
+        assert!(
+            matches!(err, Error::DatabaseSchemaVersion { found: 5, expected, .. } if expected == SCHEMA_VERSION),
+            "{err}"
+        );
+        if incomplete {
+            admin(
+                &url,
+                &format!("alter table \"{s}\".kv_runs reset (fillfactor)"),
+            );
+            let far = i64::MAX / 2;
+            admin(
+                &url,
+                &format!("insert into \"{s}\".member values ('old-engine-5', {far})"),
+            );
+            let err = PgStore::open(scratch.0.clone()).expect_err("an older process is live");
+            assert!(
+                matches!(
+                    err,
+                    Error::Database {
+                        fault: DatabaseFault::InUse,
+                        ..
+                    }
+                ) && err.to_string().contains("old-engine-5"),
+                "{err}"
+            );
+            let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 5");
+            assert!(
+                matches!(err, Error::DatabaseSchemaVersion { found: 5, .. }),
+                "{err}"
+            );
+            admin(
+                &url,
+                &format!(
+                    "update \"{s}\".member set expires_at_ms = 0 where owner = 'old-engine-5'"
+                ),
+            );
+        }
 
-    let store = PgStore::open(scratch.0.clone()).expect("migrated by an engine's open");
-    assert_eq!(dedupe_rows(&store), written, "only the planted rows went");
-    let report = store.verify().expect("verify");
-    assert!(report.ok, "{report:?}");
-    for (step, attempt, seq) in &closing {
-        let key = keel_storage::DurableKey::Attempt(
-            keel_storage::Step(*step),
-            keel_storage::AttemptNo(*attempt),
-        );
-        assert_eq!(
-            store.committed(run, &key).expect("read"),
-            Some(*seq),
-            "{key}"
-        );
+        let store = PgStore::open(scratch.0.clone()).expect("migrated by an engine's open");
+        assert_eq!(dedupe_rows(&store), written, "only the planted rows went");
+        let report = store.verify().expect("verify");
+        assert!(report.ok, "{report:?}");
+        for (step, attempt, seq) in &closing {
+            let key = keel_storage::DurableKey::Attempt(
+                keel_storage::Step(*step),
+                keel_storage::AttemptNo(*attempt),
+            );
+            assert_eq!(
+                store.committed(run, &key).expect("read"),
+                Some(*seq),
+                "{key}"
+            );
+        }
+        drop(store);
+        PgStore::open_read_only(scratch.0.clone()).expect("inspection opens it again");
     }
-    drop(store);
-    PgStore::open_read_only(scratch.0.clone()).expect("inspection opens it again");
 }

@@ -454,14 +454,16 @@ fn an_older_schema_is_refused_read_only_and_migrated_by_a_read_write_open() {
 }
 
 #[test]
-fn a_schema_4_directory_is_read_as_it_is_and_only_its_version_migrates() {
+fn a_schema_4_directory_is_read_as_it_is_and_migrated_in_place() {
     // Goal: schema 5 changed only how records are written (positionally,
     // without field names), so a directory of schema 4, whose derived
-    // records are maps, is migrated by recording the new version alone:
-    // every record reads back as before, `verify` finds the stored maps
-    // equal to what it rebuilds, and later commits of its runs work. A
-    // schema 4 build cannot read what this one writes, so inspection of
-    // the old directory is refused until an engine's open migrates it.
+    // records are maps, is migrated without rewriting a record: every
+    // record reads back as before, `verify` finds the stored maps equal to
+    // what it rebuilds, and later commits of its runs work. Schema 6 wrote
+    // no attempt row beside its execution's: the map-encoded one a schema
+    // 4 build wrote for run a's completed activity is deleted. A schema 4
+    // build cannot read what this one writes, so inspection of the old
+    // directory is refused until an engine's open migrates it.
     // Method: a populated directory whose derived records and store
     // metadata are rewritten as a schema 4 build wrote them.
     let dir = tempfile::tempdir().unwrap();
@@ -525,6 +527,17 @@ fn a_schema_4_directory_is_read_as_it_is_and_only_its_version_migrates() {
             }
         }
         assert!(rewritten >= 6, "{rewritten} records rewritten");
+        let h = db.cf_handle(Cf::Dedupe.name()).unwrap();
+        let step = keel_storage::Step(1);
+        let execution = keel_storage::keys::dedupe_key(a.run, &DurableKey::Execution(step));
+        let map = db
+            .get_cf(&h, execution)
+            .unwrap()
+            .expect("the execution's row");
+        assert!(body_is_map(&map));
+        let attempt = DurableKey::Attempt(step, keel_storage::AttemptNo(1));
+        db.put_cf(&h, keel_storage::keys::dedupe_key(a.run, &attempt), map)
+            .unwrap();
     }
     mark_older_schema(dir.path(), SCHEMA_VERSION_READ_AS_IS);
 
