@@ -202,6 +202,26 @@ fn another_schema_version_is_refused_naming_both() {
     }
 }
 
+/// Records an older schema version in a database, and checks that a
+/// reader is then refused, naming both versions and saying that an
+/// engine's open migrates it.
+fn mark_older_database(url: &str, options: &PgOptions, version: u32) {
+    admin(
+        url,
+        &format!(
+            "update \"{}\".version set schema_version = {version}",
+            options.schema
+        ),
+    );
+    let err = PgStore::open_read_only(options.clone()).expect_err("an older schema");
+    assert!(
+        matches!(err, Error::DatabaseSchemaVersion { found, expected, .. }
+            if found == version && expected == SCHEMA_VERSION),
+        "{err}"
+    );
+    assert!(err.to_string().contains("migrates"), "{err}");
+}
+
 #[test]
 fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
     // Goal: as for a data directory, a database of schema 4 (derived rows
@@ -234,17 +254,7 @@ fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
         ),
     );
     assert_eq!(updated, 1, "the run record was rewritten");
-    admin(
-        &url,
-        &format!("update \"{s}\".version set schema_version = {SCHEMA_VERSION_READ_AS_IS}"),
-    );
-    let err = PgStore::open_read_only(scratch.0.clone()).expect_err("an older schema");
-    assert!(
-        matches!(err, Error::DatabaseSchemaVersion { found, expected, .. }
-            if found == SCHEMA_VERSION_READ_AS_IS && expected == SCHEMA_VERSION),
-        "{err}"
-    );
-    assert!(err.to_string().contains("migrates"), "{err}");
+    mark_older_database(&url, &scratch.0, SCHEMA_VERSION_READ_AS_IS);
 
     // An engine process of the older version still at work (its
     // membership renewed into the future) holds the migration back, named.
@@ -980,15 +990,7 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
             );
             assert_eq!(planted, 1, "{key}");
         }
-        admin(
-            &url,
-            &format!("update \"{s}\".version set schema_version = 5"),
-        );
-        let err = PgStore::open_read_only(scratch.0.clone()).expect_err("an older schema");
-        assert!(
-            matches!(err, Error::DatabaseSchemaVersion { found: 5, expected, .. } if expected == SCHEMA_VERSION),
-            "{err}"
-        );
+        mark_older_database(&url, &scratch.0, 5);
         if incomplete {
             admin(
                 &url,
