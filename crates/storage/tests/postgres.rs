@@ -939,6 +939,34 @@ fn rewritten_tables_leave_room_on_their_pages_in_older_databases_too() {
     assert_eq!(roomy(), 1, "opening an older schema gives it the room");
 }
 
+/// Copies each execution's dedupe row of `run` under the key of the
+/// attempt that closed it (`closing`, from `closed_three_ways`), as a
+/// schema 5 build wrote them.
+fn plant_schema_5_attempt_rows(
+    url: &str,
+    schema: &str,
+    run: keel_storage::RunId,
+    closing: &[(u32, u32, Seq)],
+) {
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    for (step, attempt, _) in closing {
+        let step = keel_storage::Step(*step);
+        let execution =
+            keel_storage::keys::dedupe_key(run, &keel_storage::DurableKey::Execution(step));
+        let key = keel_storage::DurableKey::Attempt(step, keel_storage::AttemptNo(*attempt));
+        let planted = admin(
+            url,
+            &format!(
+                "insert into \"{schema}\".kv_dedupe select '\\x{}'::bytea, v \
+                 from \"{schema}\".kv_dedupe where k = '\\x{}'::bytea",
+                hex(&keel_storage::keys::dedupe_key(run, &key)),
+                hex(&execution)
+            ),
+        );
+        assert_eq!(planted, 1, "{key}");
+    }
+}
+
 #[test]
 fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
     // Goal: as for a data directory, an engine's open of a schema 5
@@ -972,24 +1000,8 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
         };
         let written = dedupe_rows(&store);
         drop(store);
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        plant_schema_5_attempt_rows(&url, &scratch.0.schema, run, &closing);
         let s = &scratch.0.schema;
-        for (step, attempt, _) in &closing {
-            let step = keel_storage::Step(*step);
-            let execution =
-                keel_storage::keys::dedupe_key(run, &keel_storage::DurableKey::Execution(step));
-            let key = keel_storage::DurableKey::Attempt(step, keel_storage::AttemptNo(*attempt));
-            let planted = admin(
-                &url,
-                &format!(
-                    "insert into \"{s}\".kv_dedupe select '\\x{}'::bytea, v \
-                     from \"{s}\".kv_dedupe where k = '\\x{}'::bytea",
-                    hex(&keel_storage::keys::dedupe_key(run, &key)),
-                    hex(&execution)
-                ),
-            );
-            assert_eq!(planted, 1, "{key}");
-        }
         mark_older_database(&url, &scratch.0, 5);
         if incomplete {
             admin(
@@ -1043,4 +1055,73 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
         drop(store);
         PgStore::open_read_only(scratch.0.clone()).expect("inspection opens it again");
     }
+}
+
+#[test]
+fn an_engine_role_without_ownership_migrates_a_schema_5_database_with_delete_granted() {
+    // Goal: an engine's role needs no CREATE or ownership once the tables
+    // exist, to migrate an older database read as it is too: the
+    // migration deletes rows of `kv_dedupe`, so it needs DELETE there.
+    // Without it the open fails with the server's refusal and the
+    // database is left as it was (schema 5, every row); with it the open
+    // migrates. Method: a schema 5 database made by the owner (planted
+    // attempt rows, version 5); a login role granted only what an engine
+    // uses (the schema, rows of every table, its sequences and functions)
+    // but DELETE on `kv_dedupe`; opened as that role, then again after
+    // the grant.
+    let Some(url) = postgres_url() else { return };
+    let scratch = PgScratch::new(&url);
+    let store = PgStore::open(scratch.0.clone()).expect("create");
+    let (run, closing) = closed_three_ways(&store, 61);
+    drop(store);
+    let s = scratch.0.schema.clone();
+    plant_schema_5_attempt_rows(&url, &s, run, &closing);
+    mark_older_database(&url, &scratch.0, 5);
+
+    let role = format!("keel_rows_{}", std::process::id());
+    admin(&url, &format!("create role {role} login password 'rows'"));
+    for grant in [
+        format!("grant usage on schema \"{s}\" to {role}"),
+        format!("grant select, insert, update, delete on all tables in schema \"{s}\" to {role}"),
+        format!("grant usage, select on all sequences in schema \"{s}\" to {role}"),
+        format!("grant execute on all functions in schema \"{s}\" to {role}"),
+        format!("revoke delete on \"{s}\".kv_dedupe from {role}"),
+    ] {
+        admin(&url, &grant);
+    }
+    let at = url.find('@').expect("url has credentials");
+    let role_url = format!("postgres://{role}:rows{}", &url[at..]);
+    let as_role = PgOptions::new(&role_url).schema(s.clone());
+    let err = PgStore::open(as_role.clone()).expect_err("no DELETE on kv_dedupe");
+    assert!(
+        matches!(err, Error::Database { .. }) && err.to_string().contains("permission denied"),
+        "{err}"
+    );
+    let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 5");
+    assert!(
+        matches!(err, Error::DatabaseSchemaVersion { found: 5, .. }),
+        "{err}"
+    );
+    admin(
+        &url,
+        &format!("grant delete on \"{s}\".kv_dedupe to {role}"),
+    );
+    let store = PgStore::open(as_role).expect("migrated by the engine's role");
+    let report = store.verify().expect("verify");
+    assert!(report.ok, "{report:?}");
+    for (step, attempt, seq) in &closing {
+        let key = keel_storage::DurableKey::Attempt(
+            keel_storage::Step(*step),
+            keel_storage::AttemptNo(*attempt),
+        );
+        assert_eq!(
+            store.committed(run, &key).expect("read"),
+            Some(*seq),
+            "{key}"
+        );
+    }
+    drop(store);
+    drop(scratch);
+    admin(&url, &format!("drop owned by {role}"));
+    admin(&url, &format!("drop role {role}"));
 }
