@@ -359,9 +359,9 @@ impl WriterCache {
                         start.instance_id.as_str().as_bytes().to_vec(),
                     );
                 }
-                let terminal = event.kind.terminal_keys();
-                for key in crate::derive::dedupe_checked(&terminal, &event.kind) {
-                    want(Cf::Dedupe, keys::dedupe_key(run, &key));
+                let also = crate::derive::execution_also_checked(&event.kind);
+                for key in event.kind.terminal_keys().iter().chain(&also) {
+                    want(Cf::Dedupe, keys::dedupe_key(run, key));
                 }
                 // What an attempt's answer or a cancel validates against:
                 // the execution's pending attempt.

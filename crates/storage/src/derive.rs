@@ -526,20 +526,21 @@ fn append_to(
             return Err(Error::RunClosed { run });
         }
         let terminal = event.kind.terminal_keys();
-        let closes = execution_closed_by(&event.kind);
-        for key in dedupe_checked(&terminal, &event.kind) {
-            let dk = keys::dedupe_key(run, &key);
+        let also = execution_also_checked(&event.kind);
+        for key in terminal.iter().chain(&also) {
+            let dk = keys::dedupe_key(run, key);
             let found: Option<DedupeEntry> = read_record(out, Cf::Dedupe, RecordKind::Dedupe, &dk)?;
             if let Some(entry) = found.filter(|_| checks.duplicate_terminals) {
                 return Err(Error::DuplicateTerminal {
                     run,
-                    key,
+                    key: key.clone(),
                     committed: entry.seq,
                 });
             }
         }
+        let closes = closes_execution(&event.kind);
         for key in terminal {
-            if closes.is_some() && matches!(key, DurableKey::Attempt(..)) {
+            if closes && matches!(key, DurableKey::Attempt(..)) {
                 continue;
             }
             out.put(
@@ -1195,87 +1196,54 @@ fn derive_event(
     Ok(())
 }
 
-/// The activity execution an attempt's result closes: its step, for a
-/// completion or a final failure. Such a result records the execution's
-/// durable id alone, not its attempt's as well: the execution's row refuses
-/// every later result of every attempt of it (see [`dedupe_checked`]), so
-/// a second row would refuse nothing more.
-pub(crate) fn execution_closed_by(kind: &EventKind) -> Option<Step> {
+/// Whether an attempt's result closes its execution: a completion or a
+/// final failure. Such a result records the execution's durable id alone,
+/// not its attempt's as well: the execution's row refuses every later
+/// result of every attempt of it (see [`execution_also_checked`]), so a
+/// second row would refuse nothing more.
+fn closes_execution(kind: &EventKind) -> bool {
+    matches!(
+        kind,
+        EventKind::ActivityCompleted { .. }
+            | EventKind::ActivityAttemptFailed { retry_at: None, .. }
+    )
+}
+
+/// The durable id whose row refuses `kind` beside its terminal keys: for
+/// an attempt's failure to be retried, its execution's, which stands for
+/// the attempt that closed it (see [`closes_execution`]). The other
+/// results of an attempt name their execution among their terminal keys.
+pub(crate) fn execution_also_checked(kind: &EventKind) -> Option<DurableKey> {
     match kind {
-        EventKind::ActivityCompleted { step, .. }
-        | EventKind::ActivityAttemptFailed {
+        EventKind::ActivityAttemptFailed {
             step,
-            retry_at: None,
+            retry_at: Some(_),
             ..
-        } => Some(*step),
+        } => Some(DurableKey::Execution(*step)),
         _ => None,
     }
 }
 
-/// The durable ids whose rows refuse `kind`: its terminal keys and, for an
-/// attempt's result, its execution's, whose row stands for the attempt
-/// that closed it (see [`execution_closed_by`]).
-pub(crate) fn dedupe_checked(terminal: &[DurableKey], kind: &EventKind) -> Vec<DurableKey> {
-    let mut checked = terminal.to_vec();
-    if let EventKind::ActivityAttemptFailed { step, .. } = kind {
-        let execution = DurableKey::Execution(*step);
-        if !checked.contains(&execution) {
-            checked.push(execution);
-        }
-    }
-    checked
-}
-
 /// The attempt rows a store of schema 5 or older holds that schema 6 no
 /// longer writes: each written by the same event as its execution's row
-/// (a completion or a final failure, see [`execution_closed_by`]), so the
-/// two hold the same bytes. Their keys, in key order; a migration deletes
-/// them. A run's attempt rows (`a`) sort before its execution rows (`x`),
-/// so the dedupe family is read once, a run at a time.
+/// (see [`closes_execution`]), so the two hold the same bytes. Their keys,
+/// in key order; a migration deletes them.
 pub(crate) fn attempt_rows_beside_executions(view: &dyn KvRead) -> Result<Vec<Vec<u8>>> {
-    /// One run's rows: its attempts' (key, step, value), its executions'
-    /// values by step.
-    #[derive(Default)]
-    struct Run {
-        attempts: Vec<(Vec<u8>, [u8; 4], Vec<u8>)>,
-        executions: std::collections::HashMap<[u8; 4], Vec<u8>>,
-    }
-    impl Run {
-        fn settle(&mut self, found: &mut Vec<Vec<u8>>) {
-            let Run {
-                attempts,
-                executions,
-            } = std::mem::take(self);
-            found.extend(
-                attempts
-                    .into_iter()
-                    .filter(|(_, step, value)| executions.get(step) == Some(value))
-                    .map(|(key, _, _)| key),
-            );
-        }
-    }
-    let mut found = Vec::new();
-    let mut current = Run::default();
-    let mut run: Vec<u8> = Vec::new();
+    // (attempt row's key, its execution row's key, its value)
+    let mut attempts = Vec::new();
     view.scan(Cf::Dedupe, &[], &[], &mut |k, v| {
-        let (Some(r), Some(tag)) = (k.get(..16), k.get(16)) else {
-            return true;
-        };
-        if run != r {
-            current.settle(&mut found);
-            run = r.to_vec();
-        }
-        let step: Option<[u8; 4]> = k.get(17..21).and_then(|s| s.try_into().ok());
-        match (tag, step, k.len()) {
-            (b'a', Some(step), 25) => current.attempts.push((k.to_vec(), step, v.to_vec())),
-            (b'x', Some(step), 21) => {
-                current.executions.insert(step, v.to_vec());
-            }
-            _ => {}
+        if let Some((run, step, _)) = keys::parse_attempt_dedupe_key(k) {
+            let execution = keys::dedupe_key(run, &DurableKey::Execution(step));
+            attempts.push((k.to_vec(), execution, v.to_vec()));
         }
         true
     })?;
-    current.settle(&mut found);
+    let mut found = Vec::new();
+    for (key, execution, value) in attempts {
+        if view.get(Cf::Dedupe, &execution)?.as_deref() == Some(&value[..]) {
+            found.push(key);
+        }
+    }
     Ok(found)
 }
 

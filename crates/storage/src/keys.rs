@@ -197,6 +197,18 @@ pub fn timer_key(due: Timestamp, run: RunId, step: Step) -> Vec<u8> {
     k
 }
 
+/// Splits the dedupe key of an attempt (`run ‖ 'a' ‖ step ‖ attempt`,
+/// see [`dedupe_key`]); `None` for any other key.
+pub fn parse_attempt_dedupe_key(key: &[u8]) -> Option<(RunId, Step, crate::ids::AttemptNo)> {
+    if key.len() != 25 || key[16] != b'a' {
+        return None;
+    }
+    let run = run_prefix(key)?;
+    let step = u32::from_be_bytes(key[17..21].try_into().ok()?);
+    let attempt = u32::from_be_bytes(key[21..25].try_into().ok()?);
+    Some((run, Step(step), crate::ids::AttemptNo(attempt)))
+}
+
 /// `run ‖ step`, for run timers, tasks and children.
 pub fn run_step_key(run: RunId, step: Step) -> Vec<u8> {
     let mut k = Vec::with_capacity(20);
@@ -322,7 +334,7 @@ mod cf_tests {
 #[cfg(test)]
 mod dedupe_key_tests {
     // Goal: the layout the schema 6 migration reads dedupe keys by, in
-    // `derive::attempt_rows_beside_executions` and the PostgreSQL store's
+    // `parse_attempt_dedupe_key` and the PostgreSQL store's
     // `migration_deletes` (offsets in SQL): the run's 16 bytes, then `a`,
     // the step and the attempt (25 bytes), or `x` and the step (21).
     use super::*;
@@ -332,6 +344,10 @@ mod dedupe_key_tests {
     fn attempt_and_execution_keys_have_the_layout_the_migration_reads() {
         let run = RunId::from_u64_pair(7, 9);
         let attempt = dedupe_key(run, &DurableKey::Attempt(Step(0x0102_0304), AttemptNo(5)));
+        assert_eq!(
+            parse_attempt_dedupe_key(&attempt),
+            Some((run, Step(0x0102_0304), AttemptNo(5)))
+        );
         let execution = dedupe_key(run, &DurableKey::Execution(Step(0x0102_0304)));
         assert_eq!(attempt.len(), 25);
         assert_eq!(execution.len(), 21);

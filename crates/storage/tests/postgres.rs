@@ -987,17 +987,6 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
         let scratch = PgScratch::new(&url);
         let store = PgStore::open(scratch.0.clone()).expect("create");
         let (run, closing) = closed_three_ways(&store, 43 + i as u64);
-        let dedupe_rows = |store: &PgStore| {
-            let mut rows = Vec::new();
-            store
-                .view()
-                .scan(keel_storage::keys::Cf::Dedupe, &[], &[], &mut |k, v| {
-                    rows.push((k.to_vec(), v.to_vec()));
-                    true
-                })
-                .expect("scan");
-            rows
-        };
         let written = dedupe_rows(&store);
         drop(store);
         plant_schema_5_attempt_rows(&url, &scratch.0.schema, run, &closing);
@@ -1039,19 +1028,7 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
 
         let store = PgStore::open(scratch.0.clone()).expect("migrated by an engine's open");
         assert_eq!(dedupe_rows(&store), written, "only the planted rows went");
-        let report = store.verify().expect("verify");
-        assert!(report.ok, "{report:?}");
-        for (step, attempt, seq) in &closing {
-            let key = keel_storage::DurableKey::Attempt(
-                keel_storage::Step(*step),
-                keel_storage::AttemptNo(*attempt),
-            );
-            assert_eq!(
-                store.committed(run, &key).expect("read"),
-                Some(*seq),
-                "{key}"
-            );
-        }
+        assert_migrated_attempts(&store, run, &closing);
         drop(store);
         PgStore::open_read_only(scratch.0.clone()).expect("inspection opens it again");
     }
@@ -1107,19 +1084,7 @@ fn an_engine_role_without_ownership_migrates_a_schema_5_database_with_delete_gra
         &format!("grant delete on \"{s}\".kv_dedupe to {role}"),
     );
     let store = PgStore::open(as_role).expect("migrated by the engine's role");
-    let report = store.verify().expect("verify");
-    assert!(report.ok, "{report:?}");
-    for (step, attempt, seq) in &closing {
-        let key = keel_storage::DurableKey::Attempt(
-            keel_storage::Step(*step),
-            keel_storage::AttemptNo(*attempt),
-        );
-        assert_eq!(
-            store.committed(run, &key).expect("read"),
-            Some(*seq),
-            "{key}"
-        );
-    }
+    assert_migrated_attempts(&store, run, &closing);
     drop(store);
     drop(scratch);
     admin(&url, &format!("drop owned by {role}"));
