@@ -202,6 +202,23 @@ fn another_schema_version_is_refused_naming_both() {
     }
 }
 
+/// Checks that an engine's open of `options` is refused as in use while
+/// an older engine process is live, naming its `owner`.
+fn open_refused_as_in_use(options: &PgOptions, owner: &str) {
+    let err = PgStore::open(options.clone()).expect_err("an older process is live");
+    assert!(
+        matches!(
+            err,
+            Error::Database {
+                fault: DatabaseFault::InUse,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains(owner), "{err}");
+}
+
 /// Records an older schema version in a database, and checks that a
 /// reader is then refused, naming both versions and saying that an
 /// engine's open migrates it.
@@ -263,21 +280,7 @@ fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
         &url,
         &format!("insert into \"{s}\".member values ('old-engine-7', {far})"),
     );
-    // An engine's open is refused as in use, naming the live `owner`.
-    let refused_naming = |owner: &str| {
-        let err = PgStore::open(scratch.0.clone()).expect_err("an older process is live");
-        assert!(
-            matches!(
-                err,
-                Error::Database {
-                    fault: DatabaseFault::InUse,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(err.to_string().contains(owner), "{err}");
-    };
+    let refused_naming = |owner: &str| open_refused_as_in_use(&scratch.0, owner);
     refused_naming("old-engine-7");
     let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 4");
     assert!(matches!(err, Error::DatabaseSchemaVersion { .. }), "{err}");
@@ -1002,17 +1005,7 @@ fn a_schema_5_database_loses_only_the_attempt_rows_its_executions_stand_for() {
                 &url,
                 &format!("insert into \"{s}\".member values ('old-engine-5', {far})"),
             );
-            let err = PgStore::open(scratch.0.clone()).expect_err("an older process is live");
-            assert!(
-                matches!(
-                    err,
-                    Error::Database {
-                        fault: DatabaseFault::InUse,
-                        ..
-                    }
-                ) && err.to_string().contains("old-engine-5"),
-                "{err}"
-            );
+            open_refused_as_in_use(&scratch.0, "old-engine-5");
             let err = PgStore::open_read_only(scratch.0.clone()).expect_err("still schema 5");
             assert!(
                 matches!(err, Error::DatabaseSchemaVersion { found: 5, .. }),
