@@ -43,6 +43,8 @@ mod intents;
 mod message_streams;
 #[path = "no_stuck_runs.rs"]
 mod no_stuck_runs;
+#[path = "non_blocking_activities.rs"]
+mod non_blocking_activities;
 #[path = "postgres_engine.rs"]
 mod postgres_engine;
 #[path = "postgres_restart.rs"]

@@ -6,8 +6,11 @@
 //! process). A copy the shard asks to stop sees its
 //! [`keel_core::CancelSignal`] raised.
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Context;
 use std::time::Duration;
 
 use actix::Addr;
@@ -20,8 +23,26 @@ use tracing::{info_span, Instrument};
 use crate::engine::{Host, ReportTo};
 use crate::shard::{Feed, ShardActor};
 
+/// Where [`run`] is called from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Caller {
+    /// The thread of the shard that dispatched the attempt: a non-blocking
+    /// activity's first poll may run here.
+    ShardThread,
+    /// Any other thread (the relay's): the attempt starts on the pool.
+    Elsewhere,
+}
+
 /// Runs one copy of an attempt, reporting to `shard`.
-pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder) {
+///
+/// An activity that declares itself [`keel_core::Activity::NON_BLOCKING`],
+/// dispatched from its shard's thread, is polled once right here, inside the
+/// pool's runtime context (so what it spawns, its timers and its IO belong
+/// to the pool), and goes to the pool only if that poll did not finish it.
+/// A no-op or in-memory activity then costs no wake-up of a pool thread and
+/// its result no wake-up of the shard's: the result is queued to the shard
+/// actor the poll runs in, after the dispatching action.
+pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller: Caller) {
     let (key, epoch, attempt) = (order.key, order.epoch, order.attempt);
     let cancel = CancelSignal::new();
     host.copies.lock().insert((key, epoch), cancel.clone());
@@ -54,75 +75,105 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder) {
     let activity_type = order.activity_type;
     let input = order.input;
     let (deadline_ms, is_retry) = (order.deadline_ms, order.is_retry);
-    host.activity_rt.clone().spawn(
-        async move {
-            // Per-process admission (breaker, rate limit, bulkhead) in the
-            // pipeline's fixed order. A refusal never reaches the activity
-            // and is not a dependency failure; the shard offers it again.
-            let execution = id.execution.to_string();
-            let mut admission = None;
-            if let Some(p) = &profile {
-                let admitted = keel_resilience::Safety::idempotent(&execution)
-                    .map_err(|e| e.to_string())
-                    .and_then(|safety| {
-                        p.new_context(Duration::from_millis(deadline_ms), safety, &execution)
-                            .map_err(|e| e.to_string())
-                    })
-                    .and_then(|c| p.admit(&c, is_retry).map_err(|r| r.reason().to_string()));
-                match admitted {
-                    Ok(mut a) => {
-                        a.mark_dispatched();
-                        admission = Some(a);
-                    }
-                    Err(policy) => {
-                        host.copies.lock().remove(&(key, epoch));
-                        shard.send(&host, ShardInput::AttemptRefused { key, epoch, policy });
-                        return;
-                    }
+    let pool = host.activity_rt.clone();
+    let first_poll_here =
+        caller == Caller::ShardThread && activity.as_ref().is_some_and(|a| a.non_blocking());
+    let attempt_run = async move {
+        // Per-process admission (breaker, rate limit, bulkhead) in the
+        // pipeline's fixed order. A refusal never reaches the activity
+        // and is not a dependency failure; the shard offers it again.
+        let execution = id.execution.to_string();
+        let mut admission = None;
+        if let Some(p) = &profile {
+            let admitted = keel_resilience::Safety::idempotent(&execution)
+                .map_err(|e| e.to_string())
+                .and_then(|safety| {
+                    p.new_context(Duration::from_millis(deadline_ms), safety, &execution)
+                        .map_err(|e| e.to_string())
+                })
+                .and_then(|c| p.admit(&c, is_retry).map_err(|r| r.reason().to_string()));
+            match admitted {
+                Ok(mut a) => {
+                    a.mark_dispatched();
+                    admission = Some(a);
+                }
+                Err(policy) => {
+                    host.copies.lock().remove(&(key, epoch));
+                    shard.send(&host, ShardInput::AttemptRefused { key, epoch, policy });
+                    return;
                 }
             }
-            let result = match activity {
-                None => Err(Failure::new(
-                    FailureKind::Application,
-                    format!("unknown activity type {activity_type:?}"),
-                    false,
-                )),
-                Some(a) => match AssertUnwindSafe(a.start(ctx, input)).catch_unwind().await {
-                    Ok(r) => r,
-                    Err(p) => {
-                        let msg = p
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| p.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "activity panicked".into());
-                        Err(Failure::new(
-                            FailureKind::Panic,
-                            format!("activity panicked: {msg}"),
-                            true,
-                        ))
-                    }
-                },
-            };
-            if let (Some(a), Some(p)) = (admission, &profile) {
-                let verdict = match &result {
-                    Ok(_) => keel_resilience::Verdict::Success,
-                    Err(f) => p.classifier().classify(f).verdict,
-                };
-                a.settle(verdict);
-            }
-            host.copies.lock().remove(&(key, epoch));
-            shard.send(
-                &host,
-                ShardInput::AttemptFinished {
-                    key,
-                    attempt,
-                    epoch,
-                    result,
-                },
-            );
         }
-        .instrument(span),
-    );
+        let result = match activity {
+            None => Err(Failure::new(
+                FailureKind::Application,
+                format!("unknown activity type {activity_type:?}"),
+                false,
+            )),
+            Some(a) => match AssertUnwindSafe(a.start(ctx, input)).catch_unwind().await {
+                Ok(r) => r,
+                Err(p) => {
+                    let msg = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "activity panicked".into());
+                    Err(Failure::new(
+                        FailureKind::Panic,
+                        format!("activity panicked: {msg}"),
+                        true,
+                    ))
+                }
+            },
+        };
+        if let (Some(a), Some(p)) = (admission, &profile) {
+            let verdict = match &result {
+                Ok(_) => keel_resilience::Verdict::Success,
+                Err(f) => p.classifier().classify(f).verdict,
+            };
+            a.settle(verdict);
+        }
+        host.copies.lock().remove(&(key, epoch));
+        shard.send(
+            &host,
+            ShardInput::AttemptFinished {
+                key,
+                attempt,
+                epoch,
+                result,
+            },
+        );
+    }
+    .instrument(span);
+    if first_poll_here {
+        poll_here_then_pool(&pool, Box::pin(attempt_run));
+    } else {
+        pool.spawn(attempt_run);
+    }
+}
+
+/// Polls `attempt` once on this thread within `pool`'s runtime context and
+/// spawns it on `pool` if it is not finished. No wake-up is lost by the
+/// move: a task spawned on the pool is polled at once, and a future must
+/// tolerate a poll with a new waker. A panic here (the engine's own code:
+/// the activity's body is already guarded) drops the copy as the pool
+/// would; its lease's end redelivers the attempt.
+fn poll_here_then_pool(
+    pool: &tokio::runtime::Handle,
+    mut attempt: Pin<Box<dyn Future<Output = ()> + Send>>,
+) {
+    let finished = {
+        let _context = pool.enter();
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            attempt.as_mut().poll(&mut cx).is_ready()
+        }))
+        .unwrap_or(true)
+    };
+    if !finished {
+        pool.spawn(attempt);
+    }
 }
 
 /// Calls an activity's fallback for a final failure.

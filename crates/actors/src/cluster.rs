@@ -345,7 +345,12 @@ impl Member {
                     };
                     self.host.report_taken(shard, taken);
                 }
-                crate::attempts::run(&self.host, ReportTo::Shard(shard), order);
+                crate::attempts::run(
+                    &self.host,
+                    ReportTo::Shard(shard),
+                    order,
+                    crate::attempts::Caller::Elsewhere,
+                );
             }
             (RelayTo::Shard(s), Wire::Report(report)) => match routes.local(ShardId(s)) {
                 Some(addr) => self.host.reported(&addr, report),

@@ -353,7 +353,12 @@ impl Host {
         } else {
             order
         };
-        crate::attempts::run(host, ReportTo::Actor(actor), order);
+        crate::attempts::run(
+            host,
+            ReportTo::Actor(actor),
+            order,
+            crate::attempts::Caller::ShardThread,
+        );
     }
 
     /// Reports a copy's input to shard `shard`: to its actor when it runs

@@ -112,20 +112,41 @@ pub(crate) struct W1Args {
     /// the disk.
     #[arg(long)]
     buffered: bool,
+    /// Start every attempt on the activity pool, as an activity that does
+    /// not declare itself non-blocking would (the default no-op declares
+    /// it, so a shard polls its attempts first where it dispatches them).
+    #[arg(long)]
+    on_pool: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }
 
-/// The no-op activity every engine benchmark uses.
+/// The no-op activity every engine benchmark uses. It neither blocks nor
+/// waits, and says so: its attempts are polled first on the shard thread
+/// that dispatches them.
 #[derive(Default)]
 pub(crate) struct Noop;
 impl Activity for Noop {
     const NAME: &'static str = "bench.noop";
     type Input = u32;
     type Output = u32;
+    const NON_BLOCKING: bool = true;
     async fn run(&self, _ctx: ActivityContext, i: u32) -> Result<u32, ActivityError> {
         Ok(i + 1)
+    }
+}
+
+/// The same no-op under the same name, without the declaration: every
+/// attempt starts on the activity pool (`keel bench w1 --on-pool`).
+#[derive(Default)]
+struct PooledNoop;
+impl Activity for PooledNoop {
+    const NAME: &'static str = Noop::NAME;
+    type Input = u32;
+    type Output = u32;
+    async fn run(&self, ctx: ActivityContext, i: u32) -> Result<u32, ActivityError> {
+        Noop.run(ctx, i).await
     }
 }
 
@@ -313,11 +334,15 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     } else {
         keel::Durability::Sync
     };
-    let engine = builder
+    let builder = builder
         .durability(durability)
-        .register_workflow::<ThreeSteps>()
-        .register_activity::<Noop>()
-        .build()?;
+        .register_workflow::<ThreeSteps>();
+    let engine = if args.on_pool {
+        builder.register_activity::<PooledNoop>()
+    } else {
+        builder.register_activity::<Noop>()
+    }
+    .build()?;
     let client = engine.client();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -397,7 +422,8 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         workload: match args.rate {
             Some(r) => format!("w1 rate={r}/s"),
             None => format!("w1 concurrency={}", args.concurrency),
-        } + if args.buffered { " buffered" } else { "" },
+        } + if args.buffered { " buffered" } else { "" }
+            + if args.on_pool { " on-pool" } else { "" },
         workflows: args.workflows,
         concurrency: args.rate.is_none().then_some(args.concurrency),
         rate: args.rate,
@@ -445,6 +471,10 @@ fn w1_cluster(args: W1Args) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(
         !args.buffered,
         "--buffered runs one process: drop --processes"
+    );
+    anyhow::ensure!(
+        !args.on_pool,
+        "--on-pool runs one process: drop --processes"
     );
     let run = bench_cluster::run(
         url,

@@ -26,6 +26,17 @@ pub trait Activity: Send + Sync + 'static {
     type Input: Serialize + DeserializeOwned + Send + 'static;
     /// The result.
     type Output: Serialize + DeserializeOwned + Send + 'static;
+    /// Declares that the body never blocks its thread and does little
+    /// work before its first `.await` that waits: a no-op, an in-memory
+    /// update, a computation of microseconds, a call that starts IO at once.
+    /// The engine then polls an attempt's body first on the shard thread
+    /// that dispatched it, inside the activity pool's runtime context, and
+    /// moves the attempt to the pool only when it does not finish there:
+    /// an activity that finishes at once costs no thread hand-off either
+    /// way. `false` (the default) for anything that may block or compute
+    /// for long, since while that first poll runs, the shard's other runs
+    /// wait.
+    const NON_BLOCKING: bool = false;
 
     /// The body. Must be safe to repeat: use `ctx.execution_id()` as the
     /// idempotency key of external calls.
@@ -261,6 +272,10 @@ pub trait ErasedActivity: Send + Sync {
     fn name(&self) -> &'static str;
     /// Runs one attempt.
     fn start(&self, ctx: ActivityContext, input: Payload) -> ActivityFuture;
+    /// Whether the activity declares [`Activity::NON_BLOCKING`].
+    fn non_blocking(&self) -> bool {
+        false
+    }
     /// The fallback value for a final failure, if the activity has one.
     fn fallback(&self, _input: Payload, _failure: &Failure) -> Option<Result<Payload, Failure>> {
         None
@@ -272,6 +287,10 @@ struct Typed<A>(Arc<A>);
 impl<A: Activity> ErasedActivity for Typed<A> {
     fn name(&self) -> &'static str {
         A::NAME
+    }
+
+    fn non_blocking(&self) -> bool {
+        A::NON_BLOCKING
     }
 
     fn start(&self, ctx: ActivityContext, input: Payload) -> ActivityFuture {
