@@ -37,10 +37,16 @@ fn deterministic_fail(id: u64, attempt: u32) -> bool {
     id % 20 == 3 && attempt == 1
 }
 
+// The activities below are in-memory stand-ins: they never block, and say
+// so (`NON_BLOCKING`), so a shard runs each where it dispatches it. A real
+// gateway called through an async client could say so too; one called
+// through a blocking client must not.
+
 #[derive(Default, Debug)]
 pub struct ChargeCard;
 impl Activity for ChargeCard {
     const NAME: &'static str = "demo.charge";
+    const NON_BLOCKING: bool = true;
     type Input = Order;
     type Output = String;
     async fn run(&self, ctx: ActivityContext, o: Order) -> Result<String, ActivityError> {
@@ -55,6 +61,7 @@ impl Activity for ChargeCard {
 pub struct ReserveInventory;
 impl Activity for ReserveInventory {
     const NAME: &'static str = "demo.reserve";
+    const NON_BLOCKING: bool = true;
     type Input = Order;
     type Output = String;
     async fn run(&self, _ctx: ActivityContext, o: Order) -> Result<String, ActivityError> {
@@ -66,6 +73,7 @@ impl Activity for ReserveInventory {
 pub struct Ship;
 impl Activity for Ship {
     const NAME: &'static str = "demo.ship";
+    const NON_BLOCKING: bool = true;
     type Input = Order;
     type Output = String;
     async fn run(&self, _ctx: ActivityContext, o: Order) -> Result<String, ActivityError> {
@@ -77,6 +85,7 @@ impl Activity for Ship {
 pub struct Notify;
 impl Activity for Notify {
     const NAME: &'static str = "demo.notify";
+    const NON_BLOCKING: bool = true;
     type Input = String;
     type Output = ();
     async fn run(&self, _ctx: ActivityContext, _msg: String) -> Result<(), ActivityError> {
