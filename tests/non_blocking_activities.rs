@@ -2,21 +2,25 @@
 //! thread of the shard that dispatched it, inside the activity pool's
 //! runtime context, and moves to the pool at its first wait; one without
 //! the declaration starts on the pool; either way each execution commits
-//! exactly one result, and a panic in that first poll is an attempt's
-//! retryable failure, not the shard's end.
+//! exactly one result. A panic in that first poll is not the shard's end:
+//! in the body it is an attempt's retryable failure, and around the body
+//! (a profile's classifier) it drops the copy, which its lease's end
+//! redelivers.
 //! Method: activities note the thread they run on (its name) and the
 //! runtime their code sees (the pool is multi-threaded, a shard's arbiter is
 //! not) before and after a short sleep; a workflow calls each, and the
-//! history is counted. The RocksDB store, as users run it.
+//! history is counted. A profile whose classifier panics once, with a short
+//! attempt timeout (the copy's lease). The RocksDB store, as users run it.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use keel::resilience::{AttemptTimeoutRequirement, BackoffMode, Builder, Classifier, JitterMode};
 use keel::storage::EventKind;
 use keel::{
-    Activity, ActivityContext, ActivityError, Engine, RetryPolicy, Workflow, WorkflowContext,
-    WorkflowError,
+    Activity, ActivityContext, ActivityError, Engine, Failure, FailureKind, RetryPolicy, Workflow,
+    WorkflowContext, WorkflowError,
 };
 use tokio::runtime::{Handle, RuntimeFlavor};
 
@@ -161,6 +165,9 @@ async fn non_blocking_activities_start_on_their_shard_and_wait_on_the_pool() -> 
         of("plain"),
     );
     assert_eq!(quick.len(), 1, "{places:?}");
+    assert_eq!(before.len(), 1, "{places:?}");
+    assert_eq!(after.len(), 1, "{places:?}");
+    assert_eq!(plain.len(), 1, "{places:?}");
     assert!(on_shard_in_pool_context(&quick[0]), "{quick:?}");
     assert!(on_shard_in_pool_context(&before[0]), "{before:?}");
     assert!(on_pool(&after[0]), "{after:?}");
@@ -185,6 +192,113 @@ async fn non_blocking_activities_start_on_their_shard_and_wait_on_the_pool() -> 
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert!(failed[0].0.contains("first poll panics"), "{failed:?}");
     assert!(failed[0].1, "the panic is retried");
+    engine.shutdown().await;
+    Ok(())
+}
+
+static FAILS_LEFT: AtomicU32 = AtomicU32::new(1);
+static CLASSIFIER_PANICS_LEFT: AtomicU32 = AtomicU32::new(1);
+static GUARDED_CALLS: AtomicU32 = AtomicU32::new(0);
+
+/// Fails its first call (which the profile's classifier then sees), and
+/// succeeds after.
+#[derive(Default)]
+struct FailsOnce;
+impl Activity for FailsOnce {
+    const NAME: &'static str = "nb.fails-once";
+    type Input = ();
+    type Output = String;
+    const NON_BLOCKING: bool = true;
+    async fn run(&self, _ctx: ActivityContext, _: ()) -> Result<String, ActivityError> {
+        GUARDED_CALLS.fetch_add(1, Ordering::SeqCst);
+        if FAILS_LEFT
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(ActivityError::retryable("dependency down"));
+        }
+        Ok("done".into())
+    }
+}
+
+struct Classified;
+impl Workflow for Classified {
+    const NAME: &'static str = "nb.classified";
+    type Input = ();
+    type Output = String;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<String, WorkflowError> {
+        Ok(ctx.activity::<FailsOnce>(()).profile("panicky").await?)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_around_the_body_in_the_first_poll_is_redelivered_not_fatal() -> anyhow::Result<()>
+{
+    // The classifier runs in the attempt's first poll, on the shard's
+    // thread, after the body failed and outside the body's own guard.
+    let classifier = Classifier::<Failure>::new()
+        .retry_on(|f: &Failure| {
+            if CLASSIFIER_PANICS_LEFT
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                panic!("the classifier panics");
+            }
+            f.retryable
+        })
+        .retry_on_attempt_timeout();
+    let pipeline = Builder::profile("panicky", "v1")
+        .partition("tests", "local", "panicky")
+        .attempt_timeout(
+            Duration::from_millis(300),
+            AttemptTimeoutRequirement::Cooperative,
+        )
+        .retry(
+            3,
+            BackoffMode::Constant,
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+            JitterMode::None,
+        )
+        .compile_in_memory(classifier)?;
+    let dir = tempfile::tempdir()?;
+    let engine = Engine::builder()
+        .data_dir(dir.path())
+        .resilience_profile("panicky", pipeline)
+        .register_workflow::<Classified>()
+        .register_activity::<FailsOnce>()
+        .build()?;
+    let client = engine.client();
+    let run = client
+        .start::<Classified>("classified", &())
+        .await?
+        .run_id();
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        client.result::<Classified>("classified"),
+    )
+    .await??;
+    assert_eq!(out, "done");
+    assert_eq!(CLASSIFIER_PANICS_LEFT.load(Ordering::SeqCst), 0);
+    // The panicked copy never reported: its lease (the attempt timeout)
+    // ended, which is that attempt's timeout, and the profile's retry ran
+    // the next attempt. One timeout and one result, nothing from the
+    // copy that panicked.
+    assert_eq!(GUARDED_CALLS.load(Ordering::SeqCst), 2);
+    let history = engine.store().history(run)?;
+    let failures: Vec<_> = history
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::ActivityAttemptFailed { failure, .. } => Some(failure.kind),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failures, vec![FailureKind::Timeout]);
+    let completed = history
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::ActivityCompleted { .. }))
+        .count();
+    assert_eq!(completed, 1);
     engine.shutdown().await;
     Ok(())
 }

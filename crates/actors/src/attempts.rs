@@ -1,5 +1,7 @@
 //! The activity runtime: runs the attempts a shard dispatches on a tokio
-//! pool off the arbiter threads, admits each through its resilience profile
+//! pool off the arbiter threads (the first poll of an activity that
+//! declares itself non-blocking runs on the shard's thread, see [`run`]),
+//! admits each through its resilience profile
 //! in this process, turns a panic into a retryable failure, and reports
 //! results and heartbeats (with the lease epoch) to the shard (through the
 //! relay when the attempt was taken from it, and its shard runs in another
@@ -46,6 +48,10 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
     let (key, epoch, attempt) = (order.key, order.epoch, order.attempt);
     let cancel = CancelSignal::new();
     host.copies.lock().insert((key, epoch), cancel.clone());
+    let copy = CopyEntry {
+        host: host.clone(),
+        key: (key, epoch),
+    };
     let (beats, beat_host) = (shard.clone(), host.clone());
     let heartbeat: HeartbeatFn = Arc::new(move |details| {
         beats.send(
@@ -98,7 +104,7 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
                     admission = Some(a);
                 }
                 Err(policy) => {
-                    host.copies.lock().remove(&(key, epoch));
+                    drop(copy);
                     shard.send(&host, ShardInput::AttemptRefused { key, epoch, policy });
                     return;
                 }
@@ -133,7 +139,7 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
             };
             a.settle(verdict);
         }
-        host.copies.lock().remove(&(key, epoch));
+        drop(copy);
         shard.send(
             &host,
             ShardInput::AttemptFinished {
@@ -152,12 +158,28 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
     }
 }
 
+/// A copy's place in `Host::copies`, given back when the copy reports or
+/// when its future is dropped without reporting (a panic outside the
+/// body's own guard, in a profile's classifier say): a lost copy must not
+/// keep a place under `worker_concurrency_max`.
+struct CopyEntry {
+    host: Arc<Host>,
+    key: (AttemptKey, keel_storage::LeaseEpoch),
+}
+
+impl Drop for CopyEntry {
+    fn drop(&mut self) {
+        self.host.copies.lock().remove(&self.key);
+    }
+}
+
 /// Polls `attempt` once on this thread within `pool`'s runtime context and
 /// spawns it on `pool` if it is not finished. No wake-up is lost by the
 /// move: a task spawned on the pool is polled at once, and a future must
-/// tolerate a poll with a new waker. A panic here (the engine's own code:
-/// the activity's body is already guarded) drops the copy as the pool
-/// would; its lease's end redelivers the attempt.
+/// tolerate a poll with a new waker. A panic here that the body's own
+/// guard did not catch (the engine's code, or user code run around the
+/// body such as a profile's classifier) drops the copy, as the pool would:
+/// its lease's end redelivers the attempt.
 fn poll_here_then_pool(
     pool: &tokio::runtime::Handle,
     mut attempt: Pin<Box<dyn Future<Output = ()> + Send>>,

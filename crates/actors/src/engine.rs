@@ -55,7 +55,9 @@ pub struct EngineConfig {
     /// Shards (each on its own arbiter thread); runs are spread over them
     /// by the hash of their id.
     pub shards: usize,
-    /// Threads activity code runs on.
+    /// Threads of the activity pool, where activity code runs (the first
+    /// poll of a `NON_BLOCKING` activity's attempt runs on its shard's
+    /// thread).
     pub activity_threads: usize,
     /// Lease of an attempt without heartbeat or start-to-close timeout.
     pub lease_ms_default: u64,

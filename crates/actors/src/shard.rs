@@ -2,8 +2,9 @@
 //! thread and performs its actions. It decides nothing: each input goes to
 //! the driver with the current time, and each action the driver asks for is
 //! performed as it says, off this thread whenever it may block (store reads
-//! on the blocking pool, activity code on the activity runtime; a commit
-//! is queued to the store's writer and answered to this actor).
+//! on the blocking pool, activity code on the activity runtime, except
+//! the first poll of a `NON_BLOCKING` activity's attempt; a commit is
+//! queued to the store's writer and answered to this actor).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -35,7 +35,10 @@ pub trait Activity: Send + Sync + 'static {
     /// an activity that finishes at once costs no thread hand-off either
     /// way. `false` (the default) for anything that may block or compute
     /// for long, since while that first poll runs, the shard's other runs
-    /// wait.
+    /// wait. During that poll the body is on the shard's thread, not a pool
+    /// worker: `tokio::task::block_in_place` panics there (a retryable
+    /// failure, every attempt alike), and `spawn_local` would put a task on
+    /// the shard's thread; use neither in such an activity.
     const NON_BLOCKING: bool = false;
 
     /// The body. Must be safe to repeat: use `ctx.execution_id()` as the
