@@ -2,12 +2,16 @@
 //! glossary, carrying the ids an operator searches by: a client `request`
 //! (its kind), the store's group `commit` (how many commits), an
 //! `attempt` (run, step, attempt, epoch) and the `replay` of a run
-//! activated from its log (run, events).
+//! activated from its log (run, events). An activity that declares itself
+//! `NON_BLOCKING` but blocks its first poll is warned about, naming its
+//! type.
 //! Method: a subscriber layer that records every new span's name and
 //! fields, installed for this whole test binary (the engine's spans are
 //! made on its own threads); an engine on a RocksDB directory runs a
 //! workflow through an activity to a signal wait and is restarted, and
-//! the signal makes the new engine replay the waiting run.
+//! the signal makes the new engine replay the waiting run. Then a run of an
+//! activity that sleeps its thread 60 ms while declaring `NON_BLOCKING`;
+//! the layer records events too.
 
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -36,6 +40,15 @@ impl<S: Subscriber> Layer<S> for Recorder {
             .unwrap()
             .push((attrs.metadata().name().to_string(), fields.0));
     }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        let mut fields = Fields(String::new());
+        event.record(&mut fields);
+        self.0
+            .lock()
+            .unwrap()
+            .push((format!("event {}", event.metadata().level()), fields.0));
+    }
 }
 
 struct Fields(String);
@@ -57,6 +70,30 @@ impl Activity for Pack {
     }
 }
 
+/// Declares `NON_BLOCKING`, then blocks its thread: a wrong declaration.
+#[derive(Default)]
+struct Sleepy;
+impl Activity for Sleepy {
+    const NAME: &'static str = "sleepy";
+    type Input = u32;
+    type Output = u32;
+    const NON_BLOCKING: bool = true;
+    async fn run(&self, _: ActivityContext, n: u32) -> Result<u32, ActivityError> {
+        std::thread::sleep(Duration::from_millis(60));
+        Ok(n)
+    }
+}
+
+struct Nap;
+impl Workflow for Nap {
+    const NAME: &'static str = "nap";
+    type Input = u32;
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, n: u32) -> Result<u32, WorkflowError> {
+        Ok(ctx.activity::<Sleepy>(n).await?)
+    }
+}
+
 struct Parcel;
 impl Workflow for Parcel {
     const NAME: &'static str = "parcel";
@@ -74,6 +111,8 @@ fn engine(dir: &std::path::Path) -> Engine {
         .data_dir(dir)
         .register_workflow::<Parcel>()
         .register_activity::<Pack>()
+        .register_workflow::<Nap>()
+        .register_activity::<Sleepy>()
         .build()
         .expect("the engine opens its directory")
 }
@@ -111,6 +150,8 @@ async fn the_engine_traces_requests_commits_attempts_and_replays() -> anyhow::Re
     c.signal("p-1", "ship", &"ops".to_string(), Some("ship-1"))
         .await?;
     assert_eq!(c.result::<Parcel>("p-1").await?, "42 shipped by ops");
+    c.start::<Nap>("nap-1", &7).await?;
+    assert_eq!(c.result::<Nap>("nap-1").await?, 7);
     engine.shutdown().await;
 
     let seen = seen.lock().unwrap();
@@ -133,6 +174,13 @@ async fn the_engine_traces_requests_commits_attempts_and_replays() -> anyhow::Re
             ],
         ),
         ("replay", vec![run_field.clone(), "events=".into()]),
+        (
+            "event WARN",
+            vec![
+                "activity_type=\"sleepy\"".into(),
+                "NON_BLOCKING activity's first poll held".into(),
+            ],
+        ),
     ] {
         assert!(
             find(name, &has),

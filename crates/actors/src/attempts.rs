@@ -25,6 +25,11 @@ use tracing::{info_span, Instrument};
 use crate::engine::{Host, ReportTo};
 use crate::shard::{Feed, ShardActor};
 
+/// A first poll on a shard's thread that runs longer than this is warned
+/// about, once per activity type: the activity declared itself
+/// `NON_BLOCKING`, yet held its shard's other runs this long.
+pub(crate) const FIRST_POLL_WARN_MS: u64 = 20;
+
 /// Where [`run`] is called from.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Caller {
@@ -82,8 +87,11 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
     let input = order.input;
     let (deadline_ms, is_retry) = (order.deadline_ms, order.is_retry);
     let pool = host.activity_rt.clone();
-    let first_poll_here =
-        caller == Caller::ShardThread && activity.as_ref().is_some_and(|a| a.non_blocking());
+    let first_poll_here = match &activity {
+        Some(a) if caller == Caller::ShardThread && a.non_blocking() => Some(a.name()),
+        _ => None,
+    };
+    let warn_host = host.clone();
     let attempt_run = async move {
         // Per-process admission (breaker, rate limit, bulkhead) in the
         // pipeline's fixed order. A refusal never reaches the activity
@@ -151,8 +159,21 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
         );
     }
     .instrument(span);
-    if first_poll_here {
+    if let Some(activity_type) = first_poll_here {
+        let started = std::time::Instant::now();
         poll_here_then_pool(&pool, Box::pin(attempt_run));
+        let took = started.elapsed();
+        if took >= Duration::from_millis(FIRST_POLL_WARN_MS)
+            && warn_host.slow_first_polls.lock().insert(activity_type)
+        {
+            tracing::warn!(
+                activity_type,
+                took_ms = took.as_millis() as u64,
+                warn_ms = FIRST_POLL_WARN_MS,
+                "a NON_BLOCKING activity's first poll held its shard's thread: \
+                 drop the declaration, or move the blocking part behind an await"
+            );
+        }
     } else {
         pool.spawn(attempt_run);
     }

@@ -263,6 +263,10 @@ pub(crate) struct Host {
     /// How long a shard lease lasts unless renewed (a shared store).
     pub(crate) shard_lease_ms: u64,
     pub(crate) copies: Mutex<HashMap<(AttemptKey, LeaseEpoch), CancelSignal>>,
+    /// The `NON_BLOCKING` activity types whose first poll on a shard's
+    /// thread ran past [`crate::attempts::FIRST_POLL_WARN_MS`], warned
+    /// about once each.
+    pub(crate) slow_first_polls: Mutex<std::collections::HashSet<&'static str>>,
     /// Attempts go to whichever process takes them (a shared store with
     /// [`EngineConfig::attempts_anywhere`]).
     pub(crate) attempts_anywhere: bool,
@@ -534,6 +538,7 @@ impl Engine {
             client: client.clone(),
             shard_lease_ms: config.shard_lease_ms,
             copies: Mutex::new(HashMap::new()),
+            slow_first_polls: Mutex::new(std::collections::HashSet::new()),
             attempts_anywhere: shared && config.attempts_anywhere,
             copies_max: config.worker_concurrency_max.max(1),
             taken: Mutex::new(HashMap::new()),

@@ -38,7 +38,9 @@ pub trait Activity: Send + Sync + 'static {
     /// wait. During that poll the body is on the shard's thread, not a pool
     /// worker: `tokio::task::block_in_place` panics there (a retryable
     /// failure, every attempt alike), and `spawn_local` would put a task on
-    /// the shard's thread; use neither in such an activity.
+    /// the shard's thread; use neither in such an activity. The engine
+    /// warns, once per activity type, when such a first poll holds the
+    /// shard's thread for 20 ms or more.
     const NON_BLOCKING: bool = false;
 
     /// The body. Must be safe to repeat: use `ctx.execution_id()` as the
