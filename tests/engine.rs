@@ -224,6 +224,63 @@ async fn bad_input_is_refused_with_typed_errors_and_writes_nothing() -> anyhow::
     Ok(())
 }
 
+/// An input whose own `Deserialize` panics on 13: user code the shard runs
+/// when it checks a start's input.
+struct Picky(u32);
+
+impl serde::Serialize for Picky {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Picky {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u32::deserialize(d)?;
+        assert!(n != 13, "thirteen is unlucky");
+        Ok(Picky(n))
+    }
+}
+
+struct PickyEcho;
+impl Workflow for PickyEcho {
+    const NAME: &'static str = "picky-echo";
+    type Input = Picky;
+    type Output = u32;
+    async fn run(_ctx: WorkflowContext, input: Picky) -> Result<u32, WorkflowError> {
+        Ok(input.0)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_whose_decoding_panics_is_refused_and_its_shard_lives_on() -> anyhow::Result<()> {
+    // One shard, so the start after the refused one meets the same shard.
+    let engine = Engine::builder()
+        .in_memory()
+        .shards(1)
+        .register_workflow::<PickyEcho>()
+        .build()?;
+    let client = engine.client();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.start::<PickyEcho>("unlucky", &Picky(13)),
+    )
+    .await?
+    .unwrap_err();
+    match &refused {
+        EngineError::InvalidInput { detail, .. } => {
+            assert!(detail.contains("thirteen is unlucky"), "{refused}")
+        }
+        other => panic!("expected InvalidInput, got {other}"),
+    }
+    client.start::<PickyEcho>("lucky", &Picky(7)).await?;
+    let out = tokio::time::timeout(Duration::from_secs(10), client.result::<PickyEcho>("lucky"))
+        .await??;
+    assert_eq!(out, 7);
+    assert_eq!(engine.store().verify()?.runs, 1, "only the lucky run");
+    Ok(())
+}
+
 /// Version 2 of `order` issues a different first command: incompatible.
 struct OrderWorkflowV2;
 impl Workflow for OrderWorkflowV2 {

@@ -161,11 +161,7 @@ impl Executor {
                 }
                 Ok(Poll::Pending) => {}
                 Err(payload) => {
-                    let message = payload
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| payload.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "non-string panic payload".into());
+                    let message = crate::panic_message(payload.as_ref());
                     self.slots[id as usize] = None;
                     self.live -= 1;
                     return Err(Panicked {

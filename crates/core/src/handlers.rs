@@ -128,11 +128,7 @@ pub(crate) fn call_read_only<T>(
     f: impl FnOnce() -> Result<T, String>,
 ) -> Result<Result<T, String>, String> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "non-string panic payload".into());
+        let message = crate::panic_message(payload.as_ref());
         format!("{kind} handler {name:?} panicked: {message}")
     })
 }

@@ -52,3 +52,13 @@ pub use workflow::{Workflow, WorkflowError, WorkflowRegistry};
 /// rebuilding a passivated run by replay starts to cost milliseconds.
 pub const CONTINUE_AS_NEW_SUGGESTED_EVENTS: u64 = 10_000;
 const _: () = assert!(CONTINUE_AS_NEW_SUGGESTED_EVENTS * 100 <= keel_storage::HISTORY_EVENTS_MAX);
+
+/// The message a caught panic carried (`panic!` with a literal or a
+/// formatted string), for the typed error that reports it.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}

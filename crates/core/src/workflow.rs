@@ -107,6 +107,20 @@ pub trait ErasedWorkflow: Send + Sync {
     fn start(&self, ctx: WorkflowContext, input: &Payload) -> Result<WorkflowFuture, String>;
 }
 
+/// Decodes a workflow's input. Its `Deserialize` is the user's code and runs
+/// on the shard's thread, outside the workflow's own guard: a panic in it
+/// refuses that input (`Refusal::InvalidInput`) rather than ending the
+/// shard.
+fn decode_input<T: DeserializeOwned>(input: &Payload) -> Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| input.decode::<T>())) {
+        Ok(decoded) => decoded.map_err(|e| e.to_string()),
+        Err(payload) => Err(format!(
+            "decoding the input panicked: {}",
+            crate::panic_message(payload.as_ref())
+        )),
+    }
+}
+
 struct Typed<W>(std::marker::PhantomData<fn() -> W>);
 
 impl<W: Workflow> ErasedWorkflow for Typed<W> {
@@ -115,14 +129,11 @@ impl<W: Workflow> ErasedWorkflow for Typed<W> {
     }
 
     fn check_input(&self, input: &Payload) -> Result<(), String> {
-        input
-            .decode::<W::Input>()
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+        decode_input::<W::Input>(input).map(|_| ())
     }
 
     fn start(&self, ctx: WorkflowContext, input: &Payload) -> Result<WorkflowFuture, String> {
-        let input: W::Input = input.decode().map_err(|e| e.to_string())?;
+        let input: W::Input = decode_input(input)?;
         Ok(Box::pin(async move {
             let out = W::run(ctx, input).await?;
             Payload::encode(&out)
