@@ -52,11 +52,7 @@ pub(crate) enum Caller {
 pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller: Caller) {
     let (key, epoch, attempt) = (order.key, order.epoch, order.attempt);
     let cancel = CancelSignal::new();
-    host.copies.lock().insert((key, epoch), cancel.clone());
-    let copy = CopyEntry {
-        host: host.clone(),
-        key: (key, epoch),
-    };
+    let copy = CopyEntry::hold(host, (key, epoch), cancel.clone());
     let (beats, beat_host) = (shard.clone(), host.clone());
     let heartbeat: HeartbeatFn = Arc::new(move |details| {
         beats.send(
@@ -88,10 +84,11 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
     let (deadline_ms, is_retry) = (order.deadline_ms, order.is_retry);
     let pool = host.activity_rt.clone();
     let first_poll_here = match &activity {
-        Some(a) if caller == Caller::ShardThread && a.non_blocking() => Some(a.name()),
+        Some(a) if caller == Caller::ShardThread && a.non_blocking() => {
+            Some((a.name(), host.clone()))
+        }
         _ => None,
     };
-    let warn_host = host.clone();
     let attempt_run = async move {
         // Per-process admission (breaker, rate limit, bulkhead) in the
         // pipeline's fixed order. A refusal never reaches the activity
@@ -126,18 +123,14 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
             )),
             Some(a) => match AssertUnwindSafe(a.start(ctx, input)).catch_unwind().await {
                 Ok(r) => r,
-                Err(p) => {
-                    let msg = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "activity panicked".into());
-                    Err(Failure::new(
-                        FailureKind::Panic,
-                        format!("activity panicked: {msg}"),
-                        true,
-                    ))
-                }
+                Err(p) => Err(Failure::new(
+                    FailureKind::Panic,
+                    format!(
+                        "activity panicked: {}",
+                        keel_core::panic_message(p.as_ref())
+                    ),
+                    true,
+                )),
             },
         };
         if let (Some(a), Some(p)) = (admission, &profile) {
@@ -159,7 +152,7 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
         );
     }
     .instrument(span);
-    if let Some(activity_type) = first_poll_here {
+    if let Some((activity_type, warn_host)) = first_poll_here {
         let started = std::time::Instant::now();
         poll_here_then_pool(&pool, Box::pin(attempt_run));
         let took = started.elapsed();
@@ -186,6 +179,21 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
 struct CopyEntry {
     host: Arc<Host>,
     key: (AttemptKey, keel_storage::LeaseEpoch),
+}
+
+impl CopyEntry {
+    /// Records the copy (its stop signal) and holds its place.
+    fn hold(
+        host: &Arc<Host>,
+        key: (AttemptKey, keel_storage::LeaseEpoch),
+        cancel: CancelSignal,
+    ) -> Self {
+        host.copies.lock().insert(key, cancel);
+        CopyEntry {
+            host: host.clone(),
+            key,
+        }
+    }
 }
 
 impl Drop for CopyEntry {

@@ -408,11 +408,7 @@ impl Replayer {
             Ok(Ok(m)) => m,
             Ok(Err(e)) => return ReplayOutcome::from_machine(e),
             Err(panic) => {
-                let message = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic without a message".into());
+                let message = keel_core::panic_message(panic.as_ref());
                 return ReplayOutcome::Failed {
                     kind: "replay_panic".into(),
                     step: None,

@@ -54,8 +54,10 @@ pub const CONTINUE_AS_NEW_SUGGESTED_EVENTS: u64 = 10_000;
 const _: () = assert!(CONTINUE_AS_NEW_SUGGESTED_EVENTS * 100 <= keel_storage::HISTORY_EVENTS_MAX);
 
 /// The message a caught panic carried (`panic!` with a literal or a
-/// formatted string), for the typed error that reports it.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+/// formatted string), for the typed error that reports it: the engine's
+/// guards around user code (workflow code, handlers, inputs, activities,
+/// offline replay) all word it this way.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())
