@@ -93,9 +93,11 @@ pub(crate) fn run(host: &Arc<Host>, shard: ReportTo, order: AttemptOrder, caller
         // Per-process admission (breaker, rate limit, bulkhead) in the
         // pipeline's fixed order. A refusal never reaches the activity
         // and is not a dependency failure; the shard offers it again.
-        let execution = id.execution.to_string();
         let mut admission = None;
         if let Some(p) = &profile {
+            // The execution's name keys the pipeline's per-execution state;
+            // an activity without a profile has none to key.
+            let execution = id.execution.to_string();
             let admitted = keel_resilience::Safety::idempotent(&execution)
                 .map_err(|e| e.to_string())
                 .and_then(|safety| {
