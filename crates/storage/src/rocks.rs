@@ -203,13 +203,15 @@ fn cf_descriptors(names: &[String], cache: &Cache) -> Vec<ColumnFamilyDescriptor
     names
         .iter()
         .map(|n| {
-            let mut o = Options::default();
-            o.set_block_based_table_factory(&table_options(cache));
-            o.set_compression_type(DBCompressionType::None);
-            if n == Cf::Events.name() {
-                let mut t = table_options(cache);
+            let events = n == Cf::Events.name();
+            let mut t = table_options(cache);
+            if events {
                 t.set_block_size(EVENTS_BLOCK_BYTES);
-                o.set_block_based_table_factory(&t);
+            }
+            let mut o = Options::default();
+            o.set_block_based_table_factory(&t);
+            o.set_compression_type(DBCompressionType::None);
+            if events {
                 o = with_insert_hints(o);
             }
             ColumnFamilyDescriptor::new(n, o)
