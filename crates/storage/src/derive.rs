@@ -979,8 +979,7 @@ fn derive_event(
         | EventKind::ActivityCompleted {
             step, attempt_id, ..
         } if !checks.duplicate_terminals
-            && pending_task(out, run, *step).ok().map(|t| t.attempt)
-                != Some(attempt_id.attempt) => {}
+            && pending_attempt(out, run, *step).ok() != Some(attempt_id.attempt) => {}
         EventKind::ActivityAttemptFailed {
             step,
             attempt_id,
@@ -1010,11 +1009,11 @@ fn derive_event(
         EventKind::ActivityCompleted {
             step, attempt_id, ..
         } => {
-            let task = pending_task(out, run, *step)?;
-            if task.attempt != attempt_id.attempt {
+            let pending = pending_attempt(out, run, *step)?;
+            if pending != attempt_id.attempt {
                 return Err(invalid(format!(
-                    "attempt {} completed but the pending attempt at step {step} is {}",
-                    attempt_id.attempt, task.attempt
+                    "attempt {} completed but the pending attempt at step {step} is {pending}",
+                    attempt_id.attempt
                 )));
             }
             out.delete(Cf::Tasks, task_key(*step));
@@ -1025,7 +1024,7 @@ fn derive_event(
             out.put(Cf::Tasks, task_key(*step), enc(RecordKind::Task, &task)?);
         }
         EventKind::ActivityCancelled { step, .. } => {
-            pending_task(out, run, *step)?;
+            pending_attempt(out, run, *step)?;
             out.delete(Cf::Tasks, task_key(*step));
         }
         EventKind::TimerStarted { step, fire_at, .. } => {
@@ -1254,8 +1253,33 @@ fn pending_task(out: &dyn KvRead, run: RunId, step: crate::ids::Step) -> Result<
         RecordKind::Task,
         &keys::run_step_key(run, step),
     )?
-    .ok_or_else(|| Error::InvalidCommit {
+    .ok_or_else(|| no_pending_task(run, step))
+}
+
+fn no_pending_task(run: RunId, step: crate::ids::Step) -> Error {
+    Error::InvalidCommit {
         run,
         detail: format!("no pending activity execution at step {step}"),
-    })
+    }
+}
+
+/// The attempt a pending task waits for, read without building the rest of
+/// the row: a completion checks only this, and decoding the whole
+/// [`TaskEntry`] (its type name, input, options and group) was most of
+/// what checking a completion cost the writer.
+fn pending_attempt(
+    out: &dyn KvRead,
+    run: RunId,
+    step: crate::ids::Step,
+) -> Result<crate::ids::AttemptNo> {
+    let key = keys::run_step_key(run, step);
+    match out.get(Cf::Tasks, &key)? {
+        None => Err(no_pending_task(run, step)),
+        Some(bytes) => TaskEntry::attempt_of(&bytes).map_err(|source| Error::Corrupt {
+            cf: Cf::Tasks.name(),
+            run: keys::run_prefix(&key),
+            seq: None,
+            source,
+        }),
+    }
 }
