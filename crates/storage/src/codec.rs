@@ -246,7 +246,19 @@ pub fn encode<T: Serialize>(kind: RecordKind, value: &T) -> Result<Vec<u8>, Erro
     out.extend_from_slice(&kind.current_version().to_le_bytes());
     out.extend_from_slice(&[0; 4]);
     let written = if kind.positional() {
-        rmp_serde::encode::write(&mut out, value)
+        // keel's own writer first (see `slice_ser`): the same bytes as
+        // rmp-serde's, written straight into the vector. What it leaves,
+        // rmp-serde writes again from the start, and its bytes or its
+        // error stand.
+        crate::slice_ser::write(&mut out, value).or_else(|_| {
+            out.truncate(HEADER_BYTES);
+            let general = rmp_serde::encode::write(&mut out, value);
+            debug_assert!(
+                general.is_err(),
+                "keel's writer left a {kind:?} record to rmp-serde that rmp-serde wrote"
+            );
+            general
+        })
     } else {
         rmp_serde::encode::write_named(&mut out, value)
     };

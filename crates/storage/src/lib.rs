@@ -29,6 +29,7 @@ pub mod relay;
 pub mod rocks;
 pub mod search;
 mod slice_de;
+mod slice_ser;
 pub use slice_de::BODY_NESTING_MAX;
 pub mod state;
 pub mod stats;

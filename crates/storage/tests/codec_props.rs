@@ -438,6 +438,21 @@ proptest! {
     }
 
     #[test]
+    fn records_are_written_as_rmp_serde_writes_them(
+        e in event(),
+        run in run_meta(),
+        task in task_entry(),
+    ) {
+        // The codec writes positional records with keel's own writer; its
+        // bytes must be rmp-serde's, or stored records and golden files
+        // would change with the writer.
+        let body = |bytes: Vec<u8>| bytes[HEADER_BYTES..].to_vec();
+        prop_assert_eq!(body(codec::encode(RecordKind::Event, &e).unwrap()), rmp_serde::to_vec(&e).unwrap());
+        prop_assert_eq!(body(codec::encode(RecordKind::Run, &run).unwrap()), rmp_serde::to_vec(&run).unwrap());
+        prop_assert_eq!(body(codec::encode(RecordKind::Task, &task).unwrap()), rmp_serde::to_vec(&task).unwrap());
+    }
+
+    #[test]
     fn trailing_bytes_are_refused(e in event(), extra in proptest::collection::vec(any::<u8>(), 1..16)) {
         let bytes = codec::encode(RecordKind::Event, &e).unwrap();
         let body = &bytes[HEADER_BYTES..];
