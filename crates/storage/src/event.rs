@@ -18,6 +18,11 @@ use crate::ids::{
     Timestamp,
 };
 
+/// The vector a payload is first encoded into: most payloads fit, and one
+/// kept in a cached history holds no more than it grew to (rmp-serde's own
+/// `to_vec_named` starts at 128).
+const PAYLOAD_FIRST_CAPACITY_BYTES: usize = 32;
+
 /// An opaque user value: msgpack bytes of the workflow's or activity's serde
 /// type. Stored as a msgpack `bin`, not an array of numbers.
 #[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -31,6 +36,13 @@ impl Payload {
 
     /// Encodes a serde value as a payload (msgpack map form).
     pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Self, rmp_serde::encode::Error> {
+        // keel's own writer first (the same bytes, see `slice_ser`); what it
+        // leaves (rmp-serde's extension type, a value whose `Serialize`
+        // fails) is written by rmp-serde, whose bytes or error stand.
+        let mut out = Vec::with_capacity(PAYLOAD_FIRST_CAPACITY_BYTES);
+        if crate::slice_ser::write_named(&mut out, value).is_ok() {
+            return Ok(Payload(out));
+        }
         rmp_serde::to_vec_named(value).map(Payload)
     }
 

@@ -1,6 +1,6 @@
-//! keel's own msgpack writer for its positional records: the bytes
-//! `rmp_serde::encode::write` produces, written straight into the record's
-//! vector.
+//! keel's own msgpack writer: the bytes `rmp_serde::encode::write`
+//! produces for keel's positional records, and `rmp_serde::to_vec_named`
+//! for payloads, written straight into the vector.
 //!
 //! Why: every event a shard commits and every run record and task row the
 //! store's writer derives is encoded once, and rmp-serde's writer goes
@@ -14,7 +14,9 @@
 //! arrays of their fields, unit variants as their name, other variants as a
 //! one-entry map from their name, newtypes as their inner value, `i128` and
 //! `u128` as 16 big-endian bytes, and a sequence or map of unknown length
-//! counted and then written. The one shape left to rmp-serde is its `Ext`
+//! counted and then written. Written with names ([`write_named`], as
+//! payloads are), a struct is a map from each field's name to its value
+//! instead. The one shape left to rmp-serde is its `Ext`
 //! newtype, which no keel record uses: [`write`] refuses it with
 //! [`Unsupported`], as it refuses anything a `Serialize` impl fails on, and
 //! the caller hands the value to rmp-serde, whose error or bytes then stand.
@@ -49,11 +51,19 @@ const EXT_STRUCT_NAME: &str = "_ExtStruct";
 /// Appends `value` to `out` as rmp-serde's positional writer would. On
 /// [`Unsupported`], `out` may hold part of the value: the caller truncates.
 pub(crate) fn write<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result {
-    value.serialize(&mut Writer { out })
+    value.serialize(&mut Writer { out, named: false })
+}
+
+/// Appends `value` to `out` as `rmp_serde::to_vec_named` would: structs as
+/// maps keyed by field name. On [`Unsupported`], as [`write`].
+pub(crate) fn write_named<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) -> Result {
+    value.serialize(&mut Writer { out, named: true })
 }
 
 struct Writer<'a> {
     out: &'a mut Vec<u8>,
+    /// Structs as maps keyed by field name, not arrays.
+    named: bool,
 }
 
 impl Writer<'_> {
@@ -82,6 +92,16 @@ impl Writer<'_> {
         }
         self.marker_with_len(len, 0x90, 15, None, 0xdc);
         Ok(())
+    }
+
+    /// A struct's header: its fields' count, as an array or a map.
+    #[inline(always)]
+    fn struct_len(&mut self, len: usize) -> Result {
+        if self.named {
+            self.map_len(len)
+        } else {
+            self.array_len(len)
+        }
     }
 
     #[inline(always)]
@@ -173,8 +193,27 @@ impl Compound<'_, '_> {
             Compound::Known(w) => value.serialize(&mut **w),
             Compound::Counted(c) => {
                 c.count += 1;
-                value.serialize(&mut Writer { out: &mut c.items })
+                let named = c.writer.named;
+                value.serialize(&mut Writer {
+                    out: &mut c.items,
+                    named,
+                })
             }
+        }
+    }
+
+    /// A struct's field: its name first when written with names. A struct
+    /// always knows its length, so it is never counted.
+    #[inline(always)]
+    fn field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result {
+        match self {
+            Compound::Known(w) => {
+                if w.named {
+                    w.str(key)?;
+                }
+                value.serialize(&mut **w)
+            }
+            Compound::Counted(_) => Err(Unsupported),
         }
     }
 
@@ -423,7 +462,7 @@ impl<'w, 'a> ser::Serializer for &'w mut Writer<'a> {
 
     #[inline]
     fn serialize_struct(self, _name: &'static str, len: usize) -> Result<Compound<'w, 'a>> {
-        self.array_len(len)?;
+        self.struct_len(len)?;
         Ok(Compound::Known(self))
     }
 
@@ -436,7 +475,7 @@ impl<'w, 'a> ser::Serializer for &'w mut Writer<'a> {
         len: usize,
     ) -> Result<Compound<'w, 'a>> {
         self.variant(variant)?;
-        self.array_len(len)?;
+        self.struct_len(len)?;
         Ok(Compound::Known(self))
     }
 }
@@ -526,8 +565,8 @@ impl ser::SerializeStruct for Compound<'_, '_> {
     type Error = Unsupported;
 
     #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _key: &'static str, value: &T) -> Result {
-        self.item(value)
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result {
+        self.field(key, value)
     }
 
     #[inline]
@@ -541,8 +580,8 @@ impl ser::SerializeStructVariant for Compound<'_, '_> {
     type Error = Unsupported;
 
     #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _key: &'static str, value: &T) -> Result {
-        self.item(value)
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result {
+        self.field(key, value)
     }
 
     #[inline]
@@ -573,6 +612,10 @@ mod tests {
         let mut out = Vec::new();
         write(&mut out, value).unwrap_or_else(|_| panic!("refused {value:?}"));
         assert_eq!(out, expected, "{value:?}");
+        let expected = rmp_serde::to_vec_named(value).unwrap();
+        let mut out = Vec::new();
+        write_named(&mut out, value).unwrap_or_else(|_| panic!("named: refused {value:?}"));
+        assert_eq!(out, expected, "named: {value:?}");
     }
 
     #[derive(Serialize, Debug)]
@@ -608,6 +651,14 @@ mod tests {
         bigger: u128,
         shapes: Vec<Shape>,
         absent: Option<Shape>,
+    }
+
+    /// A struct serde writes as a map of unknown length.
+    #[derive(Serialize, Debug)]
+    struct Flattened {
+        id: u32,
+        #[serde(flatten)]
+        extra: BTreeMap<String, Shape>,
     }
 
     /// A sequence or map whose iterator does not say its length.
@@ -727,6 +778,10 @@ mod tests {
             absent: None,
         });
         same(&Some(Shape::New(3)));
+        same(&Flattened {
+            id: 7,
+            extra: [("a".to_string(), Shape::Bare), ("b".into(), Shape::New(1))].into(),
+        });
         same(&(Unit, (), Some(Unit), [1u8, 2, 3], f64::NAN, f32::INFINITY));
     }
 
@@ -735,7 +790,10 @@ mod tests {
         // rmp-serde's extension newtype, and any error a `Serialize` impl
         // raises: the caller hands both to rmp-serde.
         let mut out = Vec::new();
-        let ext = (&mut Writer { out: &mut out })
+        let ext = (&mut Writer {
+            out: &mut out,
+            named: false,
+        })
             .serialize_newtype_struct(EXT_STRUCT_NAME, &(1i8, [0u8; 2]));
         assert!(ext.is_err());
 
