@@ -342,6 +342,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_value_that_fails_part_way_gets_rmp_serdes_error_not_half_a_record() {
+        // keel's writer gives up on a failing field after writing the ones
+        // before it; the codec must start again with rmp-serde, whose
+        // error then stands, and never return the half-written bytes.
+        struct Fails;
+        impl Serialize for Fails {
+            fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+                Err(serde::ser::Error::custom("field refused"))
+            }
+        }
+        let value = ("a string written first", 7u32, Fails);
+        match encode(RecordKind::Run, &value) {
+            Err(Error::Encode(message)) => assert!(message.contains("field refused"), "{message}"),
+            other => panic!("expected rmp-serde's error, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn round_trip_and_every_damage_is_typed() {
         let bytes = encode(RecordKind::Run, &("hello", 42u32)).unwrap();
         let back: (String, u32) = decode(RecordKind::Run, &bytes).unwrap();

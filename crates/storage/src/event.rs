@@ -18,11 +18,6 @@ use crate::ids::{
     Timestamp,
 };
 
-/// The vector a payload is first encoded into: most payloads fit, and one
-/// kept in a cached history holds no more than it grew to (rmp-serde's own
-/// `to_vec_named` starts at 128).
-const PAYLOAD_FIRST_CAPACITY_BYTES: usize = 32;
-
 /// An opaque user value: msgpack bytes of the workflow's or activity's serde
 /// type. Stored as a msgpack `bin`, not an array of numbers.
 #[derive(Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -39,7 +34,9 @@ impl Payload {
         // keel's own writer first (the same bytes, see `slice_ser`); what it
         // leaves (rmp-serde's extension type, a value whose `Serialize`
         // fails) is written by rmp-serde, whose bytes or error stand.
-        let mut out = Vec::with_capacity(PAYLOAD_FIRST_CAPACITY_BYTES);
+        // Grown from empty, as rmp-serde's `to_vec_named` does: a payload
+        // kept in a cached history holds what it grew to, no more.
+        let mut out = Vec::new();
         if crate::slice_ser::write_named(&mut out, value).is_ok() {
             return Ok(Payload(out));
         }

@@ -661,6 +661,35 @@ mod tests {
         extra: BTreeMap<String, Shape>,
     }
 
+    #[derive(Serialize, Debug)]
+    struct Pair {
+        left: u8,
+        right: String,
+    }
+
+    /// A sequence of unknown length whose items are structs.
+    #[derive(Debug)]
+    struct Structs(u32);
+
+    impl Serialize for Structs {
+        fn serialize<S: ser::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+            let mut q = s.serialize_seq(None)?;
+            for i in 0..self.0 {
+                q.serialize_element(&Wrapper(i.into()))?;
+                q.serialize_element(&Pair {
+                    left: i as u8,
+                    right: "r".into(),
+                })?;
+                q.serialize_element(&Shape::Fields {
+                    maybe: None,
+                    bytes: vec![i as u8],
+                    inner: Box::new(Some(Shape::Bare)),
+                })?;
+            }
+            q.end()
+        }
+    }
+
     /// A sequence or map whose iterator does not say its length.
     #[derive(Debug)]
     struct Unsized(u32, bool);
@@ -778,10 +807,25 @@ mod tests {
             absent: None,
         });
         same(&Some(Shape::New(3)));
+        // Structs inside a map and a sequence of unknown length: written
+        // with names there too when the writer is named.
         same(&Flattened {
             id: 7,
-            extra: [("a".to_string(), Shape::Bare), ("b".into(), Shape::New(1))].into(),
+            extra: [
+                ("a".to_string(), Shape::Bare),
+                ("b".into(), Shape::New(1)),
+                (
+                    "c".into(),
+                    Shape::Fields {
+                        maybe: Some(1),
+                        bytes: vec![9],
+                        inner: Box::new(None),
+                    },
+                ),
+            ]
+            .into(),
         });
+        same(&Structs(3));
         same(&(Unit, (), Some(Unit), [1u8, 2, 3], f64::NAN, f32::INFINITY));
     }
 

@@ -313,10 +313,12 @@ impl TaskEntry {
 
 /// A [`TaskEntry`] read for its attempt alone: every other field is skipped
 /// over, not built. The fields mirror `TaskEntry`'s, in its order and with
-/// its names, so a row decodes here exactly when it decodes as a
-/// `TaskEntry`, whether positional or written as a map by an older version.
-/// A field added to `TaskEntry` must be added here too; the tests below
-/// fail until it is.
+/// its names, so every row that decodes as a `TaskEntry`, positional or
+/// written as a map by an older version, decodes here to the same attempt.
+/// The converse is looser: a skipped field is not checked for its type, so
+/// a row whose other fields are malformed but whose checksum holds is read
+/// here where the whole entry would be `Corrupt`. A field added to
+/// `TaskEntry` must be added here too; the tests below fail until it is.
 #[derive(Deserialize)]
 #[allow(dead_code)]
 struct TaskAttempt {
@@ -361,8 +363,8 @@ mod tests {
     // Goal: a task row's attempt is read by keel's fast slice reader
     // without building the row, for a row with every field filled in, so
     // a field added to `TaskEntry` and not to `TaskAttempt` fails here
-    // (the fast reader refuses an array with an element left over) instead
-    // of quietly sending every completion through the slow general reader.
+    // (both readers refuse an array with an element left over, so in the
+    // engine every completion would fail as `Corrupt`).
     // Method: encode a full entry both ways (positional, and as an older
     // version's map) and read it through the slice reader directly.
     use super::*;
