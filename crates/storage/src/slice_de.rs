@@ -651,7 +651,7 @@ impl<'de> de::Deserializer<'de> for &mut SliceReader<'de> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     // Goal: the slice reader reads every msgpack marker and every serde
     // shape keel's records use, and hands the visitor what rmp-serde's
     // reader does; a refusal would silently cost the fast path, a wrong
@@ -688,6 +688,41 @@ mod tests {
         }
     }
 
+    /// Unsigned values at the edge of each msgpack integer marker (also
+    /// used by `slice_ser`'s tests).
+    pub(crate) const UNSIGNED_EDGES: [u64; 11] = [
+        0,
+        1,
+        127,
+        128,
+        255,
+        256,
+        65_535,
+        65_536,
+        u32::MAX as u64,
+        u32::MAX as u64 + 1,
+        u64::MAX,
+    ];
+
+    /// Signed values at the edge of each msgpack integer marker.
+    pub(crate) const SIGNED_EDGES: [i64; 12] = [
+        0,
+        -1,
+        -32,
+        -33,
+        -128,
+        -129,
+        -32_768,
+        -32_769,
+        i32::MIN as i64,
+        i32::MIN as i64 - 1,
+        i64::MIN,
+        i64::MAX,
+    ];
+
+    /// Lengths at the edge of each string, bin, array and map marker.
+    pub(crate) const LENGTH_EDGES: [usize; 10] = [0, 1, 15, 16, 31, 32, 255, 256, 65_535, 65_536];
+
     #[derive(Serialize, Deserialize, PartialEq, Debug)]
     struct Unit;
 
@@ -717,18 +752,7 @@ mod tests {
 
     #[test]
     fn every_marker_and_shape_reads_as_rmp_serde_reads_it() {
-        for n in [
-            0u64,
-            1,
-            127,
-            128,
-            255,
-            256,
-            65_535,
-            65_536,
-            u32::MAX as u64,
-            u64::MAX,
-        ] {
+        for n in UNSIGNED_EDGES.iter().copied() {
             both(&n);
             if let Ok(n) = u32::try_from(n) {
                 both(&n);
@@ -740,19 +764,7 @@ mod tests {
                 both(&n);
             }
         }
-        for n in [
-            0i64,
-            -1,
-            -32,
-            -33,
-            -128,
-            -129,
-            -32_768,
-            -32_769,
-            i32::MIN as i64 - 1,
-            i64::MIN,
-            i64::MAX,
-        ] {
+        for n in SIGNED_EDGES.iter().copied() {
             both(&n);
             if let Ok(n) = i32::try_from(n) {
                 both(&n);
@@ -764,7 +776,7 @@ mod tests {
                 both(&n);
             }
         }
-        for len in [0, 15, 16, 31, 32, 255, 256, 65_535, 65_536] {
+        for len in LENGTH_EDGES.iter().copied() {
             both(&"é".repeat(len / 2 + len % 2));
             both(&"x".repeat(len));
             both(&serde_bytes::ByteBuf::from(vec![7u8; len]));

@@ -480,64 +480,41 @@ impl<'w, 'a> ser::Serializer for &'w mut Writer<'a> {
     }
 }
 
-impl ser::SerializeSeq for Compound<'_, '_> {
-    type Ok = ();
-    type Error = Unsupported;
+/// The compound traits whose items are all written alike: `$method`
+/// takes each item (after a field's name, where the trait has one) and
+/// `end` writes a counted header if the length was not known.
+macro_rules! compound {
+    ($($trait:ident :: $method:ident ($($key:ident)?) => $how:ident;)*) => {$(
+        impl ser::$trait for Compound<'_, '_> {
+            type Ok = ();
+            type Error = Unsupported;
 
-    #[inline]
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
-        self.item(value)
-    }
+            #[inline]
+            fn $method<T: Serialize + ?Sized>(
+                &mut self,
+                $($key: &'static str,)?
+                value: &T,
+            ) -> Result {
+                compound!(@call self $how ($($key)?) value)
+            }
 
-    #[inline]
-    fn end(self) -> Result {
-        self.finish()
-    }
+            #[inline]
+            fn end(self) -> Result {
+                self.finish()
+            }
+        }
+    )*};
+    (@call $self:ident item () $value:ident) => { $self.item($value) };
+    (@call $self:ident field ($key:ident) $value:ident) => { $self.field($key, $value) };
 }
 
-impl ser::SerializeTuple for Compound<'_, '_> {
-    type Ok = ();
-    type Error = Unsupported;
-
-    #[inline]
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
-        self.item(value)
-    }
-
-    #[inline]
-    fn end(self) -> Result {
-        self.finish()
-    }
-}
-
-impl ser::SerializeTupleStruct for Compound<'_, '_> {
-    type Ok = ();
-    type Error = Unsupported;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
-        self.item(value)
-    }
-
-    #[inline]
-    fn end(self) -> Result {
-        self.finish()
-    }
-}
-
-impl ser::SerializeTupleVariant for Compound<'_, '_> {
-    type Ok = ();
-    type Error = Unsupported;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
-        self.item(value)
-    }
-
-    #[inline]
-    fn end(self) -> Result {
-        self.finish()
-    }
+compound! {
+    SerializeSeq::serialize_element() => item;
+    SerializeTuple::serialize_element() => item;
+    SerializeTupleStruct::serialize_field() => item;
+    SerializeTupleVariant::serialize_field() => item;
+    SerializeStruct::serialize_field(key) => field;
+    SerializeStructVariant::serialize_field(key) => field;
 }
 
 impl ser::SerializeMap for Compound<'_, '_> {
@@ -560,36 +537,6 @@ impl ser::SerializeMap for Compound<'_, '_> {
     }
 }
 
-impl ser::SerializeStruct for Compound<'_, '_> {
-    type Ok = ();
-    type Error = Unsupported;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result {
-        self.field(key, value)
-    }
-
-    #[inline]
-    fn end(self) -> Result {
-        self.finish()
-    }
-}
-
-impl ser::SerializeStructVariant for Compound<'_, '_> {
-    type Ok = ();
-    type Error = Unsupported;
-
-    #[inline]
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, key: &'static str, value: &T) -> Result {
-        self.field(key, value)
-    }
-
-    #[inline]
-    fn end(self) -> Result {
-        self.finish()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     // Goal: the writer produces rmp-serde's positional bytes for every
@@ -602,6 +549,7 @@ mod tests {
     // floats, and sequences and maps whose length serde does not know;
     // each written by both writers and compared byte for byte.
     use super::*;
+    use crate::slice_de::tests::{LENGTH_EDGES, SIGNED_EDGES, UNSIGNED_EDGES};
     use serde::ser::{SerializeMap, SerializeSeq, Serializer as _};
     use serde::Serialize;
     use std::collections::BTreeMap;
@@ -714,19 +662,7 @@ mod tests {
 
     #[test]
     fn every_marker_and_shape_is_written_as_rmp_serde_writes_it() {
-        for n in [
-            0u64,
-            1,
-            127,
-            128,
-            255,
-            256,
-            65_535,
-            65_536,
-            u32::MAX as u64,
-            u32::MAX as u64 + 1,
-            u64::MAX,
-        ] {
+        for n in UNSIGNED_EDGES.iter().copied() {
             same(&n);
             if let Ok(n) = u32::try_from(n) {
                 same(&n);
@@ -741,20 +677,7 @@ mod tests {
                 same(&n);
             }
         }
-        for n in [
-            0i64,
-            -1,
-            -32,
-            -33,
-            -128,
-            -129,
-            -32_768,
-            -32_769,
-            i32::MIN as i64,
-            i32::MIN as i64 - 1,
-            i64::MIN,
-            i64::MAX,
-        ] {
+        for n in SIGNED_EDGES.iter().copied() {
             same(&n);
             if let Ok(n) = i32::try_from(n) {
                 same(&n);
@@ -766,7 +689,7 @@ mod tests {
                 same(&n);
             }
         }
-        for len in [0, 1, 15, 16, 31, 32, 255, 256, 65_535, 65_536] {
+        for len in LENGTH_EDGES.iter().copied() {
             same(&"é".repeat(len / 2 + len % 2));
             same(&"x".repeat(len));
             same(&serde_bytes::ByteBuf::from(vec![7u8; len]));
