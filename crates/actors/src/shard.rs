@@ -110,9 +110,17 @@ impl ShardActor {
                     me.do_send(Feed(ShardInput::Read { token, result }));
                 }));
             }
-            Action::Commit { token, batch } => {
+            Action::Commit {
+                token,
+                batch,
+                alone,
+            } => {
                 let asked = std::time::Instant::now();
-                let answer = self.host.store.commit(batch);
+                let answer = if alone {
+                    self.host.store.commit_alone(batch)
+                } else {
+                    self.host.store.commit(batch)
+                };
                 ctx.spawn(answer.into_actor(self).map(move |result, act, ctx| {
                     act.host.commit_seconds.observe_duration(asked.elapsed());
                     act.feed(ShardInput::Committed { token, result }, ctx);

@@ -6,10 +6,14 @@
 //! store plus the earlier requests of the group, writes one `WriteBatch`
 //! (fsynced in `Sync` mode) and answers each committer. A request that fails
 //! validation is answered with its error and leaves no trace in the batch.
-//! A committer that finds the writer idle (nothing queued, every answer
-//! sent) does the same for its own request, as a group of one, on its own
-//! thread and under the same lock: at low load a commit then costs no
-//! thread wake-ups, and order is kept because nothing was waiting ahead.
+//! A committer with nothing else in flight (`Store::commit_alone`) that
+//! finds the writer idle (nothing queued, every answer sent, writes
+//! succeeding, the lock free) does the same for its own request, as a group
+//! of one, on its own thread and under the same lock: at low load a commit
+//! then costs no thread wake-ups (the committer blocks for the synced write
+//! instead), and order is kept because nothing was waiting ahead. A plain
+//! `commit` always queues: a committer that batches what arrives while it
+//! waits (a shard gathering a fan-out's results) must not block.
 //!
 //! Two things keep the single writer fast (measured in BENCHMARKS.md): the
 //! answers of a group of more than two commits are sent by a second thread
@@ -596,6 +600,36 @@ impl RocksStore {
         Ok(())
     }
 
+    /// Queues `batch` for the writer thread, or, if `alone` (see
+    /// [`Store::commit_alone`]) and the writer is idle, writes it on this
+    /// thread ([`WriterShared::commit_in_place`]).
+    fn commit_queued_or_in_place(&self, batch: CommitBatch, alone: bool) -> CommitHandle {
+        let Some((tx, shared)) = &self.tx else {
+            return CommitHandle::ready(Err(Error::ReadOnly));
+        };
+        let prepared = match PreparedBatch::new(batch) {
+            Ok(p) => p,
+            Err(e) => return CommitHandle::ready(Err(e)),
+        };
+        let (reply, rx) = oneshot::channel();
+        let mut request = Request { prepared, reply };
+        if alone {
+            match shared.commit_in_place(request) {
+                // Answered already.
+                None => return CommitHandle::pending(rx),
+                Some(back) => request = back,
+            }
+        }
+        shared.queued.fetch_add(1, Ordering::AcqRel);
+        match tx.send(request) {
+            Ok(()) => CommitHandle::pending(rx),
+            Err(_) => {
+                shared.queued.fetch_sub(1, Ordering::AcqRel);
+                CommitHandle::ready(Err(Error::Closed))
+            }
+        }
+    }
+
     fn shutdown(&mut self) {
         self.tx.take();
         if let Some(w) = self.writer.take() {
@@ -962,26 +996,11 @@ impl Store for RocksStore {
     }
 
     fn commit(&self, batch: CommitBatch) -> CommitHandle {
-        let Some((tx, shared)) = &self.tx else {
-            return CommitHandle::ready(Err(Error::ReadOnly));
-        };
-        let prepared = match PreparedBatch::new(batch) {
-            Ok(p) => p,
-            Err(e) => return CommitHandle::ready(Err(e)),
-        };
-        let (reply, rx) = oneshot::channel();
-        let Some(request) = shared.commit_in_place(Request { prepared, reply }) else {
-            // Answered already.
-            return CommitHandle::pending(rx);
-        };
-        shared.queued.fetch_add(1, Ordering::AcqRel);
-        match tx.send(request) {
-            Ok(()) => CommitHandle::pending(rx),
-            Err(_) => {
-                shared.queued.fetch_sub(1, Ordering::AcqRel);
-                CommitHandle::ready(Err(Error::Closed))
-            }
-        }
+        self.commit_queued_or_in_place(batch, false)
+    }
+
+    fn commit_alone(&self, batch: CommitBatch) -> CommitHandle {
+        self.commit_queued_or_in_place(batch, true)
     }
 
     fn sync(&self) -> Result<()> {
@@ -1030,7 +1049,7 @@ impl Store for RocksStore {
 }
 
 /// Groups of at most this many commits are answered by the writer itself;
-/// larger groups are handed to the answer thread (see [`writer_loop`]).
+/// larger groups are handed to the answer thread (see [`start_writer`]).
 const ANSWER_INLINE_MAX: usize = 2;
 
 /// Each request with its answer; the request (its events and their
@@ -1045,13 +1064,13 @@ fn answer(answers: Answers) {
     }
 }
 
-/// The single writer thread: drains the queue into a group, validates each
-/// request against the store plus the earlier requests of the group, writes
-/// the group as one `WriteBatch` and answers every requester
-/// ([`WriterCore::commit_group`]). A committer that finds the writer idle
-/// does the same for its own request on its own thread
-/// ([`WriterShared::commit_in_place`]); the thread takes the core's lock for
-/// each group, so the two never overlap.
+/// Starts the single writer thread, which drains the queue into a group,
+/// validates each request against the store plus the earlier requests of
+/// the group, writes the group as one `WriteBatch` and answers every
+/// requester ([`WriterCore::commit_group`]), and its answer thread. A
+/// committer that finds the writer idle does the same for its own request
+/// on its own thread ([`WriterShared::commit_in_place`]); whoever commits a
+/// group holds the core's lock, so the two never overlap.
 ///
 /// Answering is a thread wake-up per committer, which profiling showed to be
 /// a third of the writer's time under many committers; so answers of a
@@ -1103,12 +1122,19 @@ fn start_writer(
         }),
         queued: AtomicUsize::new(0),
         handed,
+        stopped: std::sync::atomic::AtomicBool::new(false),
     });
     let looped = shared.clone();
     let handle = std::thread::Builder::new()
         .name("keel-writer".into())
         .spawn(move || {
-            writer_loop(&looped, rx);
+            writer_loop(&looped, &rx);
+            // Only after a committer's panic does the loop end with the
+            // store still open: every commit queued or made from then on
+            // is answered `Closed` (committers no longer get the core).
+            for req in rx {
+                let _ = req.reply.send(Err(Error::Closed));
+            }
             // The answer thread ends once its last sender is gone.
             looped
                 .core
@@ -1122,31 +1148,33 @@ fn start_writer(
     Ok((tx, handle, shared))
 }
 
-fn writer_loop(shared: &WriterShared, rx: Receiver<Request>) {
+/// The writer thread's loop: a group of what is queued at a time, and a
+/// probe every [`STORE_PROBE_INTERVAL_MS`] while writes fail (a failure may
+/// come from a commit written in place, so the wait is timed rather than
+/// woken by it). Returns when the store closes, or at once if a committer
+/// panicked while it held the core.
+fn writer_loop(shared: &WriterShared, rx: &Receiver<Request>) {
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
-    // A committer that panicked while it held the core left it
-    // half-updated: the writer stops, and every commit queued or made after
-    // is answered `Closed`.
-    while let Some(stopped) = shared.lock().map(|core| core.watch.stopped()) {
-        let first = if stopped {
-            match rx.recv_timeout(std::time::Duration::from_millis(STORE_PROBE_INTERVAL_MS)) {
-                Ok(r) => r,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    let Some(mut core) = shared.lock() else { break };
+    let probe_every = std::time::Duration::from_millis(STORE_PROBE_INTERVAL_MS);
+    loop {
+        let first = match rx.recv_timeout(probe_every) {
+            Ok(r) => r,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if shared.stopped.load(Ordering::Acquire) {
+                    let Some(mut core) = shared.lock() else {
+                        return;
+                    };
                     let core = &mut *core;
                     core.watch.probe(&core.db, &core.wo);
-                    continue;
+                    shared.learn_health(core);
                 }
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                continue;
             }
-        } else {
-            match rx.recv() {
-                Ok(r) => r,
-                Err(_) => break,
-            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
         };
         let Some(mut core) = shared.lock() else {
-            break;
+            let _ = first.reply.send(Err(Error::Closed));
+            return;
         };
         let mut bytes = first.prepared.bytes();
         group.push(first);
@@ -1160,7 +1188,7 @@ fn writer_loop(shared: &WriterShared, rx: Receiver<Request>) {
             }
         }
         let taken = group.len();
-        core.commit_group(&mut group, &shared.handed);
+        shared.commit(&mut core, &mut group);
         // Answered or handed over (and counted in `handed`) by now.
         if shared.queued.fetch_sub(taken, Ordering::AcqRel) == taken {
             core.idle_since = Some(std::time::Instant::now());
@@ -1177,6 +1205,9 @@ struct WriterShared {
     queued: AtomicUsize,
     /// Groups handed to the answer thread and not yet fully answered.
     handed: Arc<AtomicUsize>,
+    /// Whether writes fail and the writer thread probes (the core's
+    /// `WriteWatch::stopped`, readable without its lock).
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 impl WriterShared {
@@ -1192,16 +1223,29 @@ impl WriterShared {
         self.queued.load(Ordering::Acquire) == 0 && self.handed.load(Ordering::Acquire) == 0
     }
 
+    /// Commits `group` with `core` (held) and publishes what its write
+    /// taught the health watch.
+    fn commit(&self, core: &mut WriterCore, group: &mut Vec<Request>) {
+        core.commit_group(group, &self.handed);
+        self.learn_health(core);
+    }
+
+    fn learn_health(&self, core: &WriterCore) {
+        self.stopped.store(core.watch.stopped(), Ordering::Release);
+    }
+
     /// Commits `req` as a group of one on the calling thread if the writer
-    /// is idle, answering it before this returns; gives it back otherwise.
+    /// is idle and writes succeed, answering it before this returns; gives
+    /// it back otherwise.
     ///
     /// At low load this saves the two thread wake-ups of a queued commit
-    /// (the writer's, then the committer's), a sixth of a commit on a fast
-    /// disk (BENCHMARKS.md). Under load the queue is rarely empty and the
-    /// writer thread forms the groups. A committer that held the core
-    /// blocks for one synced write.
+    /// (the writer's, then the committer's): W1 at concurrency 1 runs 13 %
+    /// more workflows a second on 14 % less CPU (BENCHMARKS.md). Only for
+    /// `commit_alone`: the committer's thread blocks for one synced write
+    /// (on the engine, a shard's thread, which a stalled disk holds), so
+    /// it is for a committer that would only wait anyway.
     fn commit_in_place(&self, req: Request) -> Option<Request> {
-        if !self.idle() {
+        if !self.idle() || self.stopped.load(Ordering::Acquire) {
             return Some(req);
         }
         let Ok(mut core) = self.core.try_lock() else {
@@ -1212,7 +1256,7 @@ impl WriterShared {
         if !self.idle() || core.watch.stopped() {
             return Some(req);
         }
-        core.commit_group(&mut vec![req], &self.handed);
+        self.commit(&mut core, &mut vec![req]);
         core.idle_since = Some(std::time::Instant::now());
         None
     }

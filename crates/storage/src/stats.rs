@@ -139,7 +139,9 @@ pub struct WriterStats {
     /// durability that includes the fsync; on PostgreSQL the
     /// transaction's round trips and its WAL flush).
     write_seconds: Histogram<{ WRITE_BUCKETS_SECONDS.len() }>,
-    /// Nanoseconds the writer waited for a commit with none queued.
+    /// Nanoseconds the writer waited for a commit with none queued: from
+    /// the end of a group after which nothing was queued to the start of
+    /// the next, whichever thread commits it.
     idle_nanos: AtomicU64,
     /// Nanoseconds the writer spent validating groups against the store
     /// (reads and checks) before writing them.

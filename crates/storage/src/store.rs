@@ -96,6 +96,17 @@ pub trait Store: Send + Sync + 'static {
     /// typed reason nothing was written.
     fn commit(&self, batch: CommitBatch) -> CommitHandle;
 
+    /// [`Store::commit`] for a committer that has nothing else in flight:
+    /// waiting for this commit is all it would do, so the store may write
+    /// the batch on the calling thread and answer before returning, which
+    /// saves handing it to a writer thread and being woken by the answer.
+    /// A committer that could gather more work meanwhile (inputs it would
+    /// batch into its next commit) calls [`Store::commit`]: blocking it
+    /// would cost that batching. By default the same as `commit`.
+    fn commit_alone(&self, batch: CommitBatch) -> CommitHandle {
+        self.commit(batch)
+    }
+
     /// Makes everything committed so far durable (fsyncs the WAL).
     fn sync(&self) -> Result<()>;
 

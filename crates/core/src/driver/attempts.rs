@@ -75,7 +75,8 @@ struct Attempt {
 #[derive(Debug, Default)]
 pub(super) struct Attempts {
     map: BTreeMap<AttemptKey, Attempt>,
-    running: usize,
+    /// Attempts handed to the host and not yet reported.
+    pub(super) running: usize,
     queue: VecDeque<(AttemptKey, AttemptNo)>,
     /// Attempts in `map` a backlog window brought in.
     windowed: usize,

@@ -836,6 +836,12 @@ pub enum Action {
         token: Token,
         /// The batch.
         batch: CommitBatch,
+        /// Nothing else the shard started is in flight or queued (no other
+        /// commit, no read, no running attempt, no further action): the
+        /// shard waits for this commit alone, so the host may have it
+        /// written on its own thread ([`keel_storage::Store::commit_alone`]).
+        /// Set when the host takes the action ([`Shard::poll_action`]).
+        alone: bool,
     },
     /// Run an attempt; report with [`ShardInput::AttemptFinished`],
     /// [`ShardInput::Heartbeat`], [`ShardInput::AttemptRefused`].
@@ -1541,7 +1547,15 @@ impl Shard {
 
     /// The next action to perform, if any.
     pub fn poll_action(&mut self) -> Option<Action> {
-        self.actions.pop_front()
+        let mut action = self.actions.pop_front()?;
+        if let Action::Commit { alone, .. } = &mut action {
+            // The commit itself is among `commits` already.
+            *alone = self.actions.is_empty()
+                && self.commits.len() <= 1
+                && self.reads.is_empty()
+                && self.attempts.running == 0;
+        }
+        Some(action)
     }
 
     /// Stops: every client still waiting is answered that the engine shuts

@@ -54,11 +54,25 @@ impl World<'_> {
                 }
                 self.read_now(inc, shard, token, &query, 1);
             }
-            Action::Commit { token, batch } => {
+            // `alone` only lets a host write the commit on its own thread;
+            // the simulated stores answer every commit the same way.
+            Action::Commit {
+                token,
+                batch,
+                alone,
+            } => {
                 // Several processes: one may freeze with this commit
                 // decided and not yet sent, or be killed.
                 if self.may_pause() && self.fault(FaultKind::ProcessPause) {
-                    self.pause(p, shard, Action::Commit { token, batch });
+                    self.pause(
+                        p,
+                        shard,
+                        Action::Commit {
+                            token,
+                            batch,
+                            alone,
+                        },
+                    );
                     return;
                 }
                 if self.shared()

@@ -156,9 +156,33 @@ impl RunBuilder {
         store: &dyn Store,
         kinds: Vec<EventKind>,
     ) -> keel_storage::Result<CommitAck> {
+        let run = self.run;
+        self.commit_with(kinds, |events| commit(store, run, events))
+    }
+
+    /// [`RunBuilder::commit`] through [`Store::commit_alone`]: the RocksDB
+    /// store writes it on this thread when its writer is idle.
+    pub fn commit_alone(
+        &mut self,
+        store: &dyn Store,
+        kinds: Vec<EventKind>,
+    ) -> keel_storage::Result<CommitAck> {
+        let run = self.run;
+        self.commit_with(kinds, |events| {
+            store
+                .commit_alone(keel_storage::CommitBatch::append(run, events))
+                .wait()
+        })
+    }
+
+    fn commit_with(
+        &mut self,
+        kinds: Vec<EventKind>,
+        commit: impl FnOnce(Vec<Event>) -> keel_storage::Result<CommitAck>,
+    ) -> keel_storage::Result<CommitAck> {
         let saved = (self.next, self.at);
         let events: Vec<Event> = kinds.into_iter().map(|k| self.next(k)).collect();
-        let r = commit(store, self.run, events);
+        let r = commit(events);
         if r.is_err() {
             (self.next, self.at) = saved;
         }
