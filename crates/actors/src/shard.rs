@@ -116,6 +116,10 @@ impl ShardActor {
                 alone,
             } => {
                 let asked = std::time::Instant::now();
+                // Written on this thread when the store's writer is idle;
+                // the answer is fed from the spawned future below, after
+                // the mailbox is drained, so the driver still counts the
+                // commit in flight until then (see `Shard::poll_action`).
                 let answer = if alone {
                     self.host.store.commit_alone(batch)
                 } else {

@@ -12,8 +12,10 @@
 //! of one, on its own thread and under the same lock: at low load a commit
 //! then costs no thread wake-ups (the committer blocks for the synced write
 //! instead), and order is kept because nothing was waiting ahead. A plain
-//! `commit` always queues: a committer that batches what arrives while it
-//! waits (a shard gathering a fan-out's results) must not block.
+//! `commit` always queues: a committer with more commits coming (a shard
+//! taking a fan-out's results) would otherwise write each one itself,
+//! finding the writer idle every time, one sync per commit instead of one
+//! per group.
 //!
 //! Two things keep the single writer fast (measured in BENCHMARKS.md): the
 //! answers of a group of more than two commits are sent by a second thread
@@ -1151,8 +1153,9 @@ fn start_writer(
 /// The writer thread's loop: a group of what is queued at a time, and a
 /// probe every [`STORE_PROBE_INTERVAL_MS`] while writes fail (a failure may
 /// come from a commit written in place, so the wait is timed rather than
-/// woken by it). Returns when the store closes, or at once if a committer
-/// panicked while it held the core.
+/// woken by it: an idle writer thread wakes that often, finds writes
+/// succeeding and waits again). Returns when the store closes, or at once
+/// if a committer panicked while it held the core.
 fn writer_loop(shared: &WriterShared, rx: &Receiver<Request>) {
     let mut group: Vec<Request> = Vec::with_capacity(GROUP_COMMITS_MAX);
     let probe_every = std::time::Duration::from_millis(STORE_PROBE_INTERVAL_MS);
@@ -1239,8 +1242,8 @@ impl WriterShared {
     /// it back otherwise.
     ///
     /// At low load this saves the two thread wake-ups of a queued commit
-    /// (the writer's, then the committer's): W1 at concurrency 1 runs 13 %
-    /// more workflows a second on 14 % less CPU (BENCHMARKS.md). Only for
+    /// (the writer's, then the committer's): W1 at concurrency 1 has its
+    /// p50 about 8 % lower on 14 % less CPU (BENCHMARKS.md). Only for
     /// `commit_alone`: the committer's thread blocks for one synced write
     /// (on the engine, a shard's thread, which a stalled disk holds), so
     /// it is for a committer that would only wait anyway.

@@ -100,9 +100,10 @@ pub trait Store: Send + Sync + 'static {
     /// waiting for this commit is all it would do, so the store may write
     /// the batch on the calling thread and answer before returning, which
     /// saves handing it to a writer thread and being woken by the answer.
-    /// A committer that could gather more work meanwhile (inputs it would
-    /// batch into its next commit) calls [`Store::commit`]: blocking it
-    /// would cost that batching. By default the same as `commit`.
+    /// A committer with more commits to make soon calls [`Store::commit`]:
+    /// queued, they share a group and its sync, while a committer that
+    /// wrote each one itself would find the writer idle every time and
+    /// sync them one by one. By default the same as `commit`.
     fn commit_alone(&self, batch: CommitBatch) -> CommitHandle {
         self.commit(batch)
     }

@@ -95,18 +95,24 @@ fn a_store_stopped_by_a_commit_written_in_place_resumes_without_more_commits() {
 }
 
 /// Fills the disk under a store until a commit fails, checks the typed
-/// error and the health, commits once more while stopped if
-/// `commit_while_stopped`, frees the space, waits for the store to resume
-/// by itself and checks that everything acknowledged is there.
-fn fill_then_free(name: &str, commit_while_stopped: bool) {
+/// error and the health, frees the space, waits for the store to resume
+/// by itself and checks that everything acknowledged is there. With
+/// `queued`, every commit goes through the writer thread and one more is
+/// made while stopped; otherwise every commit is made alone (written in
+/// place) and none follows the failure.
+fn fill_then_free(name: &str, queued: bool) {
     let Some(mount) = Mount::or_skip(name) else {
         return;
+    };
+    let commit = |run: &mut RunBuilder, store: &RocksStore, kinds| match queued {
+        true => run.commit(store, kinds),
+        false => run.commit_alone(store, kinds),
     };
     let dir = mount.0.join("data");
     let store = RocksStore::open(&dir, Durability::Sync).unwrap();
     let mut run = RunBuilder::new(run_id(1), 100);
-    run.commit_alone(&store, vec![started(run.run, "order-1", "wf")])
-        .unwrap();
+    let first = started(run.run, "order-1", "wf");
+    commit(&mut run, &store, vec![first]).unwrap();
     let ballast = mount.0.join("ballast");
     fill(&ballast);
 
@@ -114,7 +120,7 @@ fn fill_then_free(name: &str, commit_while_stopped: bool) {
     let payload = vec![7u8; 32 << 10];
     let mut acked = 0u64;
     let failure = loop {
-        match run.commit_alone(&store, vec![signal("s", &payload)]) {
+        match commit(&mut run, &store, vec![signal("s", &payload)]) {
             Ok(_) => acked += 1,
             Err(e) => break e,
         }
@@ -142,11 +148,9 @@ fn fill_then_free(name: &str, commit_while_stopped: bool) {
         "{}",
         store.health()
     );
-    if commit_while_stopped {
+    if queued {
         // Later commits fail at once with the same cause, not a hang.
-        let again = run
-            .commit_alone(&store, vec![signal("s", b"x")])
-            .unwrap_err();
+        let again = run.commit(&store, vec![signal("s", b"x")]).unwrap_err();
         assert!(matches!(again, Error::Unwritable { .. }), "{again}");
     }
 
@@ -170,8 +174,7 @@ fn fill_then_free(name: &str, commit_while_stopped: bool) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    run.commit_alone(&store, vec![signal("after", b"y")])
-        .expect("a commit after space was freed");
+    commit(&mut run, &store, vec![signal("after", b"y")]).expect("a commit after space was freed");
     store.close().unwrap();
 
     // Everything acknowledged is there, in order, and nothing else.

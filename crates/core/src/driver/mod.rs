@@ -836,10 +836,12 @@ pub enum Action {
         token: Token,
         /// The batch.
         batch: CommitBatch,
-        /// Nothing else the shard started is in flight or queued (no other
-        /// commit, no read, no running attempt, no further action): the
-        /// shard waits for this commit alone, so the host may have it
+        /// No other commit, read or running attempt of the shard is in
+        /// flight and no action is queued behind this one: the shard most
+        /// likely waits for this commit alone, so the host may have it
         /// written on its own thread ([`keel_storage::Store::commit_alone`]).
+        /// A heuristic: a fallback, an outbox delivery or a message from
+        /// elsewhere may still arrive meanwhile, and waits at most one sync.
         /// Set when the host takes the action ([`Shard::poll_action`]).
         alone: bool,
     },
@@ -1549,7 +1551,11 @@ impl Shard {
     pub fn poll_action(&mut self) -> Option<Action> {
         let mut action = self.actions.pop_front()?;
         if let Action::Commit { alone, .. } = &mut action {
-            // The commit itself is among `commits` already.
+            // The commit itself is among `commits` already, and stays there
+            // until its answer is fed, even one written on the host's
+            // thread (the actix host feeds it once the mailbox is drained),
+            // so the commits made meanwhile are not alone and share the
+            // writer's next group.
             *alone = self.actions.is_empty()
                 && self.commits.len() <= 1
                 && self.reads.is_empty()
