@@ -1191,11 +1191,7 @@ fn writer_loop(shared: &WriterShared, rx: &Receiver<Request>) {
             }
         }
         let taken = group.len();
-        shared.commit(&mut core, &mut group);
-        // Answered or handed over (and counted in `handed`) by now.
-        if shared.queued.fetch_sub(taken, Ordering::AcqRel) == taken {
-            core.idle_since = Some(std::time::Instant::now());
-        }
+        shared.commit(&mut core, &mut group, bytes, taken);
     }
 }
 
@@ -1226,11 +1222,23 @@ impl WriterShared {
         self.queued.load(Ordering::Acquire) == 0 && self.handed.load(Ordering::Acquire) == 0
     }
 
-    /// Commits `group` with `core` (held) and publishes what its write
-    /// taught the health watch.
-    fn commit(&self, core: &mut WriterCore, group: &mut Vec<Request>) {
-        core.commit_group(group, &self.handed);
+    /// Commits `group` (`bytes` in all, `from_queue` of its requests taken
+    /// from the writer's queue) with `core` held, publishes what its write
+    /// taught the health watch, and counts the queued requests out, which
+    /// are answered or handed over (and counted in `handed`) by now. With
+    /// nothing queued any more, the writer is idle from here.
+    fn commit(
+        &self,
+        core: &mut WriterCore,
+        group: &mut Vec<Request>,
+        bytes: usize,
+        from_queue: usize,
+    ) {
+        core.commit_group(group, bytes, &self.handed);
         self.learn_health(core);
+        if self.queued.fetch_sub(from_queue, Ordering::AcqRel) == from_queue {
+            core.idle_since = Some(std::time::Instant::now());
+        }
     }
 
     fn learn_health(&self, core: &WriterCore) {
@@ -1259,8 +1267,8 @@ impl WriterShared {
         if !self.idle() || core.watch.stopped() {
             return Some(req);
         }
-        self.commit(&mut core, &mut vec![req]);
-        core.idle_since = Some(std::time::Instant::now());
+        let bytes = req.prepared.bytes();
+        self.commit(&mut core, &mut vec![req], bytes, 0);
         None
     }
 }
@@ -1289,12 +1297,11 @@ struct WriterCore {
 
 impl WriterCore {
     /// Validates, writes and answers `group` (emptied), in its order.
-    fn commit_group(&mut self, group: &mut Vec<Request>, handed: &AtomicUsize) {
+    fn commit_group(&mut self, group: &mut Vec<Request>, bytes: usize, handed: &AtomicUsize) {
         let validating = std::time::Instant::now();
         if let Some(since) = self.idle_since.take() {
             self.stats.idle(validating.duration_since(since));
         }
-        let bytes: usize = group.iter().map(|r| r.prepared.bytes()).sum();
         let span = info_span!("commit", commits = group.len(), bytes);
         let _enter = span.enter();
         let db_view = DbView(&self.db);

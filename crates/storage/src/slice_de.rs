@@ -723,6 +723,55 @@ pub(crate) mod tests {
     /// Lengths at the edge of each string, bin, array and map marker.
     pub(crate) const LENGTH_EDGES: [usize; 10] = [0, 1, 15, 16, 31, 32, 255, 256, 65_535, 65_536];
 
+    /// Calls `$check` with every edge value: each integer edge in every
+    /// integer type it fits, each length edge as a string (of one- and
+    /// two-byte characters), bytes, an array and a map. Both codecs' tests
+    /// walk the same values; the call site needs the edge constants,
+    /// `BTreeMap` and `serde_bytes` in scope.
+    macro_rules! each_edge_value {
+        ($check:ident) => {
+            for n in UNSIGNED_EDGES.iter().copied() {
+                $check(&n);
+                if let Ok(n) = u32::try_from(n) {
+                    $check(&n);
+                }
+                if let Ok(n) = u16::try_from(n) {
+                    $check(&n);
+                }
+                if let Ok(n) = u8::try_from(n) {
+                    $check(&n);
+                }
+                if let Ok(n) = i64::try_from(n) {
+                    $check(&n);
+                }
+            }
+            for n in SIGNED_EDGES.iter().copied() {
+                $check(&n);
+                if let Ok(n) = i32::try_from(n) {
+                    $check(&n);
+                }
+                if let Ok(n) = i16::try_from(n) {
+                    $check(&n);
+                }
+                if let Ok(n) = i8::try_from(n) {
+                    $check(&n);
+                }
+            }
+            for len in LENGTH_EDGES.iter().copied() {
+                $check(&"é".repeat(len / 2 + len % 2));
+                $check(&"x".repeat(len));
+                $check(&serde_bytes::ByteBuf::from(vec![7u8; len]));
+                $check(&(0..len as u32).collect::<Vec<_>>());
+                $check(
+                    &(0..len as u32)
+                        .map(|i| (i, i + 1))
+                        .collect::<BTreeMap<_, _>>(),
+                );
+            }
+        };
+    }
+    pub(crate) use each_edge_value;
+
     #[derive(Serialize, Deserialize, PartialEq, Debug)]
     struct Unit;
 
@@ -752,41 +801,7 @@ pub(crate) mod tests {
 
     #[test]
     fn every_marker_and_shape_reads_as_rmp_serde_reads_it() {
-        for n in UNSIGNED_EDGES.iter().copied() {
-            both(&n);
-            if let Ok(n) = u32::try_from(n) {
-                both(&n);
-            }
-            if let Ok(n) = u16::try_from(n) {
-                both(&n);
-            }
-            if let Ok(n) = u8::try_from(n) {
-                both(&n);
-            }
-        }
-        for n in SIGNED_EDGES.iter().copied() {
-            both(&n);
-            if let Ok(n) = i32::try_from(n) {
-                both(&n);
-            }
-            if let Ok(n) = i16::try_from(n) {
-                both(&n);
-            }
-            if let Ok(n) = i8::try_from(n) {
-                both(&n);
-            }
-        }
-        for len in LENGTH_EDGES.iter().copied() {
-            both(&"é".repeat(len / 2 + len % 2));
-            both(&"x".repeat(len));
-            both(&serde_bytes::ByteBuf::from(vec![7u8; len]));
-            both(&(0..len as u32).collect::<Vec<_>>());
-            both(
-                &(0..len as u32)
-                    .map(|i| (i, i + 1))
-                    .collect::<BTreeMap<_, _>>(),
-            );
-        }
+        each_edge_value!(both);
         both(&Mixed {
             flag: true,
             single: 1.5,

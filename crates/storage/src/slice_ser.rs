@@ -549,7 +549,7 @@ mod tests {
     // floats, and sequences and maps whose length serde does not know;
     // each written by both writers and compared byte for byte.
     use super::*;
-    use crate::slice_de::tests::{LENGTH_EDGES, SIGNED_EDGES, UNSIGNED_EDGES};
+    use crate::slice_de::tests::{each_edge_value, LENGTH_EDGES, SIGNED_EDGES, UNSIGNED_EDGES};
     use serde::ser::{SerializeMap, SerializeSeq, Serializer as _};
     use serde::Serialize;
     use std::collections::BTreeMap;
@@ -662,43 +662,8 @@ mod tests {
 
     #[test]
     fn every_marker_and_shape_is_written_as_rmp_serde_writes_it() {
-        for n in UNSIGNED_EDGES.iter().copied() {
-            same(&n);
-            if let Ok(n) = u32::try_from(n) {
-                same(&n);
-            }
-            if let Ok(n) = u16::try_from(n) {
-                same(&n);
-            }
-            if let Ok(n) = u8::try_from(n) {
-                same(&n);
-            }
-            if let Ok(n) = i64::try_from(n) {
-                same(&n);
-            }
-        }
-        for n in SIGNED_EDGES.iter().copied() {
-            same(&n);
-            if let Ok(n) = i32::try_from(n) {
-                same(&n);
-            }
-            if let Ok(n) = i16::try_from(n) {
-                same(&n);
-            }
-            if let Ok(n) = i8::try_from(n) {
-                same(&n);
-            }
-        }
+        each_edge_value!(same);
         for len in LENGTH_EDGES.iter().copied() {
-            same(&"é".repeat(len / 2 + len % 2));
-            same(&"x".repeat(len));
-            same(&serde_bytes::ByteBuf::from(vec![7u8; len]));
-            same(&(0..len as u32).collect::<Vec<_>>());
-            same(
-                &(0..len as u32)
-                    .map(|i| (i, i + 1))
-                    .collect::<BTreeMap<_, _>>(),
-            );
             same(&Unsized(len as u32, false));
             same(&Unsized(len.min(300) as u32, true));
         }
