@@ -4,7 +4,8 @@
 //! performed as it says, off this thread whenever it may block (store reads
 //! on the blocking pool, activity code on the activity runtime, except
 //! the first poll of a `NON_BLOCKING` activity's attempt; a commit is
-//! queued to the store's writer and answered to this actor).
+//! queued to the store's writer and its answer sent to this actor as a
+//! message).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -116,19 +117,24 @@ impl ShardActor {
                 alone,
             } => {
                 let asked = std::time::Instant::now();
-                // Written on this thread when the store's writer is idle;
-                // the answer is fed from the spawned future below, after
-                // the mailbox is drained, so the driver still counts the
-                // commit in flight until then (see `Shard::poll_action`).
+                // Written on this thread when the store's writer is idle.
+                // Either way the answer comes back as a message behind the
+                // ones already waiting, so the driver still counts the
+                // commit in flight until those are fed (see
+                // `Shard::poll_action`). A message, not a spawned future:
+                // actix polls every future an actor spawned each time it
+                // wakes, and a shard has dozens of commits in flight.
                 let answer = if alone {
                     self.host.store.commit_alone(batch)
                 } else {
                     self.host.store.commit(batch)
                 };
-                ctx.spawn(answer.into_actor(self).map(move |result, act, ctx| {
-                    act.host.commit_seconds.observe_duration(asked.elapsed());
-                    act.feed(ShardInput::Committed { token, result }, ctx);
-                }));
+                let me = ctx.address();
+                let host = self.host.clone();
+                answer.then(move |result| {
+                    host.commit_seconds.observe_duration(asked.elapsed());
+                    me.do_send(Feed(ShardInput::Committed { token, result }));
+                });
             }
             Action::RunAttempt { order, .. } => {
                 Host::run_attempt(&self.host, self.driver.id(), ctx.address(), order);

@@ -67,7 +67,7 @@ pub use state::{
     TimerEntry,
 };
 pub use stats::StoreMemory;
-pub use store::{CommitHandle, Durability, ReadHistory, Store};
+pub use store::{CommitHandle, Durability, ReadHistory, Reply, Store};
 pub use verify::{VerifyReport, Violation};
 
 /// Schema version of a data directory; opening another version fails with

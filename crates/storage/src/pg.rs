@@ -68,7 +68,6 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
-use futures::channel::oneshot;
 use parking_lot::{Condvar, Mutex};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
@@ -85,7 +84,7 @@ use crate::kv::{KvRead, Overlay, Writes};
 use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
 use crate::pg_tls::{self, Tls};
 use crate::relay::{self, Note, Relay, RelayNotices, RelayTo};
-use crate::store::{CommitHandle, Durability, Store};
+use crate::store::{CommitHandle, Durability, Reply, Store};
 use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
 
 /// Most connections one store opens for reads (the writer has its own).
@@ -709,7 +708,7 @@ struct Request {
     /// (taken out of the batch: the rows the shared validation would read
     /// it from live in `shard_lease`, not in a table it reads).
     fence: Option<Fence>,
-    reply: oneshot::Sender<Result<CommitAck>>,
+    reply: Reply,
 }
 
 /// A keel store in a PostgreSQL database.
@@ -1746,13 +1745,13 @@ impl Store for PgStore {
             Ok(p) => p,
             Err(e) => return CommitHandle::ready(Err(e)),
         };
-        let (reply, rx) = oneshot::channel();
+        let (reply, handle) = CommitHandle::channel();
         match tx.send(Request {
             prepared,
             fence,
             reply,
         }) {
-            Ok(()) => CommitHandle::pending(rx),
+            Ok(()) => handle,
             Err(_) => CommitHandle::ready(Err(Error::Closed)),
         }
     }
@@ -2393,7 +2392,7 @@ impl Group {
                 (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
                 (_, r) => r,
             };
-            let _ = req.reply.send(result);
+            req.reply.send(result);
         }
     }
 
@@ -3133,7 +3132,7 @@ mod tests {
         Request {
             prepared: PreparedBatch::new(batch).unwrap(),
             fence,
-            reply: oneshot::channel().0,
+            reply: CommitHandle::channel().0,
         }
     }
 

@@ -30,7 +30,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use futures::channel::oneshot;
 use rocksdb::{
     checkpoint::Checkpoint, BlockBasedOptions, Cache, ColumnFamilyDescriptor, DBCompressionType,
     DBRecoveryMode, Options, ReadOptions, WriteBatch, WriteOptions, DB,
@@ -41,7 +40,7 @@ use crate::acked;
 use crate::cache::{CachedView, Learned, ReadAhead, ScanAhead, WriterCache};
 use crate::codec::{self, RecordKind};
 use crate::derive::{
-    apply_batch_step, event_rows, Checks, CommitAck, CommitBatch, EventRows, PreparedBatch, RawAck,
+    apply_batch_step, event_rows, Checks, CommitBatch, EventRows, PreparedBatch, RawAck,
 };
 use crate::error::{Error, Result};
 use crate::health::{
@@ -53,7 +52,7 @@ use crate::keys::{prefix_end, Cf, STORE_META_KEY};
 use crate::kv::{KvRead, Mutation, Overlay, PrefixVisitor, Writes};
 use crate::state::StoreMeta;
 use crate::stats::StoreMemory;
-use crate::store::{CommitHandle, Durability, Store};
+use crate::store::{CommitHandle, Durability, Reply, Store};
 use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
 
 /// How a data directory is opened.
@@ -69,7 +68,7 @@ pub enum OpenMode {
 
 struct Request {
     prepared: PreparedBatch,
-    reply: oneshot::Sender<Result<CommitAck>>,
+    reply: Reply,
 }
 
 /// A keel store in a RocksDB directory.
@@ -613,18 +612,18 @@ impl RocksStore {
             Ok(p) => p,
             Err(e) => return CommitHandle::ready(Err(e)),
         };
-        let (reply, rx) = oneshot::channel();
+        let (reply, handle) = CommitHandle::channel();
         let mut request = Request { prepared, reply };
         if alone {
             match shared.commit_in_place(request) {
                 // Answered already.
-                None => return CommitHandle::pending(rx),
+                None => return handle,
                 Some(back) => request = back,
             }
         }
         shared.queued.fetch_add(1, Ordering::AcqRel);
         match tx.send(request) {
-            Ok(()) => CommitHandle::pending(rx),
+            Ok(()) => handle,
             Err(_) => {
                 shared.queued.fetch_sub(1, Ordering::AcqRel);
                 CommitHandle::ready(Err(Error::Closed))
@@ -1062,7 +1061,7 @@ type Answers = Vec<(Request, Result<RawAck>)>;
 /// than on the writer (on the answer thread for all but small groups).
 fn answer(answers: Answers) {
     for (req, result) in answers {
-        let _ = req.reply.send(result.and_then(RawAck::decode));
+        req.reply.send(result.and_then(RawAck::decode));
     }
 }
 
@@ -1135,7 +1134,7 @@ fn start_writer(
             // store still open: every commit queued or made from then on
             // is answered `Closed` (committers no longer get the core).
             for req in rx {
-                let _ = req.reply.send(Err(Error::Closed));
+                req.reply.send(Err(Error::Closed));
             }
             // The answer thread ends once its last sender is gone.
             looped
@@ -1176,7 +1175,7 @@ fn writer_loop(shared: &WriterShared, rx: &Receiver<Request>) {
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
         };
         let Some(mut core) = shared.lock() else {
-            let _ = first.reply.send(Err(Error::Closed));
+            first.reply.send(Err(Error::Closed));
             return;
         };
         let mut bytes = first.prepared.bytes();

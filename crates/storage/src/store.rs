@@ -6,9 +6,10 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
-use futures::channel::oneshot;
+use parking_lot::Mutex;
 
 use crate::codec::{self, RecordKind};
 use crate::derive::{read_record, CommitAck, CommitBatch};
@@ -34,7 +35,8 @@ pub enum Durability {
     Buffered,
 }
 
-/// The answer to one commit: a future, or a blocking [`CommitHandle::wait`].
+/// The answer to one commit: a future, a blocking [`CommitHandle::wait`],
+/// or a function called with it ([`CommitHandle::then`]).
 #[derive(Debug)]
 pub struct CommitHandle {
     state: HandleState,
@@ -43,7 +45,81 @@ pub struct CommitHandle {
 #[derive(Debug)]
 enum HandleState {
     Ready(Option<Result<CommitAck>>),
-    Pending(oneshot::Receiver<Result<CommitAck>>),
+    Pending(Arc<AnswerSlot>),
+}
+
+/// What a committer does with an answer that has not come yet.
+type Then = Box<dyn FnOnce(Result<CommitAck>) + Send>;
+
+/// Where one commit's answer meets its committer: a one-shot channel that
+/// either wakes a polling task or calls the function the committer left.
+struct AnswerSlot {
+    state: Mutex<SlotState>,
+}
+
+enum SlotState {
+    /// Not answered; the task to wake when it is, if one polled.
+    Waiting(Option<Waker>),
+    /// Not answered; the function to call with the answer.
+    Then(Then),
+    /// Answered, not yet taken.
+    Answered(Result<CommitAck>),
+    /// Taken, or the handle was dropped.
+    Done,
+}
+
+impl std::fmt::Debug for AnswerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &*self.state.lock() {
+            SlotState::Waiting(_) => "waiting",
+            SlotState::Then(_) => "then",
+            SlotState::Answered(_) => "answered",
+            SlotState::Done => "done",
+        };
+        f.debug_struct("AnswerSlot").field("state", &state).finish()
+    }
+}
+
+/// The store's end of a [`CommitHandle`]: answers it once. Dropped without
+/// an answer (a writer that stopped), it answers [`Error::Closed`].
+#[derive(Debug)]
+pub struct Reply(Option<Arc<AnswerSlot>>);
+
+impl Reply {
+    /// Answers the commit: wakes the task polling its handle, or calls the
+    /// function given to [`CommitHandle::then`] on this thread.
+    pub fn send(mut self, result: Result<CommitAck>) {
+        self.deliver(result);
+    }
+
+    fn deliver(&mut self, result: Result<CommitAck>) {
+        let Some(slot) = self.0.take() else {
+            return;
+        };
+        let mut state = slot.state.lock();
+        match std::mem::replace(&mut *state, SlotState::Done) {
+            SlotState::Waiting(waker) => {
+                *state = SlotState::Answered(result);
+                drop(state);
+                if let Some(w) = waker {
+                    w.wake();
+                }
+            }
+            SlotState::Then(then) => {
+                drop(state);
+                then(result);
+            }
+            // The handle is gone: nobody waits for the answer.
+            SlotState::Done => {}
+            SlotState::Answered(_) => unreachable!("a commit is answered once"),
+        }
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        self.deliver(Err(Error::Closed));
+    }
 }
 
 impl CommitHandle {
@@ -54,22 +130,57 @@ impl CommitHandle {
         }
     }
 
-    /// A handle answered later through `rx`.
-    pub fn pending(rx: oneshot::Receiver<Result<CommitAck>>) -> Self {
-        CommitHandle {
-            state: HandleState::Pending(rx),
+    /// A handle answered later through its [`Reply`].
+    pub fn channel() -> (Reply, CommitHandle) {
+        let slot = Arc::new(AnswerSlot {
+            state: Mutex::new(SlotState::Waiting(None)),
+        });
+        let handle = CommitHandle {
+            state: HandleState::Pending(slot.clone()),
+        };
+        (Reply(Some(slot)), handle)
+    }
+
+    /// Calls `then` with the answer: now, on this thread, if it is here;
+    /// otherwise on the thread that answers, which must not be kept long.
+    ///
+    /// For a committer that would otherwise poll many handles at once: an
+    /// actix actor polls every future it spawned each time it wakes, so a
+    /// shard with a hundred commits in flight polled a hundred handles per
+    /// message; with `then` the answer comes as a message of its own.
+    pub fn then(mut self, then: impl FnOnce(Result<CommitAck>) + Send + 'static) {
+        match self.take_state() {
+            HandleState::Ready(r) => then(r.unwrap_or(Err(Error::Closed))),
+            HandleState::Pending(slot) => {
+                let mut state = slot.state.lock();
+                match std::mem::replace(&mut *state, SlotState::Done) {
+                    SlotState::Answered(r) => {
+                        drop(state);
+                        then(r);
+                    }
+                    SlotState::Waiting(_) => *state = SlotState::Then(Box::new(then)),
+                    SlotState::Done => {
+                        drop(state);
+                        then(Err(Error::Closed));
+                    }
+                    SlotState::Then(_) => unreachable!("`then` consumes its handle"),
+                }
+            }
         }
     }
 
     /// Blocks the calling thread until the commit is answered. Do not call
     /// from inside an async task; `.await` the handle there.
-    pub fn wait(self) -> Result<CommitAck> {
-        match self.state {
+    pub fn wait(mut self) -> Result<CommitAck> {
+        match self.take_state() {
             HandleState::Ready(r) => r.unwrap_or(Err(Error::Closed)),
-            HandleState::Pending(rx) => {
-                futures::executor::block_on(rx).unwrap_or(Err(Error::Closed))
-            }
+            pending => futures::executor::block_on(CommitHandle { state: pending }),
         }
+    }
+
+    /// The state, leaving one that `Drop` ignores.
+    fn take_state(&mut self) -> HandleState {
+        std::mem::replace(&mut self.state, HandleState::Ready(None))
     }
 }
 
@@ -79,9 +190,38 @@ impl Future for CommitHandle {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.state {
             HandleState::Ready(r) => Poll::Ready(r.take().unwrap_or(Err(Error::Closed))),
-            HandleState::Pending(rx) => Pin::new(rx)
-                .poll(cx)
-                .map(|r| r.unwrap_or(Err(Error::Closed))),
+            HandleState::Pending(slot) => {
+                let mut state = slot.state.lock();
+                match &mut *state {
+                    SlotState::Waiting(waker) => {
+                        match waker {
+                            Some(w) if w.will_wake(cx.waker()) => {}
+                            _ => *waker = Some(cx.waker().clone()),
+                        }
+                        Poll::Pending
+                    }
+                    SlotState::Answered(_) => match std::mem::replace(&mut *state, SlotState::Done)
+                    {
+                        SlotState::Answered(r) => Poll::Ready(r),
+                        _ => unreachable!(),
+                    },
+                    SlotState::Done => Poll::Ready(Err(Error::Closed)),
+                    SlotState::Then(_) => unreachable!("`then` consumes its handle"),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CommitHandle {
+    fn drop(&mut self) {
+        if let HandleState::Pending(slot) = &self.state {
+            let mut state = slot.state.lock();
+            // Leave a function given to `then` for the answer; drop a waker
+            // or an answer nobody will take.
+            if !matches!(*state, SlotState::Then(_)) {
+                *state = SlotState::Done;
+            }
         }
     }
 }
@@ -700,4 +840,109 @@ pub struct ReadHistory {
     pub events: Vec<Event>,
     /// The error that ended the read early, if one did.
     pub failure: Option<Error>,
+}
+
+#[cfg(test)]
+mod tests {
+    // Goal: a commit's answer reaches its committer exactly once whichever
+    // way it waits (polled, blocked on, or a function left with `then`)
+    // and in whichever order the answer and the wait come, and a store
+    // that drops its end answers `Closed`.
+    // Method: drive both ends of `CommitHandle::channel` by hand, with a
+    // counting waker for the polled case.
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Wake;
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn ack() -> Result<CommitAck> {
+        Ok(CommitAck::default())
+    }
+
+    #[test]
+    fn then_is_called_once_whether_the_answer_comes_before_or_after() {
+        for answer_first in [false, true] {
+            let got = Arc::new(Mutex::new(Vec::new()));
+            let (reply, handle) = CommitHandle::channel();
+            let sink = got.clone();
+            let then = move |r: Result<CommitAck>| sink.lock().push(r.is_ok());
+            if answer_first {
+                reply.send(ack());
+                handle.then(then);
+            } else {
+                handle.then(then);
+                assert!(got.lock().is_empty(), "called before the answer");
+                reply.send(ack());
+            }
+            assert_eq!(*got.lock(), vec![true], "answer first: {answer_first}");
+        }
+    }
+
+    #[test]
+    fn answers_from_another_thread_race_then_and_each_arrives_once() {
+        let got = Arc::new(AtomicUsize::new(0));
+        for _ in 0..2_000 {
+            let (reply, handle) = CommitHandle::channel();
+            let answerer = std::thread::spawn(move || reply.send(ack()));
+            let sink = got.clone();
+            handle.then(move |r| {
+                assert!(r.is_ok());
+                sink.fetch_add(1, Ordering::SeqCst);
+            });
+            answerer.join().unwrap();
+        }
+        assert_eq!(got.load(Ordering::SeqCst), 2_000);
+    }
+
+    #[test]
+    fn a_dropped_reply_answers_closed() {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let (reply, handle) = CommitHandle::channel();
+        let sink = got.clone();
+        handle.then(move |r| sink.lock().push(matches!(r, Err(Error::Closed))));
+        drop(reply);
+        assert_eq!(*got.lock(), vec![true]);
+
+        let (reply, handle) = CommitHandle::channel();
+        drop(reply);
+        assert!(matches!(handle.wait(), Err(Error::Closed)));
+    }
+
+    #[test]
+    fn a_polled_handle_is_woken_once_and_takes_the_answer() {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&waker);
+        let (reply, mut handle) = CommitHandle::channel();
+        assert!(Pin::new(&mut handle).poll(&mut cx).is_pending());
+        assert!(Pin::new(&mut handle).poll(&mut cx).is_pending());
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        reply.send(ack());
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert!(matches!(
+            Pin::new(&mut handle).poll(&mut cx),
+            Poll::Ready(Ok(_))
+        ));
+    }
+
+    #[test]
+    fn an_answer_to_a_dropped_handle_is_dropped() {
+        let (reply, handle) = CommitHandle::channel();
+        drop(handle);
+        reply.send(ack());
+        let (reply, handle) = CommitHandle::channel();
+        reply.send(ack());
+        assert!(handle.wait().is_ok());
+        let ready = CommitHandle::ready(ack());
+        let got = Arc::new(Mutex::new(0));
+        let sink = got.clone();
+        ready.then(move |r| *sink.lock() += usize::from(r.is_ok()));
+        assert_eq!(*got.lock(), 1);
+    }
 }
