@@ -301,6 +301,42 @@ impl<T: Send + 'static> ClientTasks<T> {
     }
 }
 
+/// Runs `one(i)` for every `i` in `0..total`, `lanes` of them at a time:
+/// each lane is a task that takes the next index when its last one ends,
+/// as a pool of clients would. Outputs come in no particular order.
+///
+/// A closed loop without a spawner: one task per workflow behind a
+/// semaphore woke the thread that spawned them once per workflow, a cost
+/// of the benchmark's own that W1 paid on the engine's two cores.
+pub(crate) async fn closed_loop<T, F, Fut>(lanes: u64, total: u64, one: F) -> anyhow::Result<Vec<T>>
+where
+    T: Send + 'static,
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<T, keel::EngineError>> + Send,
+{
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let one = Arc::new(one);
+    let mut lanes_running = tokio::task::JoinSet::new();
+    for _ in 0..lanes.clamp(1, total.max(1)) {
+        let (next, one) = (next.clone(), one.clone());
+        lanes_running.spawn(async move {
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= total {
+                    return Ok::<_, keel::EngineError>(out);
+                }
+                out.push(one(i).await?);
+            }
+        });
+    }
+    let mut done = Vec::with_capacity(total as usize);
+    while let Some(lane) = lanes_running.join_next().await {
+        done.extend(lane??);
+    }
+    Ok(done)
+}
+
 fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     if args.processes > 1 {
         return w1_cluster(args);
@@ -351,29 +387,28 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     let bar = progress(args.workflows, "w1");
     let started = Instant::now();
     let latencies: Vec<f64> = rt.block_on(async {
-        let mut tasks = ClientTasks::new(args.workflows);
-        let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
-        let mut ticker = args
-            .rate
-            .map(|r| tokio::time::interval(Duration::from_secs_f64(1.0 / r.max(1e-3))));
-        for i in 0..args.workflows {
-            let permit = match &mut ticker {
-                Some(t) => {
-                    t.tick().await;
-                    None
-                }
-                None => Some(sem.clone().acquire_owned().await?),
-            };
+        let one = {
             let (client, bar) = (client.clone(), bar.clone());
-            tasks.spawn(async move {
-                let _permit = permit;
-                let t0 = Instant::now();
-                let id = format!("w1-{i}");
-                client.start::<ThreeSteps>(&id, &(i as u32)).await?;
-                client.result::<ThreeSteps>(&id).await?;
-                bar.inc(1);
-                Ok::<f64, keel::EngineError>(t0.elapsed().as_secs_f64() * 1000.0)
-            })?;
+            move |i: u64| {
+                let (client, bar) = (client.clone(), bar.clone());
+                async move {
+                    let t0 = Instant::now();
+                    let id = format!("w1-{i}");
+                    client.start::<ThreeSteps>(&id, &(i as u32)).await?;
+                    client.result::<ThreeSteps>(&id).await?;
+                    bar.inc(1);
+                    Ok::<f64, keel::EngineError>(t0.elapsed().as_secs_f64() * 1000.0)
+                }
+            }
+        };
+        let Some(rate) = args.rate else {
+            return closed_loop(args.concurrency as u64, args.workflows, one).await;
+        };
+        let mut tasks = ClientTasks::new(args.workflows);
+        let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(1e-3)));
+        for i in 0..args.workflows {
+            ticker.tick().await;
+            tasks.spawn(one(i))?;
         }
         tasks.finish().await
     })?;

@@ -28,7 +28,7 @@ use keel_storage::{PgOptions, PgStore, ShardLeases};
 use serde::{Deserialize, Serialize};
 
 use super::bench_pg::{ServerCounters, ServerLoad};
-use super::{ClientTasks, Noop, ThreeSteps};
+use super::{closed_loop, Noop, ThreeSteps};
 use crate::output::{percentile, progress};
 
 /// Shards the processes of a cluster benchmark spread runs over (every
@@ -206,14 +206,10 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
     let every = (args.workflows / 100).max(1);
     let slot = args.slot;
     let samples = rt.block_on(async {
-        let sem = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let mut tasks = ClientTasks::new(args.workflows);
-        for i in 0..args.workflows {
-            let permit = sem.clone().acquire_owned().await?;
+        closed_loop(args.concurrency as u64, args.workflows, move |i| {
             let (client, done) = (client.clone(), done.clone());
-            tasks.spawn(async move {
-                let _permit = permit;
+            async move {
                 let (at, t0) = (unix_ms(), Instant::now());
                 let id = format!("w1-{slot}-{i}");
                 client.start::<ThreeSteps>(&id, &(i as u32)).await?;
@@ -223,9 +219,9 @@ pub(crate) fn w1_process(args: W1ProcessArgs) -> anyhow::Result<ExitCode> {
                     println!("done {n}");
                 }
                 Ok::<_, keel::EngineError>((at, t0.elapsed().as_secs_f64() * 1000.0))
-            })?;
-        }
-        tasks.finish().await
+            }
+        })
+        .await
     })?;
     println!(
         "result {}",
