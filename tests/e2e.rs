@@ -27,6 +27,8 @@ mod continue_as_new;
 mod embedding;
 #[path = "engine.rs"]
 mod engine;
+#[path = "execute.rs"]
+mod execute;
 #[path = "golden_derived.rs"]
 mod golden_derived;
 #[path = "golden_histories.rs"]

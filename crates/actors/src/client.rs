@@ -768,6 +768,19 @@ fn decode_value<R: DeserializeOwned>(p: &Payload) -> Result<R, EngineError> {
 }
 
 /// The error for an answer no call expects.
+/// Workflow `W`'s output from a run's outcome (continue-as-new already
+/// followed).
+fn output_of<W: Workflow>(outcome: Outcome) -> Result<W::Output, EngineError> {
+    match outcome {
+        Outcome::Completed(p) => decode_value(&p),
+        Outcome::Failed(f) => Err(EngineError::WorkflowFailed(f)),
+        Outcome::Cancelled(r) => Err(EngineError::WorkflowCancelled(r)),
+        Outcome::Terminated(r) => Err(EngineError::WorkflowTerminated(r)),
+        Outcome::TimedOut(r) => Err(EngineError::WorkflowTimedOut(r)),
+        Outcome::ContinuedAsNew(_) => unreachable!("continue-as-new is followed first"),
+    }
+}
+
 fn unexpected(answer: Answer) -> EngineError {
     EngineError::Refused(format!("unexpected answer {answer:?}"))
 }
@@ -863,7 +876,7 @@ impl Client {
     ) -> Result<StartOutcome, EngineError> {
         options.check()?;
         match self
-            .start_request(workflow_type, instance, input, options, None)
+            .start_request(workflow_type, instance, input, options, None, false)
             .await?
         {
             Answer::Started(run) => Ok(StartOutcome::Started(run)),
@@ -898,7 +911,7 @@ impl Client {
             ..StartOptions::default()
         };
         match self
-            .start_request(W::NAME, instance, input, options, Some(signal))
+            .start_request(W::NAME, instance, input, options, Some(signal), false)
             .await?
         {
             Answer::Started(run) => Ok(SignalWithStart::Started(run)),
@@ -917,6 +930,7 @@ impl Client {
         input: Payload,
         options: StartOptions,
         signal: Option<StartSignal>,
+        await_outcome: bool,
     ) -> Result<Answer, EngineError> {
         check_limits(&input)?;
         // The run lives on the shard that resolves the instance's name, so
@@ -940,6 +954,7 @@ impl Client {
             memo: options.memo,
             search_attributes: options.search_attributes,
             timeouts: options.timeouts,
+            await_outcome,
         };
         self.core.call(request).await
     }
@@ -1076,14 +1091,43 @@ impl Client {
 
     /// Waits for workflow `W`'s result.
     pub async fn result<W: Workflow>(&self, instance: &str) -> Result<W::Output, EngineError> {
-        match self.outcome(instance).await? {
-            Outcome::Completed(p) => decode_value(&p),
-            Outcome::Failed(f) => Err(EngineError::WorkflowFailed(f)),
-            Outcome::Cancelled(r) => Err(EngineError::WorkflowCancelled(r)),
-            Outcome::Terminated(r) => Err(EngineError::WorkflowTerminated(r)),
-            Outcome::TimedOut(r) => Err(EngineError::WorkflowTimedOut(r)),
-            Outcome::ContinuedAsNew(_) => unreachable!("outcome() follows continue-as-new"),
-        }
+        output_of::<W>(self.outcome(instance).await?)
+    }
+
+    /// Starts workflow `W` as `instance` and waits for its result:
+    /// [`Client::start`] then [`Client::result`], as one request with one
+    /// answer. An instance with an open run is not started again: the
+    /// call waits for that run, as `start` then `result` would.
+    pub async fn execute<W: Workflow>(
+        &self,
+        instance: &str,
+        input: &W::Input,
+    ) -> Result<W::Output, EngineError> {
+        self.execute_with::<W>(instance, input, StartOptions::default())
+            .await
+    }
+
+    /// [`Client::execute`] with [`StartOptions`].
+    pub async fn execute_with<W: Workflow>(
+        &self,
+        instance: &str,
+        input: &W::Input,
+        options: StartOptions,
+    ) -> Result<W::Output, EngineError> {
+        options.check()?;
+        let payload = Payload::encode(input).map_err(|e| EngineError::Encode(e.to_string()))?;
+        let answer = self
+            .start_request(W::NAME, instance, payload, options, None, true)
+            .await?;
+        let outcome = match answer {
+            Answer::Outcome(_, Outcome::ContinuedAsNew(next)) => {
+                self.outcome(&next.to_string()).await?
+            }
+            Answer::Outcome(_, other) => other,
+            Answer::Refused(r) => return Err(refused(r)),
+            other => return Err(unexpected(other)),
+        };
+        output_of::<W>(outcome)
     }
 
     /// Status, open waits with group paths, attempts and leases, children

@@ -117,6 +117,10 @@ pub(crate) struct W1Args {
     /// it, so a shard polls its attempts first where it dispatches them).
     #[arg(long)]
     on_pool: bool,
+    /// Start each workflow, then ask for its result: two requests and two
+    /// answers, where the default `Client::execute` makes one of each.
+    #[arg(long)]
+    start_then_result: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -387,6 +391,7 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     let bar = progress(args.workflows, "w1");
     let started = Instant::now();
     let latencies: Vec<f64> = rt.block_on(async {
+        let two_calls = args.start_then_result;
         let one = {
             let (client, bar) = (client.clone(), bar.clone());
             move |i: u64| {
@@ -394,8 +399,12 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
                 async move {
                     let t0 = Instant::now();
                     let id = format!("w1-{i}");
-                    client.start::<ThreeSteps>(&id, &(i as u32)).await?;
-                    client.result::<ThreeSteps>(&id).await?;
+                    if two_calls {
+                        client.start::<ThreeSteps>(&id, &(i as u32)).await?;
+                        client.result::<ThreeSteps>(&id).await?;
+                    } else {
+                        client.execute::<ThreeSteps>(&id, &(i as u32)).await?;
+                    }
                     bar.inc(1);
                     Ok::<f64, keel::EngineError>(t0.elapsed().as_secs_f64() * 1000.0)
                 }
@@ -458,7 +467,12 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
             Some(r) => format!("w1 rate={r}/s"),
             None => format!("w1 concurrency={}", args.concurrency),
         } + if args.buffered { " buffered" } else { "" }
-            + if args.on_pool { " on-pool" } else { "" },
+            + if args.on_pool { " on-pool" } else { "" }
+            + if args.start_then_result {
+                " start-then-result"
+            } else {
+                ""
+            },
         workflows: args.workflows,
         concurrency: args.rate.is_none().then_some(args.concurrency),
         rate: args.rate,

@@ -319,6 +319,11 @@ pub enum Request {
         search_attributes: Vec<(String, Payload)>,
         /// The run and execution timeouts, from the start.
         timeouts: keel_storage::StartTimeouts,
+        /// Answer with the run's outcome once it closes (as
+        /// [`Request::Result`] would) instead of once the start is
+        /// durable: a start and a wait for one request and one answer.
+        #[serde(default)]
+        await_outcome: bool,
     },
     /// A signal to the instance's current run (or a run by id).
     Signal {
@@ -1151,6 +1156,10 @@ pub struct Shard {
     commits: BTreeMap<Token, CommitFor>,
     /// Who waits for a run's outcome, by the token of their registration.
     results: BTreeMap<RunId, BTreeMap<Token, ReplyTo>>,
+    /// Clients' starts that wait for their run's outcome
+    /// ([`Request::Start`]'s `await_outcome`): the start's answer turns
+    /// into a wait for the run it names.
+    outcome_starts: BTreeSet<RequestId>,
     /// Who waits for an accepted update's completion, per run.
     updates: BTreeMap<RunId, Vec<(CommandId, ReplyTo)>>,
     /// Clients told of a continue-as-new only once the next run exists:
@@ -1230,6 +1239,7 @@ impl Shard {
             removed_while_reading: BTreeSet::new(),
             commits: BTreeMap::new(),
             results: BTreeMap::new(),
+            outcome_starts: BTreeSet::new(),
             updates: BTreeMap::new(),
             continuing: BTreeMap::new(),
             timers,
@@ -1658,6 +1668,18 @@ impl Shard {
     fn reply(&mut self, reply: ReplyTo, answer: Answer, cause: Cause) {
         match reply {
             ReplyTo::Nobody => {}
+            ReplyTo::Client(id) if self.outcome_starts.remove(&id) => match answer {
+                Answer::Started(run) | Answer::Existing(run) => {
+                    let wait = RunOp::Result;
+                    if shard_of(run, self.config.shards) == self.id {
+                        self.run_op(run, wait, Origin::Reply(reply));
+                    } else {
+                        self.send(run, wait, reply, cause);
+                    }
+                }
+                // Refused, or to be asked again: the client hears it.
+                answer => self.actions.push_back(Action::Reply { id, answer, cause }),
+            },
             ReplyTo::Client(id) => self.actions.push_back(Action::Reply { id, answer, cause }),
             ReplyTo::Shard(to, token) => self.actions.push_back(Action::Send {
                 to,

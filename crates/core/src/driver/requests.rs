@@ -74,7 +74,11 @@ impl Shard {
                 memo,
                 search_attributes,
                 timeouts,
+                await_outcome,
             } => {
+                if await_outcome {
+                    self.outcome_starts.insert(id);
+                }
                 let Some(w) = self.workflows.get(&workflow_type) else {
                     let r = Refusal::UnknownWorkflowType(workflow_type);
                     return self.reply(reply, Answer::Refused(r), None);
@@ -547,5 +551,63 @@ impl Shard {
     /// The answer to a start committed through [`Origin::Start`].
     pub(super) fn start_answered(&mut self, job: StartJob, answer: Answer, cause: super::Cause) {
         self.reply(job.reply, answer, cause);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Goal: a start that waits for its outcome leaves nothing behind when
+    // it is refused: the refusal reaches the client as it is, and the
+    // shard forgets the request (a later answer with the same id is not
+    // turned into a wait). Method: a shard with no workflow registered is
+    // asked for such a start; its actions and its set of waiting starts
+    // are read.
+    use super::*;
+    use crate::driver::{Action, DriverConfig, ShardId, ShardInput};
+    use crate::workflow::WorkflowRegistry;
+    use keel_storage::{InstanceId, Payload, Timestamp};
+
+    #[test]
+    fn a_refused_start_that_awaits_its_outcome_is_answered_and_forgotten() {
+        let mut shard = Shard::new(
+            ShardId(0),
+            WorkflowRegistry::new(),
+            DriverConfig::default(),
+            0,
+        );
+        let request = Request::Start {
+            run_id: RunId::from_u64_pair(1, 1),
+            workflow_type: "nowhere".into(),
+            instance: InstanceId::new("i"),
+            input: Payload::encode(&()).unwrap(),
+            command_id: None,
+            reuse: ReusePolicy::default(),
+            random_seed: 0,
+            signal: None,
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            timeouts: Default::default(),
+            await_outcome: true,
+        };
+        shard.handle(
+            Timestamp(1),
+            ShardInput::Request {
+                id: RequestId(3),
+                request,
+            },
+        );
+        let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        assert!(
+            matches!(
+                actions.as_slice(),
+                [Action::Reply {
+                    id: RequestId(3),
+                    answer: Answer::Refused(Refusal::UnknownWorkflowType(_)),
+                    ..
+                }]
+            ),
+            "{actions:?}"
+        );
+        assert!(shard.outcome_starts.is_empty(), "the request is forgotten");
     }
 }

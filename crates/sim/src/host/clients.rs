@@ -106,6 +106,11 @@ impl World<'_> {
                     },
                     memo: Vec::new(),
                     search_attributes: p.search_attributes.clone(),
+                    // Half the clients first send an `execute`: a start
+                    // answered with the run's outcome. A retry is a plain
+                    // start, so a run that waits for the client's signals
+                    // still gets them after the first try times out.
+                    await_outcome: try_no == 0 && h & 1 == 1,
                 }
             }
             OpRef::Result => Request::Result {
@@ -232,6 +237,12 @@ impl World<'_> {
                 Some(true)
             }
             (OpRef::Result, _) => self.result_answered(plan, try_no, &answer),
+            // An `execute`'s answer: checked as a result's; the start is
+            // done either way (a continue-as-new is followed from here).
+            (OpRef::Start, _) if matches!(answer, Answer::Outcome(..)) => {
+                self.result_answered(plan, try_no, &answer);
+                Some(true)
+            }
             (OpRef::Describe, _) => self.describe_answered(plan, &answer),
             (OpRef::Start | OpRef::Planned(_), _) => match &answer {
                 Answer::Committed
