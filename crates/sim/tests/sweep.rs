@@ -45,14 +45,20 @@ fn two_hundred_seeds_pass_with_every_fault_kind_firing() {
 // read of intent rows must not turn a child whose "started" notice is in
 // flight back into a start (that failed the child as "did not start"),
 // nor resurrect or lose an outbox row.
+// The same race, one layer down: an activation read that answers after
+// its run was started anew (a child's start delivered again) and then
+// activated again must not be taken for the newer activation's read; its
+// history ends before the commits made since, and a machine built on it
+// dropped the next activity's result, leaving the run stuck (seed 102,
+// once clients also sent `execute` starts).
 // Method: only slow reads and engine crashes; first the seeds that failed
-// on the driver before the fix (six in 3,000; one slow read sufficed),
-// then a few hundred more, since a change to the driver's decisions moves
-// the race to other seeds.
+// on the driver before the fixes (six in 3,000, one slow read sufficing;
+// then 102 for the activation read), then a few hundred more, since a
+// change to the driver's decisions moves the race to other seeds.
 #[test]
 fn reads_racing_commits_bring_back_no_consumed_intent() {
     let faults = Faults::only(&[FaultKind::SlowRead, FaultKind::EngineCrash]);
-    let failed_before = [660, 1232, 1896, 2273, 2674, 2791];
+    let failed_before = [660, 1232, 1896, 2273, 2674, 2791, 102];
     let mut slow = 0;
     for seed in failed_before.into_iter().chain(0..300) {
         let r = Simulation::new(seed)

@@ -1720,15 +1720,20 @@ impl Shard {
         if intents {
             self.intent_reads -= 1;
         }
-        self.read_answered(purpose, result);
+        self.read_answered(token, purpose, result);
         if intents && self.intent_reads == 0 {
             self.removed_while_reading.clear();
         }
     }
 
-    fn read_answered(&mut self, purpose: ReadFor, result: Result<ReadResult, StoreError>) {
+    fn read_answered(
+        &mut self,
+        token: Token,
+        purpose: ReadFor,
+        result: Result<ReadResult, StoreError>,
+    ) {
         match purpose {
-            ReadFor::Activate(run) => self.history_read(run, result),
+            ReadFor::Activate(run) => self.history_read(run, token, result),
             ReadFor::Instance(job) => self.instance_read(*job, result),
             ReadFor::Resolve { op, reply, target } => self.resolved(op, reply, &target, result),
             ReadFor::Result(run, waiter) => self.result_read(run, waiter, result),

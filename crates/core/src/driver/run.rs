@@ -75,6 +75,11 @@ pub(super) struct RunSlot {
     restarts: u32,
     async_tries: u32,
     tick: u64,
+    /// The read of the activation in progress. A run can leave `Loading`
+    /// before its read answers (a child's start delivered again makes the
+    /// machine anew) and be activated again: only the newest read may
+    /// answer, since an older one can hold a history that ends earlier.
+    activation: Option<Token>,
     closed: bool,
     /// A resume waits for the activation it started.
     resuming: Vec<Origin>,
@@ -99,6 +104,7 @@ impl RunSlot {
             restarts: 0,
             async_tries: 0,
             tick: 0,
+            activation: None,
             closed: false,
             resuming: Vec::new(),
             parked_next: None,
@@ -381,7 +387,10 @@ impl Shard {
             return;
         }
         slot.phase = Phase::Loading;
-        self.read(ReadQuery::Activation(run), ReadFor::Activate(run));
+        let token = self.read(ReadQuery::Activation(run), ReadFor::Activate(run));
+        if let Some(slot) = self.runs.get_mut(&run) {
+            slot.activation = Some(token);
+        }
     }
 
     /// An activation found the run closed (its history ends with a closing
@@ -414,15 +423,24 @@ impl Shard {
         }
     }
 
-    pub(super) fn history_read(&mut self, run: RunId, result: Result<ReadResult, StoreError>) {
+    pub(super) fn history_read(
+        &mut self,
+        run: RunId,
+        token: Token,
+        result: Result<ReadResult, StoreError>,
+    ) {
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
         };
-        if !matches!(slot.phase, Phase::Loading) {
+        if !matches!(slot.phase, Phase::Loading) || slot.activation != Some(token) {
             // Stale: the run was started here meanwhile (an operation for a
-            // child came before the child's start).
+            // child came before the child's start), or this is the read of
+            // an activation before that start, answering after the next
+            // activation began: its history may end before the commits made
+            // since, and a machine built on it would drop their results.
             return;
         }
+        slot.activation = None;
         slot.phase = Phase::Idle;
         let (history, marker) = match result {
             Ok(ReadResult::History(h, marker)) => (h, marker),
