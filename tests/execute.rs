@@ -1,8 +1,9 @@
 //! Goal: `Client::execute` (a start and the wait for its result as one
 //! request with one answer) answers as `start` then `result` would: the
 //! run's output, its failure, a run already open for the instance (not a
-//! second one), the end of a continue-as-new chain, and a typed refusal for
-//! an unknown type or a closed instance its reuse policy keeps closed.
+//! second one), a retry by command id after its run closed (that run's
+//! output), the end of a continue-as-new chain, and a typed refusal for an
+//! unknown type or a closed instance its reuse policy keeps closed.
 //!
 //! Method: the real engine on RocksDB. Each case runs a small workflow
 //! through `execute` and compares the answer with what the store holds
@@ -113,10 +114,13 @@ async fn execute_answers_with_the_output_or_the_failure() -> anyhow::Result<()> 
         Err(EngineError::UnknownWorkflowType(t)) => assert_eq!(t, "execute.unknown"),
         other => panic!("expected UnknownWorkflowType, got {other:?}"),
     }
-    // Each refusal and answer left nothing waiting: a plain start still
-    // works on the same engine.
-    c.start::<TwoSteps>("b", &2).await?;
-    assert_eq!(c.result::<TwoSteps>("b").await?, 9);
+    // A retry by command id after its run closed waits for that run (not
+    // a new one): the same output, the same run.
+    let once = || StartOptions::new().command_id("b-once");
+    assert_eq!(c.execute_with::<TwoSteps>("b", &2, once()).await?, 9);
+    let run = c.describe("b").await?.run_id;
+    assert_eq!(c.execute_with::<TwoSteps>("b", &3, once()).await?, 9);
+    assert_eq!(c.describe("b").await?.run_id, run, "no second run");
     e.shutdown().await;
     Ok(())
 }

@@ -767,7 +767,6 @@ fn decode_value<R: DeserializeOwned>(p: &Payload) -> Result<R, EngineError> {
         .map_err(|e| EngineError::ResultDecode(e.to_string()))
 }
 
-/// The error for an answer no call expects.
 /// Workflow `W`'s output from a run's outcome (continue-as-new already
 /// followed).
 fn output_of<W: Workflow>(outcome: Outcome) -> Result<W::Output, EngineError> {
@@ -781,6 +780,7 @@ fn output_of<W: Workflow>(outcome: Outcome) -> Result<W::Output, EngineError> {
     }
 }
 
+/// The error for an answer no call expects.
 fn unexpected(answer: Answer) -> EngineError {
     EngineError::Refused(format!("unexpected answer {answer:?}"))
 }
@@ -1098,6 +1098,13 @@ impl Client {
     /// [`Client::start`] then [`Client::result`], as one request with one
     /// answer. An instance with an open run is not started again: the
     /// call waits for that run, as `start` then `result` would.
+    ///
+    /// An error such as [`EngineError::Shutdown`] or
+    /// [`EngineError::StoreUnavailable`] can come after the run started,
+    /// and the run goes on. To retry without starting a second run once
+    /// the first has closed, give the start a command id
+    /// ([`Client::execute_with`], [`StartOptions::command_id`]): a retry
+    /// then waits for the run that id started.
     pub async fn execute<W: Workflow>(
         &self,
         instance: &str,
@@ -1124,6 +1131,9 @@ impl Client {
                 self.outcome(&next.to_string()).await?
             }
             Answer::Outcome(_, other) => other,
+            // The shard's process predates `await_outcome` and answered
+            // the start alone: wait as `result` would.
+            Answer::Started(run) | Answer::Existing(run) => self.outcome(&run.to_string()).await?,
             Answer::Refused(r) => return Err(refused(r)),
             other => return Err(unexpected(other)),
         };

@@ -39,6 +39,16 @@ pub(crate) struct Stop;
 #[rtype(result = "()")]
 pub(crate) struct Release;
 
+/// A commit's answer, sent by whichever thread has it.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Answered {
+    token: keel_core::driver::Token,
+    result: Result<keel_storage::CommitAck, keel_storage::Error>,
+    /// When the commit was asked for.
+    asked: std::time::Instant,
+}
+
 /// What the shard's driver counted and holds (for `/metrics`).
 #[derive(Message)]
 #[rtype(result = "keel_core::driver::ShardStats")]
@@ -129,11 +139,16 @@ impl ShardActor {
                 } else {
                     self.host.store.commit(batch)
                 };
+                // Only the actor's address goes into the store: a store
+                // that held the host (and so itself) could be dropped on
+                // its own answering thread at shutdown.
                 let me = ctx.address();
-                let host = self.host.clone();
                 answer.then(move |result| {
-                    host.commit_seconds.observe_duration(asked.elapsed());
-                    me.do_send(Feed(ShardInput::Committed { token, result }));
+                    me.do_send(Answered {
+                        token,
+                        result,
+                        asked,
+                    })
                 });
             }
             Action::RunAttempt { order, .. } => {
@@ -220,6 +235,18 @@ impl Handler<Feed> for ShardActor {
 
     fn handle(&mut self, msg: Feed, ctx: &mut Self::Context) {
         self.feed(msg.0, ctx);
+    }
+}
+
+impl Handler<Answered> for ShardActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Answered, ctx: &mut Self::Context) {
+        self.host
+            .commit_seconds
+            .observe_duration(msg.asked.elapsed());
+        let Answered { token, result, .. } = msg;
+        self.feed(ShardInput::Committed { token, result }, ctx);
     }
 }
 

@@ -118,7 +118,8 @@ pub(crate) struct W1Args {
     #[arg(long)]
     on_pool: bool,
     /// Start each workflow, then ask for its result: two requests and two
-    /// answers, where the default `Client::execute` makes one of each.
+    /// answers, where the default `Client::execute` makes one of each
+    /// (runs with `--processes` always make the two calls).
     #[arg(long)]
     start_then_result: bool,
     /// Print one JSON object.

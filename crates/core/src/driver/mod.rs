@@ -322,6 +322,8 @@ pub enum Request {
         /// Answer with the run's outcome once it closes (as
         /// [`Request::Result`] would) instead of once the start is
         /// durable: a start and a wait for one request and one answer.
+        /// Ignored with a `signal` (a signal-with-start is answered for
+        /// its signal when the instance runs already).
         #[serde(default)]
         await_outcome: bool,
     },
@@ -1563,9 +1565,9 @@ impl Shard {
         if let Action::Commit { alone, .. } = &mut action {
             // The commit itself is among `commits` already, and stays there
             // until its answer is fed, even one written on the host's
-            // thread (the actix host feeds it once the mailbox is drained),
-            // so the commits made meanwhile are not alone and share the
-            // writer's next group.
+            // thread (the actix host feeds it behind the messages already
+            // in its mailbox), so the commits made meanwhile are not alone
+            // and share the writer's next group.
             *alone = self.actions.is_empty()
                 && self.commits.len() <= 1
                 && self.reads.is_empty()

@@ -76,7 +76,9 @@ impl Shard {
                 timeouts,
                 await_outcome,
             } => {
-                if await_outcome {
+                // A signal-with-start is answered for its signal when the
+                // instance runs already: it does not wait for an outcome.
+                if await_outcome && signal.is_none() {
                     self.outcome_starts.insert(id);
                 }
                 let Some(w) = self.workflows.get(&workflow_type) else {
@@ -351,8 +353,16 @@ impl Shard {
                 match (job.reuse, &st.run.outcome) {
                     // A chain that continued as new is still running.
                     (Some(_), Some(Outcome::ContinuedAsNew(next))) => {
-                        let next = *next;
-                        return self.existing(job, next);
+                        // A start that awaits its outcome waits on the run
+                        // that continued: `next`'s own start may not be
+                        // durable yet, and that run's outcome is answered
+                        // once it is (the client follows it from there).
+                        let run = if self.awaits_outcome(job.reply) {
+                            current
+                        } else {
+                            *next
+                        };
+                        return self.existing(job, run);
                     }
                     (Some(reuse), _) => {
                         let refuse = match reuse {
@@ -392,6 +402,12 @@ impl Shard {
             job.spec.previous_run = previous;
         }
         self.create(job);
+    }
+
+    /// True for a client's start that waits for its run's outcome
+    /// ([`Request::Start`]'s `await_outcome`).
+    fn awaits_outcome(&self, reply: ReplyTo) -> bool {
+        matches!(reply, ReplyTo::Client(id) if self.outcome_starts.contains(&id))
     }
 
     /// A client's start found the instance running as `run`: that run

@@ -1318,3 +1318,78 @@ fn repeat_key(input: &Input) -> Option<keel_storage::DurableKey> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    // Goal: only the newest activation read of a run may answer it. A run
+    // can leave `Loading` before its read answers (a child's start made
+    // the machine anew, its commit failed, the machine was thrown away)
+    // and be activated again; the first read, answering late, holds a
+    // history that may end before the commits made since.
+    // Method: a run is activated, put back to idle as a failed commit
+    // would, and activated again; the first read then answers with an
+    // empty history (which, taken for the run's, would forget it), and
+    // the run must still wait for the second read.
+    use super::*;
+    use crate::driver::{DriverConfig, ShardId, ShardInput};
+    use crate::workflow::WorkflowRegistry;
+    use keel_storage::Timestamp;
+
+    fn activation_tokens(shard: &mut Shard) -> Vec<Token> {
+        std::iter::from_fn(|| shard.poll_action())
+            .filter_map(|a| match a {
+                crate::driver::Action::Read {
+                    token,
+                    query: ReadQuery::Activation(_),
+                } => Some(token),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_older_activation_read_does_not_answer_a_newer_activation() {
+        let mut shard = Shard::new(
+            ShardId(0),
+            WorkflowRegistry::new(),
+            DriverConfig::default(),
+            0,
+        );
+        let run = RunId::from_u64_pair(7, 7);
+        shard.slot(run);
+        shard.activate(run);
+        let first = activation_tokens(&mut shard);
+        assert_eq!(first.len(), 1);
+        // Thrown away, as after a failed commit, and activated again.
+        shard.runs.get_mut(&run).expect("in memory").phase = Phase::Idle;
+        shard.activate(run);
+        let second = activation_tokens(&mut shard);
+        assert_eq!(second.len(), 1);
+        shard.handle(
+            Timestamp(1),
+            ShardInput::Read {
+                token: first[0],
+                result: Ok(ReadResult::History(Vec::new(), None)),
+            },
+        );
+        let slot = shard
+            .runs
+            .get(&run)
+            .expect("the stale read did not forget it");
+        assert!(
+            matches!(slot.phase, Phase::Loading),
+            "still waits for the newer read"
+        );
+        shard.handle(
+            Timestamp(2),
+            ShardInput::Read {
+                token: second[0],
+                result: Ok(ReadResult::History(Vec::new(), None)),
+            },
+        );
+        assert!(
+            !shard.runs.contains_key(&run),
+            "the newer read answers (an empty history: the run is unknown)"
+        );
+    }
+}

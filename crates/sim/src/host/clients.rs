@@ -106,11 +106,7 @@ impl World<'_> {
                     },
                     memo: Vec::new(),
                     search_attributes: p.search_attributes.clone(),
-                    // Half the clients first send an `execute`: a start
-                    // answered with the run's outcome. A retry is a plain
-                    // start, so a run that waits for the client's signals
-                    // still gets them after the first try times out.
-                    await_outcome: try_no == 0 && h & 1 == 1,
+                    await_outcome: self.sends_execute(plan, try_no),
                 }
             }
             OpRef::Result => Request::Result {
@@ -185,7 +181,37 @@ impl World<'_> {
         );
     }
 
+    /// Whether this try of the plan's start is an `execute` (a start
+    /// answered with the run's outcome): the first try of half the plans,
+    /// those without a signal-with-start. A retry is a plain start, so a
+    /// run that waits for the client's signals still gets them after the
+    /// first try times out.
+    fn sends_execute(&self, plan: usize, try_no: u32) -> bool {
+        try_no == 0
+            && self.plan_hash(plan) & 1 == 1
+            && self.setup.workload.plans()[plan].start_signal.is_none()
+    }
+
     pub(super) fn client_reply(&mut self, plan: usize, op: OpRef, try_no: u32, answer: Answer) {
+        if op == OpRef::Start && self.sends_execute(plan, try_no) {
+            // An `execute` answers with the outcome or not at all; one
+            // that comes after a retry's plain start is checked too.
+            match &answer {
+                Answer::Outcome(run, outcome) if self.clients[plan].started => {
+                    self.check_outcome_durable(*run, outcome);
+                    return;
+                }
+                Answer::Outcome(..)
+                | Answer::Retry(_)
+                | Answer::Refused(Refusal::Shutdown)
+                | Answer::Refused(Refusal::Unavailable(_)) => {}
+                other => {
+                    let detail = format!("execute of plan {plan}: unexpected answer {other:?}");
+                    self.violation(ViolationKind::WrongAnswer, detail);
+                    return;
+                }
+            }
+        }
         if self.client_done(plan, op) {
             return;
         }
@@ -305,19 +331,7 @@ impl World<'_> {
                 return None;
             }
         };
-        let durable = self
-            .store
-            .reader()
-            .run_meta(run)
-            .ok()
-            .flatten()
-            .and_then(|m| m.outcome);
-        if durable.as_ref() != Some(&outcome) {
-            let detail = format!(
-                "result of run {}: answered {outcome:?}, durable {durable:?}",
-                self.name(run)
-            );
-            self.violation(ViolationKind::WrongAnswer, detail);
+        if !self.check_outcome_durable(run, &outcome) {
             return None;
         }
         if let Outcome::ContinuedAsNew(next) = outcome {
@@ -334,6 +348,27 @@ impl World<'_> {
         }
         self.clients[plan].result = Some(outcome);
         Some(true)
+    }
+
+    /// An outcome a client was told must be the run's durable one; a
+    /// violation otherwise.
+    fn check_outcome_durable(&mut self, run: RunId, outcome: &Outcome) -> bool {
+        let durable = self
+            .store
+            .reader()
+            .run_meta(run)
+            .ok()
+            .flatten()
+            .and_then(|m| m.outcome);
+        if durable.as_ref() != Some(outcome) {
+            let detail = format!(
+                "result of run {}: answered {outcome:?}, durable {durable:?}",
+                self.name(run)
+            );
+            self.violation(ViolationKind::WrongAnswer, detail);
+            return false;
+        }
+        true
     }
 
     /// An answer to the client's describe: what it reports must be durable
