@@ -39,15 +39,51 @@ pub(crate) struct Stop;
 #[rtype(result = "()")]
 pub(crate) struct Release;
 
-/// A commit's answer, sent by whichever thread has it.
-#[derive(Message)]
-#[rtype(result = "()")]
+/// A commit's answer, left in the shard's [`Answers`] by whichever thread
+/// has it.
 struct Answered {
     token: keel_core::driver::Token,
     result: Result<keel_storage::CommitAck, keel_storage::Error>,
     /// When the commit was asked for.
     asked: std::time::Instant,
 }
+
+/// Commit answers waiting for the shard: the store's answering thread adds
+/// each, and wakes the shard once per group it answers
+/// ([`keel_storage::store::after_answers`]) with a [`TakeAnswers`], rather
+/// than once per answer (each such wake-up could preempt the answering
+/// thread on a busy machine). Holds no part of the host: the store keeps
+/// the functions that fill it.
+#[derive(Default)]
+struct Answers {
+    waiting: parking_lot::Mutex<Vec<Answered>>,
+    /// Whether a [`TakeAnswers`] is sent or about to be, not yet handled.
+    called: std::sync::atomic::AtomicBool,
+}
+
+impl Answers {
+    /// Adds `answer`; calls the shard with `me` at the end of the group
+    /// being answered unless a call is already on its way.
+    fn add(&self, answer: Answered, me: Addr<ShardActor>) {
+        self.waiting.lock().push(answer);
+        if !self.called.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            keel_storage::store::after_answers(move || me.do_send(TakeAnswers));
+        }
+    }
+
+    /// Every answer waiting. The flag is cleared first: an answer added
+    /// meanwhile is either taken here or calls the shard again.
+    fn take(&self) -> Vec<Answered> {
+        self.called
+            .store(false, std::sync::atomic::Ordering::Release);
+        std::mem::take(&mut *self.waiting.lock())
+    }
+}
+
+/// Commit answers wait in the shard's [`Answers`].
+#[derive(Message)]
+#[rtype(result = "()")]
+struct TakeAnswers;
 
 /// What the shard's driver counted and holds (for `/metrics`).
 #[derive(Message)]
@@ -61,6 +97,8 @@ pub(crate) struct ShardActor {
     wake: Option<(Timestamp, SpawnHandle)>,
     /// Tells this actor of the shard from the next one in this process.
     generation: u64,
+    /// Commit answers not yet fed to the driver.
+    answers: Arc<Answers>,
 }
 
 impl ShardActor {
@@ -70,6 +108,7 @@ impl ShardActor {
             host,
             wake: None,
             generation,
+            answers: Arc::default(),
         }
     }
 
@@ -142,13 +181,16 @@ impl ShardActor {
                 // Only the actor's address goes into the store: a store
                 // that held the host (and so itself) could be dropped on
                 // its own answering thread at shutdown.
-                let me = ctx.address();
+                let (me, answers) = (ctx.address(), self.answers.clone());
                 answer.then(move |result| {
-                    me.do_send(Answered {
-                        token,
-                        result,
-                        asked,
-                    })
+                    answers.add(
+                        Answered {
+                            token,
+                            result,
+                            asked,
+                        },
+                        me,
+                    );
                 });
             }
             Action::RunAttempt { order, .. } => {
@@ -238,15 +280,28 @@ impl Handler<Feed> for ShardActor {
     }
 }
 
-impl Handler<Answered> for ShardActor {
+impl Handler<TakeAnswers> for ShardActor {
     type Result = ();
 
-    fn handle(&mut self, msg: Answered, ctx: &mut Self::Context) {
-        self.host
-            .commit_seconds
-            .observe_duration(msg.asked.elapsed());
-        let Answered { token, result, .. } = msg;
-        self.feed(ShardInput::Committed { token, result }, ctx);
+    fn handle(&mut self, _: TakeAnswers, ctx: &mut Self::Context) {
+        let answers = self.answers.take();
+        if self.driver.lost() {
+            return;
+        }
+        // All fed before any action is performed: the commits they lead to
+        // reach the writer together, for its next group.
+        let at = now();
+        for Answered {
+            token,
+            result,
+            asked,
+        } in answers
+        {
+            self.host.commit_seconds.observe_duration(asked.elapsed());
+            self.driver
+                .handle(at, ShardInput::Committed { token, result });
+        }
+        self.drain(ctx);
     }
 }
 

@@ -2384,16 +2384,18 @@ impl Group {
     /// Answers every commit: with its own result, or with the group's
     /// write error if it had none.
     fn reply(self, written: Result<()>) {
-        for (req, result) in self.requests.into_iter().zip(self.results) {
-            let result = match (&written, result) {
-                (Err(e @ (Error::Database { .. } | Error::Fenced { .. })), Ok(_)) => {
-                    Err(e.clone_shallow())
-                }
-                (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
-                (_, r) => r,
-            };
-            req.reply.send(result);
-        }
+        crate::store::answering(|| {
+            for (req, result) in self.requests.into_iter().zip(self.results) {
+                let result = match (&written, result) {
+                    (Err(e @ (Error::Database { .. } | Error::Fenced { .. })), Ok(_)) => {
+                        Err(e.clone_shallow())
+                    }
+                    (Err(e), Ok(_)) => Err(Error::CommitFailed(e.to_string())),
+                    (_, r) => r,
+                };
+                req.reply.send(result);
+            }
+        });
     }
 
     /// Answers every commit with `e`, nothing written.

@@ -1060,9 +1060,11 @@ type Answers = Vec<(Request, Result<RawAck>)>;
 /// Sends each committer its answer, decoding the intent rows here rather
 /// than on the writer (on the answer thread for all but small groups).
 fn answer(answers: Answers) {
-    for (req, result) in answers {
-        req.reply.send(result.and_then(RawAck::decode));
-    }
+    crate::store::answering(|| {
+        for (req, result) in answers {
+            req.reply.send(result.and_then(RawAck::decode));
+        }
+    });
 }
 
 /// Starts the single writer thread, which drains the queue into a group,

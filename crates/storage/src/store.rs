@@ -80,6 +80,61 @@ impl std::fmt::Debug for AnswerSlot {
     }
 }
 
+/// Wake-ups deferred to the end of the group being answered on this
+/// thread ([`answering`], [`after_answers`]).
+type Deferred = Vec<Box<dyn FnOnce()>>;
+
+thread_local! {
+    /// While this thread answers a group of commits: what the answers'
+    /// [`CommitHandle::then`] functions left to do once all are answered.
+    static DEFERRED: std::cell::RefCell<Option<Deferred>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Answers a group of commits: runs `answer_all`, which sends each
+/// [`Reply`], then what their [`CommitHandle::then`] functions deferred
+/// with [`after_answers`].
+///
+/// Why: waking a committer's thread from inside the group lets it preempt
+/// the answering thread on a busy machine, take the one answer there is,
+/// sleep, and be woken again by the next: on W1 with two cores the answer
+/// thread was preempted by a shard about once every four answers, 26,000
+/// times per 30,000 workflows (BENCHMARKS.md). Deferred, a committer with
+/// many answers in the group is woken once, after the last.
+pub fn answering(answer_all: impl FnOnce()) {
+    /// Puts back what was there before (an answer inside an answer:
+    /// a `then` function that commits in place), also on a panic.
+    struct Restore(Option<Deferred>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let outer = self.0.take();
+            let deferred = DEFERRED.with(|d| std::mem::replace(&mut *d.borrow_mut(), outer));
+            for wake in deferred.into_iter().flatten() {
+                wake();
+            }
+        }
+    }
+    let _restore = Restore(DEFERRED.with(|d| d.borrow_mut().replace(Vec::new())));
+    answer_all();
+}
+
+/// Runs `wake` once the group of commits being answered on this thread is
+/// answered ([`answering`]), or at once outside one. For a
+/// [`CommitHandle::then`] function that gathers answers and wakes their
+/// consumer once per group.
+pub fn after_answers(wake: impl FnOnce() + 'static) {
+    let wake: Box<dyn FnOnce()> = Box::new(wake);
+    let now = DEFERRED.with(|d| match d.borrow_mut().as_mut() {
+        Some(deferred) => {
+            deferred.push(wake);
+            None
+        }
+        None => Some(wake),
+    });
+    if let Some(wake) = now {
+        wake();
+    }
+}
+
 /// The store's end of a [`CommitHandle`]: answers it once. Dropped without
 /// an answer (a writer that stopped), it answers [`Error::Closed`].
 #[derive(Debug)]
@@ -898,6 +953,66 @@ mod tests {
             answerer.join().unwrap();
         }
         assert_eq!(got.load(Ordering::SeqCst), 2_000);
+    }
+
+    /// Goal: a `then` function's deferred wake-up runs once the whole group
+    /// is answered, not between its answers, and at once outside a group;
+    /// a group answered inside another keeps the outer group's wake-ups
+    /// for the outer group's end. Method: three handles whose functions log
+    /// their answer and defer a logged wake-up, answered inside
+    /// `answering`, and the same without it.
+    #[test]
+    fn wake_ups_deferred_by_answers_run_after_the_group() {
+        let log = Arc::new(Mutex::new(Vec::<String>::new()));
+        let handles = |n: usize| {
+            (0..n)
+                .map(|i| {
+                    let (reply, handle) = CommitHandle::channel();
+                    let log = log.clone();
+                    handle.then(move |_| {
+                        log.lock().push(format!("answer {i}"));
+                        let log = log.clone();
+                        after_answers(move || log.lock().push(format!("wake {i}")));
+                    });
+                    reply
+                })
+                .collect::<Vec<_>>()
+        };
+        let replies = handles(3);
+        answering(|| {
+            for reply in replies {
+                reply.send(ack());
+            }
+        });
+        let group = [
+            "answer 0", "answer 1", "answer 2", "wake 0", "wake 1", "wake 2",
+        ];
+        assert_eq!(*log.lock(), group);
+
+        log.lock().clear();
+        for reply in handles(2) {
+            reply.send(ack());
+        }
+        assert_eq!(*log.lock(), ["answer 0", "wake 0", "answer 1", "wake 1"]);
+
+        log.lock().clear();
+        let (outer, inner) = (handles(1), handles(1));
+        answering(|| {
+            for reply in outer {
+                reply.send(ack());
+            }
+            answering(|| {
+                for reply in inner {
+                    reply.send(ack());
+                }
+            });
+            log.lock().push("inner done".into());
+        });
+        assert_eq!(
+            *log.lock(),
+            ["answer 0", "answer 0", "wake 0", "inner done", "wake 0"],
+            "the inner group wakes at its own end, the outer at the outer's"
+        );
     }
 
     #[test]
