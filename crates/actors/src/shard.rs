@@ -4,8 +4,8 @@
 //! performed as it says, off this thread whenever it may block (store reads
 //! on the blocking pool, activity code on the activity runtime, except
 //! the first poll of a `NON_BLOCKING` activity's attempt; a commit is
-//! queued to the store's writer and its answer sent to this actor as a
-//! message).
+//! queued to the store's writer, and its answer left for this actor, which
+//! is called once to take every answer of a group the store answered).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,9 +167,9 @@ impl ShardActor {
             } => {
                 let asked = std::time::Instant::now();
                 // Written on this thread when the store's writer is idle.
-                // Either way the answer comes back as a message behind the
-                // ones already waiting, so the driver still counts the
-                // commit in flight until those are fed (see
+                // Either way the answer is fed from a later message
+                // (`TakeAnswers`), never within this turn, so the driver
+                // still counts the commit in flight until then (see
                 // `Shard::poll_action`). A message, not a spawned future:
                 // actix polls every future an actor spawned each time it
                 // wakes, and a shard has dozens of commits in flight.

@@ -102,35 +102,49 @@ thread_local! {
 /// many answers in the group is woken once, after the last.
 pub fn answering(answer_all: impl FnOnce()) {
     /// Puts back what was there before (an answer inside an answer:
-    /// a `then` function that commits in place), also on a panic.
+    /// a `then` function that commits in place), also on a panic, and
+    /// runs what was deferred.
     struct Restore(Option<Deferred>);
     impl Drop for Restore {
         fn drop(&mut self) {
             let outer = self.0.take();
-            let deferred = DEFERRED.with(|d| std::mem::replace(&mut *d.borrow_mut(), outer));
+            let deferred = DEFERRED
+                .try_with(|d| std::mem::replace(&mut *d.borrow_mut(), outer))
+                .ok()
+                .flatten();
+            // Every wake-up runs even if one panics (a consumer left
+            // unwoken would wait for good); the first panic goes on after.
+            let mut panicked = None;
             for wake in deferred.into_iter().flatten() {
-                wake();
+                if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(wake)) {
+                    panicked.get_or_insert(p);
+                }
+            }
+            if let Some(p) = panicked.filter(|_| !std::thread::panicking()) {
+                std::panic::resume_unwind(p);
             }
         }
     }
-    let _restore = Restore(DEFERRED.with(|d| d.borrow_mut().replace(Vec::new())));
+    let outer = DEFERRED
+        .try_with(|d| d.borrow_mut().replace(Vec::new()))
+        .ok()
+        .flatten();
+    let _restore = Restore(outer);
     answer_all();
 }
 
 /// Runs `wake` once the group of commits being answered on this thread is
-/// answered ([`answering`]), or at once outside one. For a
-/// [`CommitHandle::then`] function that gathers answers and wakes their
-/// consumer once per group.
+/// answered ([`answering`]), or at once outside one (or while the thread
+/// ends). For a [`CommitHandle::then`] function that gathers answers and
+/// wakes their consumer once per group; `wake` should not panic.
 pub fn after_answers(wake: impl FnOnce() + 'static) {
-    let wake: Box<dyn FnOnce()> = Box::new(wake);
-    let now = DEFERRED.with(|d| match d.borrow_mut().as_mut() {
-        Some(deferred) => {
-            deferred.push(wake);
-            None
+    let mut wake: Option<Box<dyn FnOnce()>> = Some(Box::new(wake));
+    let _ = DEFERRED.try_with(|d| {
+        if let Some(deferred) = d.borrow_mut().as_mut() {
+            deferred.extend(wake.take());
         }
-        None => Some(wake),
     });
-    if let Some(wake) = now {
+    if let Some(wake) = wake {
         wake();
     }
 }
@@ -1013,6 +1027,31 @@ mod tests {
             ["answer 0", "answer 0", "wake 0", "inner done", "wake 0"],
             "the inner group wakes at its own end, the outer at the outer's"
         );
+    }
+
+    /// Goal: a deferred wake-up that panics neither keeps the others of
+    /// its group from running nor is swallowed, and leaves the thread
+    /// outside any group. Method: two wake-ups deferred in one group, the
+    /// first panicking; then one deferred outside a group.
+    #[test]
+    fn a_panicking_wake_up_runs_the_others_and_panics_after() {
+        let ran = Arc::new(AtomicUsize::new(0));
+        let counted = ran.clone();
+        let result = std::panic::catch_unwind(move || {
+            answering(|| {
+                after_answers(|| panic!("a wake-up panics"));
+                after_answers(move || {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                });
+            })
+        });
+        assert!(result.is_err(), "the panic goes on after the group");
+        assert_eq!(ran.load(Ordering::SeqCst), 1, "the other wake-up ran");
+        let counted = ran.clone();
+        after_answers(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(ran.load(Ordering::SeqCst), 2, "outside a group: at once");
     }
 
     #[test]

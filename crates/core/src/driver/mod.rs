@@ -1565,9 +1565,9 @@ impl Shard {
         if let Action::Commit { alone, .. } = &mut action {
             // The commit itself is among `commits` already, and stays there
             // until its answer is fed, even one written on the host's
-            // thread (the actix host feeds it behind the messages already
-            // in its mailbox), so the commits made meanwhile are not alone
-            // and share the writer's next group.
+            // thread (the actix host feeds it from a later message, never
+            // within the turn that asked for it), so the commits made
+            // meanwhile are not alone and share the writer's next group.
             *alone = self.actions.is_empty()
                 && self.commits.len() <= 1
                 && self.reads.is_empty()
