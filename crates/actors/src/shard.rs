@@ -113,17 +113,32 @@ impl ShardActor {
     }
 
     fn feed(&mut self, input: ShardInput, ctx: &mut Context<Self>) {
-        if self.driver.lost() {
-            // Stopping: a client waiting here asks again, and finds the
-            // shard's next owner; the rest is sent again by its sender.
-            if let ShardInput::Request { id, .. } = input {
-                let why = format!("{} moved to another engine process", self.driver.id());
-                self.host.client.answer(id, Answer::Retry(why));
+        self.feed_all(std::iter::once(input), ctx);
+    }
+
+    /// Feeds every input before performing any action, so the commits they
+    /// lead to reach the writer together.
+    fn feed_all(&mut self, inputs: impl IntoIterator<Item = ShardInput>, ctx: &mut Context<Self>) {
+        let at = now();
+        let mut handled = false;
+        for input in inputs {
+            if self.driver.lost() {
+                // Stopping: a client waiting here asks again, and finds the
+                // shard's next owner; the rest is sent again by its sender.
+                if let ShardInput::Request { id, .. } = input {
+                    let why = format!("{} moved to another engine process", self.driver.id());
+                    self.host.client.answer(id, Answer::Retry(why));
+                }
+                continue;
             }
-            return;
+            self.driver.handle(at, input);
+            handled = true;
         }
-        self.driver.handle(now(), input);
-        self.drain(ctx);
+        // Also when an input lost the shard: what the loss asks for is
+        // performed here.
+        if handled {
+            self.drain(ctx);
+        }
     }
 
     /// Performs every action the driver asks for, then queues its next
@@ -284,24 +299,20 @@ impl Handler<TakeAnswers> for ShardActor {
     type Result = ();
 
     fn handle(&mut self, _: TakeAnswers, ctx: &mut Self::Context) {
-        let answers = self.answers.take();
-        if self.driver.lost() {
-            return;
-        }
-        // All fed before any action is performed: the commits they lead to
-        // reach the writer together, for its next group.
-        let at = now();
-        for Answered {
-            token,
-            result,
-            asked,
-        } in answers
-        {
-            self.host.commit_seconds.observe_duration(asked.elapsed());
-            self.driver
-                .handle(at, ShardInput::Committed { token, result });
-        }
-        self.drain(ctx);
+        let commit_seconds = &self.host.commit_seconds;
+        let answers: Vec<ShardInput> = self
+            .answers
+            .take()
+            .into_iter()
+            .map(|a| {
+                commit_seconds.observe_duration(a.asked.elapsed());
+                ShardInput::Committed {
+                    token: a.token,
+                    result: a.result,
+                }
+            })
+            .collect();
+        self.feed_all(answers, ctx);
     }
 }
 
