@@ -7,13 +7,13 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use futures::channel::oneshot;
 use keel_core::driver::{
     list_answer, Answer, ReadQuery, Refusal, Request, RequestId, Resumed, ReusePolicy,
-    RunDescription, ShardId, ShardInput, StartSignal,
+    RunDescription, ShardId, StartSignal,
 };
 use keel_core::Workflow;
 use keel_storage::search;
@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use crate::readers::ReadQueue;
 use crate::routes::{Routes, Wire};
-use crate::shard::Feed;
+use crate::shard::Ask;
 
 /// Times a call is sent again when the engine answered "try again" (a
 /// commit failed) before the call fails with [`EngineError::Unavailable`].
@@ -325,6 +325,40 @@ enum Waiter {
     },
 }
 
+/// A client's request on its way into a local shard's mailbox.
+///
+/// The client does not wait for the shard to take the request, only for
+/// its answer: waiting for both woke the client's thread twice per
+/// request, once from the middle of the shard's turn. What that wait
+/// also caught, a mailbox dropping the request unhandled because its
+/// shard stopped, this catches as it is dropped: the caller is told to
+/// ask again, and finds the shard's next owner.
+pub(crate) struct Asked {
+    id: RequestId,
+    /// Taken by the shard that handles it.
+    request: Option<Request>,
+    shard: ShardId,
+    client: Weak<ClientCore>,
+}
+
+impl Asked {
+    /// The request, for the shard that handles it.
+    pub(crate) fn take(mut self) -> (RequestId, Request) {
+        let request = self.request.take().expect("an asked request is taken once");
+        (self.id, request)
+    }
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        if self.request.take().is_some() {
+            if let Some(client) = self.client.upgrade() {
+                client.answer(self.id, Answer::Retry(format!("{} moved", self.shard)));
+            }
+        }
+    }
+}
+
 /// What clients share: the routes to the shards and the calls waiting for
 /// their answer.
 pub(crate) struct ClientCore {
@@ -596,13 +630,13 @@ impl ClientCore {
 
     /// Sends `request` to its shard and waits for the answer, following
     /// the run and retrying as the driver says, in a `request` span.
-    async fn call(&self, request: Request) -> Result<Answer, EngineError> {
+    async fn call(self: &Arc<Self>, request: Request) -> Result<Answer, EngineError> {
         use tracing::Instrument as _;
         let span = tracing::info_span!("request", kind = request.kind());
         self.call_following(request).instrument(span).await
     }
 
-    async fn call_following(&self, request: Request) -> Result<Answer, EngineError> {
+    async fn call_following(self: &Arc<Self>, request: Request) -> Result<Answer, EngineError> {
         let mut tries = 0;
         let mut follows = 0;
         loop {
@@ -640,7 +674,7 @@ impl ClientCore {
         }
     }
 
-    async fn call_once(&self, request: Request) -> Result<Answer, EngineError> {
+    async fn call_once(self: &Arc<Self>, request: Request) -> Result<Answer, EngineError> {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(self.stopped());
         }
@@ -664,11 +698,26 @@ impl ClientCore {
                         at: Some((at, local.generation)),
                     },
                 );
-                if addr
-                    .send(Feed(ShardInput::Request { id, request }))
-                    .await
-                    .is_err()
-                {
+                let ask = Ask(Asked {
+                    id,
+                    request: Some(request),
+                    shard,
+                    client: Arc::downgrade(self),
+                });
+                let sent = match addr.try_send(ask) {
+                    Ok(()) => Ok(()),
+                    // A full mailbox holds the call back until the shard
+                    // has taken it (that send waits for the handling too).
+                    Err(actix::prelude::SendError::Full(ask)) => {
+                        addr.send(ask).await.map_err(|_| ())
+                    }
+                    Err(actix::prelude::SendError::Closed(ask)) => {
+                        // Answered below, not by the dropped request.
+                        let _ = ask.0.take();
+                        Err(())
+                    }
+                };
+                if sent.is_err() {
                     self.pending.lock().remove(&id);
                     if self.shutting_down.load(Ordering::Acquire) {
                         return Err(self.stopped());
@@ -1291,6 +1340,60 @@ mod tests {
     }
 
     #[test]
+    fn a_request_dropped_before_its_shard_took_it_is_asked_again() {
+        // Goal: a client no longer waits for a shard to take its request,
+        // so a request its mailbox drops unhandled (the shard stopped)
+        // must still end its caller's wait, with "ask again"; a request
+        // the shard took is answered by the shard alone.
+        // Method: two waiters on one client core; the request of one is
+        // dropped untaken, the other's is taken. The first waiter must
+        // hear a retry naming the shard, the second nothing yet.
+        let store: Arc<dyn Store> = Arc::new(MemStore::new(Durability::Sync));
+        let overflow = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (reads, readers) = crate::readers::Readers::start(overflow.handle().clone()).unwrap();
+        let routes = Arc::new(Routes::new(4, None));
+        let core = Arc::new(ClientCore::new(1, routes, store, reads));
+        let shard = ShardId(2);
+        let ask = |id: u64| {
+            let (tx, rx) = oneshot::channel();
+            let waiter = Waiter::Local {
+                tx,
+                relayed_at: None,
+                at: Some((shard, 1)),
+            };
+            core.pending.lock().insert(RequestId(id), waiter);
+            let asked = Asked {
+                id: RequestId(id),
+                request: Some(Request::Describe {
+                    target: format!("instance-{id}"),
+                }),
+                shard,
+                client: Arc::downgrade(&core),
+            };
+            (asked, rx)
+        };
+        let (dropped, mut dropped_rx) = ask(1);
+        let (taken, mut taken_rx) = ask(2);
+        drop(dropped);
+        let (id, request) = taken.take();
+        assert_eq!(id, RequestId(2));
+        assert!(matches!(request, Request::Describe { target } if target == "instance-2"));
+        match dropped_rx.try_recv() {
+            Ok(Some(Answer::Retry(why))) => assert!(why.contains(&shard.to_string()), "{why}"),
+            other => panic!("a dropped request's caller heard {other:?}"),
+        }
+        assert!(
+            matches!(taken_rx.try_recv(), Ok(None)),
+            "a taken request was answered"
+        );
+        assert!(core.pending.lock().contains_key(&RequestId(2)));
+        core.shut_down();
+        readers.join();
+    }
+
+    #[test]
     fn a_process_without_shards_lists_the_shared_index() {
         let store: Arc<dyn Store> = Arc::new(MemStore::shared_by_processes(Durability::Sync));
         let routes = Arc::new(Routes::new(4, None));
@@ -1298,7 +1401,7 @@ mod tests {
             .build()
             .unwrap();
         let (reads, readers) = crate::readers::Readers::start(overflow.handle().clone()).unwrap();
-        let core = ClientCore::new(1, routes, store.clone(), reads);
+        let core = Arc::new(ClientCore::new(1, routes, store.clone(), reads));
         let request = Request::List {
             filter: RunFilter::default(),
             page_size: 10,

@@ -14,6 +14,7 @@ use actix::prelude::*;
 use keel_core::driver::{Action, Answer, Shard, ShardInput};
 use keel_storage::Timestamp;
 
+use crate::client::Asked;
 use crate::engine::{now, Host};
 
 /// Most messages waiting in one shard actor's mailbox before a sender
@@ -28,6 +29,11 @@ pub const STORE_HEALTH_POLL_MS: u64 = 100;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Feed(pub(crate) ShardInput);
+
+/// A client's request (see [`Asked`]).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Ask(pub(crate) Asked);
 
 /// The engine stops: the driver answers every waiting client.
 #[derive(Message)]
@@ -292,6 +298,15 @@ impl Handler<Feed> for ShardActor {
 
     fn handle(&mut self, msg: Feed, ctx: &mut Self::Context) {
         self.feed(msg.0, ctx);
+    }
+}
+
+impl Handler<Ask> for ShardActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Ask, ctx: &mut Self::Context) {
+        let (id, request) = msg.0.take();
+        self.feed(ShardInput::Request { id, request }, ctx);
     }
 }
 
