@@ -10,7 +10,8 @@
 //! only writer of its data (RocksDB's exclusive open, PostgreSQL's fenced
 //! write lease), so what it wrote is exactly what the store would return:
 //!
-//! - `records`: the `runs` and `instances` records as last written.
+//! - `records`: the `runs` and `instances` records as last written; a
+//!   run's record leaves with the commit that closes the run.
 //! - `born`: for runs this writer created, every row they own in
 //!   [`OWNED_CFS`] (all of them were written by this writer, after the
 //!   run's first event), with its value. A read of such a row, present or
@@ -228,11 +229,29 @@ impl WriterCache {
                 self.born_bytes += WRITER_CACHE_ENTRY_OVERHEAD_BYTES;
             }
         }
+        // A run that closed in this group leaves the cache whole: its rows
+        // (dropped below) and its record, which holds its result and is
+        // rarely read by the writer again. Not learning them first keeps
+        // the records to the open runs', instead of clearing them all
+        // each time closed runs' records fill the bound.
+        let mut closed = learned.closed;
+        closed.sort_unstable();
+        let closes = |run: &[u8]| closed.binary_search_by(|c| c.as_slice().cmp(run)).is_ok();
         for ((cf, key), value) in learned.writes {
             let fits = value
                 .as_ref()
                 .is_none_or(|v| v.len() <= WRITER_CACHE_VALUE_BYTES_MAX);
+            if cf == Cf::Runs && closes(&key) {
+                let cost = entry_bytes(&key, &[]);
+                if let Some(old) = self.records.remove(&(cf, key)) {
+                    self.records_bytes -= cost + old.len();
+                }
+                continue;
+            }
             if let Some(run) = owner(cf, &key) {
+                if closes(&run) {
+                    continue;
+                }
                 if !fits {
                     // Too large to keep: the run's rows are no longer all
                     // known here.
@@ -277,8 +296,8 @@ impl WriterCache {
                 }
             }
         }
-        for run in learned.closed {
-            self.drop_run(&run);
+        for run in &closed {
+            self.drop_run(run);
         }
     }
 
@@ -575,7 +594,7 @@ mod tests {
     type Op = (u8, u8, u8, Option<u16>);
 
     fn ops() -> impl Strategy<Value = Vec<Vec<Op>>> {
-        let op = (0u8..3, 0u8..8, 0u8..4, prop::option::of(0u16..1200));
+        let op = (0u8..3, 0u8..9, 0u8..4, prop::option::of(0u16..1200));
         prop::collection::vec(prop::collection::vec(op, 1..8), 1..30)
     }
 
@@ -587,7 +606,14 @@ mod tests {
             let mut born = [false; 3];
             for (g, group) in groups.into_iter().enumerate() {
                 let mut writes = Writes::new();
+                let mut closed = Vec::new();
                 for (r, kind, n, value) in group {
+                    if kind == 8 {
+                        // The run closes in this group (its rows and
+                        // record leave the cache).
+                        closed.push(*run(r).as_bytes());
+                        continue;
+                    }
                     if kind == 7 {
                         // The run's birth: its first event, written once.
                         if born[r as usize] {
@@ -604,7 +630,8 @@ mod tests {
                     let value = value.map(|len| vec![n; usize::from(len)]);
                     writes.insert((cf, k), value);
                 }
-                let learned = Learned::of(&writes, []);
+                let mut learned = Learned::of(&writes, []);
+                learned.closed = closed;
                 base.apply(&mutations_of(writes));
                 if g == fail_at {
                     // A failed write: the cache forgets (here the write
