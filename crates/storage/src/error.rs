@@ -52,6 +52,18 @@ pub enum Error {
         /// RocksDB's description (names the file).
         detail: String,
     },
+    /// A point read found a table block of `cf` damaged (RocksDB's block
+    /// checksum failed): what the block holds cannot be read, and nothing
+    /// is answered from it as if it were absent. A damaged event is its
+    /// record's own [`Error::Corrupt`]; scans of the other families reach
+    /// the records' own checksums the same way.
+    #[error("a table block of the `{cf}` family is damaged and cannot be read ({detail}). Keep a copy of the directory; `keel verify` reports what is damaged, and a checkpoint or backup restores it")]
+    DamagedTable {
+        /// The column family read.
+        cf: &'static str,
+        /// RocksDB's description (names the table file and offset).
+        detail: String,
+    },
     /// The log recovered to an earlier point than commits were acknowledged
     /// (see [`crate::acked`]): acknowledged commits are gone.
     #[error("{path} lost acknowledged commits: its log ends at sequence {found}, but commits up to sequence {acknowledged} were acknowledged (the log's tail was cut, or the directory was restored from an older copy). Keep a copy of the directory; `keel recover --data {} --accept-loss` opens it anyway and reports what it can of the loss", path.display())]

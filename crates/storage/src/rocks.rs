@@ -285,6 +285,19 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
     }
 }
 
+/// A read's error: a damaged table block as [`Error::DamagedTable`],
+/// anything else as RocksDB said it.
+fn read_error(cf: Cf, e: rocksdb::Error) -> Error {
+    if e.kind() == rocksdb::ErrorKind::Corruption {
+        Error::DamagedTable {
+            cf: cf.name(),
+            detail: e.into_string(),
+        }
+    } else {
+        e.into()
+    }
+}
+
 /// Whether a read-only or secondary open failed for a reason a live writer
 /// causes for a moment and a fresh open does not meet again: a flush that
 /// hid the newest commits from the open's view, or a write-ahead log the
@@ -908,9 +921,14 @@ impl KvRead for DbView<'_> {
             // block checksum.
             let mut ro = ReadOptions::default();
             ro.set_verify_checksums(false);
-            return Ok(self.0.get_cf_opt(&h, key, &ro)?);
+            return self
+                .0
+                .get_cf_opt(&h, key, &ro)
+                .map_err(|e| read_error(cf, e));
         }
-        Ok(self.0.get_cf(&h, key)?)
+        // The block's checksum stays checked here: a damaged key must not
+        // read as absent (a durable id's row, a run's record).
+        self.0.get_cf(&h, key).map_err(|e| read_error(cf, e))
     }
 
     fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
@@ -918,7 +936,10 @@ impl KvRead for DbView<'_> {
         self.0
             .batched_multi_get_cf(&h, keys, false)
             .into_iter()
-            .map(|v| Ok(v?.map(|slice| slice.to_vec())))
+            .map(|v| {
+                v.map(|found| found.map(|slice| slice.to_vec()))
+                    .map_err(|e| read_error(cf, e))
+            })
             .collect()
     }
 

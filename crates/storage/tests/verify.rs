@@ -201,6 +201,49 @@ fn a_point_read_beside_a_damaged_event_still_reads() {
     );
 }
 
+/// Goal: a point read of a derived record whose table block is damaged
+/// fails with a typed error naming the family, never reads as absent (a
+/// damaged durable id's row read as absent would let a duplicate in).
+/// Method: flush a populated store, copy it, flip one byte inside the
+/// `runs` family's table file, and read run b's record from the copy by
+/// key, alone and in a batch.
+#[test]
+fn a_point_read_of_a_damaged_runs_block_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, copy, _, _) = copy_with_a_flipped_marker(dir.path());
+    let table = {
+        let db = raw_db(&copy);
+        let files = db.live_files().unwrap();
+        let runs: Vec<_> = files
+            .iter()
+            .filter(|f| f.column_family_name == Cf::Runs.name())
+            .collect();
+        assert_eq!(runs.len(), 1, "one table for the runs family: {files:?}");
+        copy.join(runs[0].name.trim_start_matches('/'))
+    };
+    let mut bytes = std::fs::read(&table).unwrap();
+    // Inside the first data block (a table of two records has one).
+    bytes[8] ^= 0x01;
+    std::fs::write(&table, bytes).unwrap();
+    let damaged = RocksStore::open_read_only(&copy).unwrap();
+    let view = damaged.view();
+    let key = keys::run_key(b_run());
+    match view.get(Cf::Runs, &key) {
+        Err(keel_storage::Error::DamagedTable { cf, detail }) => {
+            assert_eq!(cf, "runs");
+            assert!(detail.contains(".sst"), "{detail}");
+        }
+        other => panic!("a damaged block read as {other:?}"),
+    }
+    assert!(
+        matches!(
+            view.get_many(Cf::Runs, &[key]),
+            Err(keel_storage::Error::DamagedTable { cf: "runs", .. })
+        ),
+        "a batched read of a damaged block"
+    );
+}
+
 /// Runs `damage` on the store's bytes: MemStore through `with_live_mut`,
 /// RocksDB through raw writes to the closed directory. Returns the report.
 fn damaged_report(
