@@ -325,6 +325,12 @@ enum Waiter {
     },
 }
 
+/// What a caller hears when the shard its request went to stopped here:
+/// ask again, and find the shard's next owner.
+fn moved(shard: ShardId) -> Answer {
+    Answer::Retry(format!("{shard} moved"))
+}
+
 /// A client's request on its way into a local shard's mailbox.
 ///
 /// The client does not wait for the shard to take the request, only for
@@ -353,7 +359,7 @@ impl Drop for Asked {
     fn drop(&mut self) {
         if self.request.take().is_some() {
             if let Some(client) = self.client.upgrade() {
-                client.answer(self.id, Answer::Retry(format!("{} moved", self.shard)));
+                client.answer(self.id, moved(self.shard));
             }
         }
     }
@@ -514,7 +520,7 @@ impl ClientCore {
             })
             .collect();
         for id in waiting {
-            self.answer(id, Answer::Retry(format!("{shard} moved")));
+            self.answer(id, moved(shard));
         }
     }
 
@@ -705,25 +711,21 @@ impl ClientCore {
                     client: Arc::downgrade(self),
                 });
                 let sent = match addr.try_send(ask) {
-                    Ok(()) => Ok(()),
+                    Ok(()) => true,
                     // A full mailbox holds the call back until the shard
                     // has taken it (that send waits for the handling too).
-                    Err(actix::prelude::SendError::Full(ask)) => {
-                        addr.send(ask).await.map_err(|_| ())
-                    }
-                    Err(actix::prelude::SendError::Closed(ask)) => {
-                        // Answered below, not by the dropped request.
-                        let _ = ask.0.take();
-                        Err(())
-                    }
+                    Err(actix::prelude::SendError::Full(ask)) => addr.send(ask).await.is_ok(),
+                    // Dropped here, the request answers a waiter removed
+                    // below: the answer is this call's own.
+                    Err(actix::prelude::SendError::Closed(_)) => false,
                 };
-                if sent.is_err() {
+                if !sent {
                     self.pending.lock().remove(&id);
                     if self.shutting_down.load(Ordering::Acquire) {
                         return Err(self.stopped());
                     }
                     // The shard stopped here (it moved to another process).
-                    return Ok(Answer::Retry(format!("{shard} moved")));
+                    return Ok(moved(shard));
                 }
             }
             (None, Some(link)) if !matches!(request, Request::List { .. }) => {

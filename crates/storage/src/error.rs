@@ -52,11 +52,11 @@ pub enum Error {
         /// RocksDB's description (names the file).
         detail: String,
     },
-    /// A point read found a table block of `cf` damaged (RocksDB's block
-    /// checksum failed): what the block holds cannot be read, and nothing
-    /// is answered from it as if it were absent. A damaged event is its
-    /// record's own [`Error::Corrupt`]; scans of the other families reach
-    /// the records' own checksums the same way.
+    /// A read found a table block of `cf` damaged where RocksDB checks it
+    /// (a point read's block checksum, any read's index and footer): what
+    /// the block holds cannot be read, and nothing is answered from it as
+    /// if it were absent. A damaged record that scans and event reads reach
+    /// is that record's own [`Error::Corrupt`].
     #[error("a table block of the `{cf}` family is damaged and cannot be read ({detail}). Keep a copy of the directory; `keel verify` reports what is damaged, and a checkpoint or backup restores it")]
     DamagedTable {
         /// The column family read.

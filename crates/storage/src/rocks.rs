@@ -820,7 +820,7 @@ impl DbView<'_> {
             it.next();
         }
         // The iterator stops on an error as on the end: tell them apart.
-        it.status()?;
+        it.status().map_err(|e| read_error(cf, e))?;
         Ok(())
     }
 
