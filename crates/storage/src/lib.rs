@@ -77,12 +77,16 @@ pub use verify::{VerifyReport, Violation};
 /// written positionally, which a build of version 4 cannot read. Version
 /// 6: an activity's result that closes its execution records the
 /// execution's durable id alone, not its attempt's as well (a row less per
-/// activity), which a build of version 5 would report missing.
-pub const SCHEMA_VERSION: u32 = 6;
+/// activity), which a build of version 5 would report missing. Version 7:
+/// the index keeps no keys by type alone nor of every run (both are read
+/// across the status indexes), which a build of version 6 would report
+/// missing and could not list by.
+pub const SCHEMA_VERSION: u32 = 7;
 
 /// The oldest schema whose records this build reads as they are: migrating
 /// from it, or from a newer one, rewrites no record; it deletes the rows
-/// that [`SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`] stopped writing (see
+/// that [`SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`] and
+/// [`SCHEMA_VERSION_INDEX_NARROWED`] stopped writing (see
 /// `rocks::migrate` and the PostgreSQL store's `create_or_check`); an older
 /// one has its derived state rebuilt from its events.
 pub const SCHEMA_VERSION_READ_AS_IS: u32 = 4;
@@ -90,6 +94,11 @@ pub const SCHEMA_VERSION_READ_AS_IS: u32 = 4;
 /// The schema from which an attempt's dedupe row is not written beside its
 /// execution's: a migration from an older one deletes such rows.
 pub const SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED: u32 = 6;
+
+/// The schema from which the index keeps no keys by type alone nor of
+/// every run ([`search::DROPPED_INDEX_PREFIXES`]): a migration from an
+/// older one deletes them.
+pub const SCHEMA_VERSION_INDEX_NARROWED: u32 = 7;
 
 /// Largest payload (input, result, signal, side effect value) in bytes.
 pub const PAYLOAD_BYTES_MAX: usize = 1 << 20;

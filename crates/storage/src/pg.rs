@@ -1190,8 +1190,9 @@ fn create_or_check(shared: &Shared, conn: &Conn) -> Result<()> {
             let now_ms = wall_clock_ms();
             refuse_if_live(shared, conn, found, now_ms)?;
             // The version row changes and, from before schema 6, rows of
-            // `kv_dedupe` are deleted: no CREATE or ownership needed, but
-            // DELETE on that table.
+            // `kv_dedupe` are deleted, from before schema 7 rows of
+            // `kv_index`: no CREATE or ownership needed, but DELETE on
+            // those tables.
             let script = format!(
                 "begin;\nselect pg_advisory_xact_lock(hashtext('keel-create:{s}')::int8);\n\
                  {live}{dropped}\
@@ -1317,20 +1318,34 @@ fn read_as_is(found: u32) -> bool {
 /// same bytes) are deleted, as `derive::attempt_rows_beside_executions`
 /// finds them in a data directory. Key layout (`keys::dedupe_key`): the
 /// run's 16 bytes, `a`, the step and the attempt (4 bytes each) for an
-/// attempt; the run, `x` and the step for an execution.
+/// attempt; the run, `x` and the step for an execution. Before
+/// [`crate::SCHEMA_VERSION_INDEX_NARROWED`], the index keys by type alone
+/// and of every run (those starting with
+/// [`crate::search::DROPPED_INDEX_PREFIXES`]) are deleted, a key range each.
 fn migration_deletes(schema: &str, found: u32) -> String {
-    if found >= crate::SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED {
-        return String::new();
+    let mut sql = String::new();
+    if found < crate::SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED {
+        let dedupe = table(schema, Cf::Dedupe);
+        sql.push_str(&format!(
+            "delete from {dedupe} a using {dedupe} x \
+             where length(a.k) = 25 and get_byte(a.k, 16) = {attempt} \
+             and x.k = substr(a.k, 1, 16) || '\\x{execution:02x}'::bytea || substr(a.k, 18, 4) \
+             and x.v = a.v;\n",
+            attempt = b'a',
+            execution = b'x',
+        ));
     }
-    let dedupe = table(schema, Cf::Dedupe);
-    format!(
-        "delete from {dedupe} a using {dedupe} x \
-         where length(a.k) = 25 and get_byte(a.k, 16) = {attempt} \
-         and x.k = substr(a.k, 1, 16) || '\\x{execution:02x}'::bytea || substr(a.k, 18, 4) \
-         and x.v = a.v;\n",
-        attempt = b'a',
-        execution = b'x',
-    )
+    if found < crate::SCHEMA_VERSION_INDEX_NARROWED {
+        let index = table(schema, Cf::Index);
+        for first in crate::search::DROPPED_INDEX_PREFIXES {
+            sql.push_str(&format!(
+                "delete from {index} where k >= '\\x{first:02x}'::bytea \
+                 and k < '\\x{end:02x}'::bytea;\n",
+                end = first + 1,
+            ));
+        }
+    }
+    sql
 }
 
 /// Refuses to migrate a database of schema `found` while engine processes

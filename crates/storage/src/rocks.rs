@@ -736,8 +736,12 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
 /// `verify` compares a record by its value, not its bytes). Schema 5 to 6:
 /// an attempt's result that closes its execution no longer writes the
 /// attempt's dedupe row beside the execution's, so those rows are deleted
-/// (in the same synced batch as the version). Only a read-write open
-/// migrates; inspection of an older directory asks for one.
+/// (in the same synced batch as the version). Schema 6 to 7: the index
+/// keeps no keys by type alone nor of every run, so the ranges of keys
+/// starting with [`crate::search::DROPPED_INDEX_PREFIXES`] are deleted,
+/// by one range deletion each in that batch (nothing is read, however
+/// many runs the directory holds). Only a read-write open migrates;
+/// inspection of an older directory asks for one.
 fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     let from = meta.schema_version;
     let mut mutations = Vec::new();
@@ -773,9 +777,16 @@ fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
         source,
     })?;
     mutations.push(Mutation::Put(Cf::Meta, STORE_META_KEY.to_vec(), bytes));
+    let mut batch = batch_of(db, mutations)?;
+    if from < crate::SCHEMA_VERSION_INDEX_NARROWED {
+        let index = db.cf_handle(Cf::Index.name()).ok_or(Error::Closed)?;
+        for first in crate::search::DROPPED_INDEX_PREFIXES {
+            batch.delete_range_cf(&index, [first], [first + 1]);
+        }
+    }
     let mut wo = WriteOptions::default();
     wo.set_sync(true);
-    write_mutations(db, mutations, &wo)?;
+    write_opt(db, batch, &wo)?;
     tracing::info!(path = %path.display(), rebuilt_runs = ?runs, from, to = SCHEMA_VERSION,
         "migrated the data directory to the current schema");
     Ok(())
@@ -1559,6 +1570,11 @@ const WRITE_BATCH_RECORD_HEADER_BYTES_MAX: usize = 16;
 /// Writes `mutations` in their order as one batch (a delete and then a
 /// put of the same key leave the put).
 fn write_mutations(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Result<()> {
+    write_opt(db, batch_of(db, mutations)?, wo)
+}
+
+/// `mutations` in their order, as one batch.
+fn batch_of(db: &DB, mutations: Vec<Mutation>) -> Result<WriteBatch> {
     let handles = handles(db);
     let handle = |cf: Cf| handles[cf.index()].ok_or(Error::Closed);
     let mut batch = WriteBatch::default();
@@ -1568,7 +1584,7 @@ fn write_mutations(db: &DB, mutations: Vec<Mutation>, wo: &WriteOptions) -> Resu
             Mutation::Delete(cf, k) => batch.delete_cf(handle(cf)?, k),
         }
     }
-    write_opt(db, batch, wo)
+    Ok(batch)
 }
 
 /// Each family's handle, looked up once per batch (a search of the open's

@@ -13,12 +13,16 @@
 //! ```text
 //! 'S' status       inv-start run     runs by status
 //! 'X' status type  inv-start run     runs by status and type
-//! 'T' type         inv-start run     runs by type
 //! 'I' instance     inv-start run     runs of an instance
-//! 'R'              inv-start run     every run
 //! 'C'              inv-close run     closed runs by close time
 //! 'A' name tag value inv-start run   runs by a search attribute's value
 //! ```
+//!
+//! Runs of a type, and every run, have no index of their own (schema 7
+//! dropped them: they were two of the ten index rows a short run writes,
+//! and the writer's most expensive per row). They are the status and
+//! status-and-type indexes read across every status: one scan per status,
+//! merged by start time ([`Plan::across_statuses`]).
 //!
 //! A filter ([`RunFilter`]) is a conjunction of conditions; the planner
 //! seeks the most selective index one condition allows (an instance, then
@@ -414,11 +418,18 @@ fn inverted(t: Timestamp) -> [u8; 8] {
 
 const BY_STATUS: u8 = b'S';
 const BY_STATUS_TYPE: u8 = b'X';
-const BY_TYPE: u8 = b'T';
 const BY_INSTANCE: u8 = b'I';
-const BY_START: u8 = b'R';
 const BY_CLOSE: u8 = b'C';
 const BY_ATTRIBUTE: u8 = b'A';
+
+/// The first byte of the index keys by type, and of those of every run,
+/// that schemas before 7 wrote: a migration deletes keys that start with
+/// either (`rocks::migrate`, the PostgreSQL store's migration).
+pub const DROPPED_INDEX_PREFIXES: [u8; 2] = [b'T', b'R'];
+
+/// What every time-ordered index key ends with: the inverted time and the
+/// run id.
+const INDEX_TAIL_BYTES: usize = 8 + 16;
 
 /// Runs in each status, counting at most `limit` per status: a scan of
 /// the status index's keys, so a count equal to `limit` reads "at least".
@@ -477,8 +488,7 @@ fn attribute_prefix(name: &str, value: Option<&SearchValue>, tag: u8) -> Vec<u8>
 
 /// Every index key of a run in the state `meta` describes.
 pub fn index_keys(meta: &RunMeta) -> Vec<Vec<u8>> {
-    // The inverted start time and the run id.
-    const TAIL_BYTES: usize = 8 + 16;
+    const TAIL_BYTES: usize = INDEX_TAIL_BYTES;
     // Each key is sized once for its prefix (two bytes at most), an
     // escaped string and its terminator, and the tail, instead of growing
     // as it is built: the writer builds them for every run that starts or
@@ -490,23 +500,16 @@ pub fn index_keys(meta: &RunMeta) -> Vec<Vec<u8>> {
         k
     };
     let (workflow_type, instance) = (meta.workflow_type.as_str(), meta.instance_id.as_str());
-    let mut out = Vec::with_capacity(6 + meta.search_attributes.len());
+    let mut out = Vec::with_capacity(4 + meta.search_attributes.len());
     let mut k = sized("");
     push_status_prefix(&mut k, meta.status, None);
     out.push(tail(k));
     let mut k = sized(workflow_type);
     push_status_prefix(&mut k, meta.status, Some(workflow_type));
     out.push(tail(k));
-    let mut k = sized(workflow_type);
-    k.push(BY_TYPE);
-    push_str(&mut k, workflow_type);
-    out.push(tail(k));
     let mut k = sized(instance);
     k.push(BY_INSTANCE);
     push_str(&mut k, instance);
-    out.push(tail(k));
-    let mut k = sized("");
-    k.push(BY_START);
     out.push(tail(k));
     if let Some(closed) = meta.closed_at {
         let mut k = sized("");
@@ -1116,6 +1119,31 @@ pub struct Plan {
     pub until: Option<Vec<u8>>,
     /// Which index, for `explain`.
     pub index: &'static str,
+    /// Whether the plan reads a status index across every status: its
+    /// keys (`prefix`, `from`, `until`, and the keys `list` hands on) then
+    /// leave out the status byte that follows a status key's first byte,
+    /// and each status's range is scanned with it put back, the ranges
+    /// merged by what follows (the inverted start time and the run id).
+    pub across_statuses: bool,
+}
+
+impl Plan {
+    fn across_statuses(self) -> Plan {
+        Plan {
+            across_statuses: true,
+            ..self
+        }
+    }
+}
+
+/// `key` of a plan across statuses as stored for `status`: its status byte
+/// put back after the first.
+fn with_status(key: &[u8], status: RunStatus) -> Vec<u8> {
+    let mut k = Vec::with_capacity(key.len() + 1);
+    k.extend_from_slice(&key[..1]);
+    k.push(status.code());
+    k.extend_from_slice(&key[1..]);
+    k
 }
 
 /// The inclusive range of inverted start (or close) times the time
@@ -1163,6 +1191,7 @@ fn time_bounded(prefix: Vec<u8>, (lo, hi): (u64, u64), index: &'static str) -> P
         from,
         until,
         index,
+        across_statuses: false,
     }
 }
 
@@ -1205,9 +1234,9 @@ pub fn plan(filter: &RunFilter) -> Plan {
         return time_bounded(status_prefix(status, t.as_deref()), starts, index);
     }
     if let Some(c) = eq(&|f| *f == Field::WorkflowType) {
-        let mut p = vec![BY_TYPE];
+        let mut p = vec![BY_STATUS_TYPE];
         push_str(&mut p, &keyword(c));
-        return time_bounded(p, starts, "type");
+        return time_bounded(p, starts, "type").across_statuses();
     }
     let range = filter
         .conditions
@@ -1239,6 +1268,7 @@ pub fn plan(filter: &RunFilter) -> Plan {
             from,
             until,
             index: "attribute range",
+            across_statuses: false,
         };
     }
     if filter
@@ -1249,7 +1279,7 @@ pub fn plan(filter: &RunFilter) -> Plan {
         let closes = inverted_bounds(filter, &Field::CloseTime);
         return time_bounded(vec![BY_CLOSE], closes, "close time");
     }
-    time_bounded(vec![BY_START], starts, "start time")
+    time_bounded(vec![BY_STATUS], starts, "start time").across_statuses()
 }
 
 /// Index entries read per scan at most before their run records are read
@@ -1290,6 +1320,7 @@ pub fn list(
     if let Some(token) = after {
         let key = unhex(&token.0)
             .filter(|k| k.starts_with(&plan.prefix) && *k >= plan.from)
+            .filter(|k| !plan.across_statuses || k.len() == plan.prefix.len() + INDEX_TAIL_BYTES)
             .ok_or_else(|| ListError::BadToken(token.0.clone()))?;
         from = key;
         from.push(0);
@@ -1297,22 +1328,10 @@ pub fn list(
     let mut page = RunPage::default();
     let mut examined = 0;
     loop {
-        let mut chunk: Vec<Vec<u8>> = Vec::new();
-        let mut ended = false;
         let want = (page_size - page.runs.len())
             .clamp(LIST_CHUNK_ENTRIES_MIN, LIST_CHUNK_ENTRIES)
             .min(LIST_SCAN_ENTRIES_MAX - examined);
-        view.scan(Cf::Index, &plan.prefix, &from, &mut |k, _| {
-            if plan.until.as_deref().is_some_and(|u| k >= u) {
-                ended = true;
-                return false;
-            }
-            chunk.push(k.to_vec());
-            chunk.len() < want
-        })?;
-        if chunk.len() < want {
-            ended = true;
-        }
+        let (chunk, ended) = read_chunk(view, &plan, &from, want)?;
         let runs: Vec<Option<RunId>> = chunk.iter().map(|k| run_of_key(k)).collect();
         let keys: Vec<Vec<u8>> = runs
             .iter()
@@ -1352,6 +1371,56 @@ pub fn list(
         from = last;
         from.push(0);
     }
+}
+
+/// Up to `want` index keys of `plan` from `from` on, in order, and whether
+/// they end the plan's range.
+fn read_chunk(
+    view: &dyn KvRead,
+    plan: &Plan,
+    from: &[u8],
+    want: usize,
+) -> Result<(Vec<Vec<u8>>, bool), crate::Error> {
+    if !plan.across_statuses {
+        let mut chunk: Vec<Vec<u8>> = Vec::new();
+        let mut ended = false;
+        view.scan(Cf::Index, &plan.prefix, from, &mut |k, _| {
+            if plan.until.as_deref().is_some_and(|u| k >= u) {
+                ended = true;
+                return false;
+            }
+            chunk.push(k.to_vec());
+            chunk.len() < want
+        })?;
+        let ended = ended || chunk.len() < want;
+        return Ok((chunk, ended));
+    }
+    // Up to `want` keys of each status, merged: the first `want` of the
+    // merge are the range's first `want`, each being among the first
+    // `want` of its own status.
+    let mut merged: Vec<Vec<u8>> = Vec::new();
+    let mut ended = true;
+    for status in RunStatus::ALL {
+        let one = Plan {
+            prefix: with_status(&plan.prefix, status),
+            from: Vec::new(),
+            until: plan.until.as_deref().map(|u| with_status(u, status)),
+            index: plan.index,
+            across_statuses: false,
+        };
+        let (keys, done) = read_chunk(view, &one, &with_status(from, status), want)?;
+        ended &= done;
+        merged.extend(keys.into_iter().map(|mut k| {
+            k.remove(1);
+            k
+        }));
+    }
+    merged.sort_unstable();
+    if merged.len() > want {
+        merged.truncate(want);
+        ended = false;
+    }
+    Ok((merged, ended))
 }
 
 /// The run an index key names (its last 16 bytes).
@@ -1394,12 +1463,12 @@ mod tests {
     #[test]
     fn strings_in_keys_escape_their_zero_bytes_and_sort_as_strings() {
         let key = |s: &str| {
-            let mut k = vec![BY_TYPE];
+            let mut k = vec![BY_INSTANCE];
             push_str(&mut k, s);
             k
         };
-        assert_eq!(key("a\0b"), [BY_TYPE, b'a', 0, 0xff, b'b', 0, 1]);
-        assert_eq!(key("ab"), [BY_TYPE, b'a', b'b', 0, 1]);
+        assert_eq!(key("a\0b"), [BY_INSTANCE, b'a', 0, 0xff, b'b', 0, 1]);
+        assert_eq!(key("ab"), [BY_INSTANCE, b'a', b'b', 0, 1]);
         let mut texts = ["", "a", "a\0", "a\0\0", "a\u{1}", "ab", "b", "\0"];
         let mut keys: Vec<Vec<u8>> = texts.iter().map(|t| key(t)).collect();
         texts.sort_unstable();

@@ -245,8 +245,11 @@ fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
     // as msgpack maps with field names) is migrated by an engine's open
     // without rewriting a row: a reader is refused until then,
     // and afterwards the old rows read back as before and verify clean.
+    // Schemas before 7 also wrote index rows by type alone and of every
+    // run, which the migration deletes (verify would report them).
     // Method: a run committed, its run record rewritten as a schema 4
-    // build wrote it and the version set to 4, then both opens.
+    // build wrote it, its two older index rows added and the version set
+    // to 4, then both opens.
     let Some(url) = postgres_url() else { return };
     let scratch = PgScratch::new(&url);
     let store = PgStore::open(scratch.0.clone()).expect("create");
@@ -271,6 +274,21 @@ fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
         ),
     );
     assert_eq!(updated, 1, "the run record was rewritten");
+    let mut tail = (u64::MAX - before.started_at.0).to_be_bytes().to_vec();
+    tail.extend_from_slice(run.run.as_bytes());
+    for old_key in [
+        [&b"Twf\0\x01"[..], &tail].concat(),
+        [&b"R"[..], &tail].concat(),
+    ] {
+        let inserted = admin(
+            &url,
+            &format!(
+                "insert into \"{s}\".kv_index (k, v) values ('\\x{}'::bytea, ''::bytea)",
+                hex(&old_key)
+            ),
+        );
+        assert_eq!(inserted, 1, "an index row of schema 6");
+    }
     mark_older_database(&url, &scratch.0, SCHEMA_VERSION_READ_AS_IS);
 
     // An engine process of the older version still at work (its
@@ -308,8 +326,16 @@ fn a_schema_4_database_is_read_as_it_is_and_migrated_in_place() {
     assert_eq!(store.run_meta(run.run).unwrap(), Some(before));
     assert!(
         store.verify().unwrap().ok,
-        "the stored map equals the rebuilt record"
+        "the stored map equals the rebuilt record, and the older index rows are gone"
     );
+    let of_type = keel_storage::search::RunFilter::all().workflow_type("wf");
+    let found: Vec<_> = store
+        .runs(&of_type)
+        .unwrap()
+        .into_iter()
+        .map(|m| m.run_id)
+        .collect();
+    assert_eq!(found, vec![run.run]);
     drop(store);
     PgStore::open_read_only(scratch.0.clone()).expect("migrated: a reader opens it");
 }

@@ -579,6 +579,75 @@ fn a_schema_4_directory_is_read_as_it_is_and_migrated_in_place() {
     assert!(!body_is_map(&record(b.run)), "written again by this build");
 }
 
+/// The index keys a schema 6 build wrote beside the ones this build
+/// writes, for a run of type "wf": its key by type alone and its key among
+/// every run.
+fn schema_6_index_keys(meta: &keel_storage::RunMeta) -> [Vec<u8>; 2] {
+    let mut tail = (u64::MAX - meta.started_at.0).to_be_bytes().to_vec();
+    tail.extend_from_slice(meta.run_id.as_bytes());
+    assert_eq!(meta.workflow_type.as_str(), "wf");
+    [
+        [&b"Twf\0\x01"[..], &tail].concat(),
+        [&b"R"[..], &tail].concat(),
+    ]
+}
+
+#[test]
+fn a_schema_6_directory_loses_its_index_keys_by_type_and_of_every_run() {
+    // Goal: schema 7 lists runs of a type, and every run, by reading the
+    // status indexes across every status, so the keys a schema 6 build
+    // wrote for those two lists are deleted by an engine's open: `verify`
+    // (which compares the index with what it rebuilds) finds the directory
+    // clean, no such key is left, and both lists still find every run,
+    // newest first. Method: a populated directory given the two extra keys
+    // per run a schema 6 build wrote, and its metadata set to schema 6.
+    let dir = tempfile::tempdir().unwrap();
+    let (store, a, b) = populated(dir.path());
+    let metas = [
+        store.run_meta(a.run).unwrap().unwrap(),
+        store.run_meta(b.run).unwrap().unwrap(),
+    ];
+    store.close().unwrap();
+    let index_keys = |path: &Path| -> Vec<Vec<u8>> {
+        let opts = rocksdb::Options::default();
+        let names = rocksdb::DB::list_cf(&opts, path).unwrap();
+        let db = rocksdb::DB::open_cf_for_read_only(&opts, path, &names, false).unwrap();
+        let h = db.cf_handle(Cf::Index.name()).unwrap();
+        db.iterator_cf(&h, rocksdb::IteratorMode::Start)
+            .map(|kv| kv.unwrap().0.to_vec())
+            .collect()
+    };
+    let current = index_keys(dir.path());
+    {
+        let opts = rocksdb::Options::default();
+        let names = rocksdb::DB::list_cf(&opts, dir.path()).unwrap();
+        let db = rocksdb::DB::open_cf(&opts, dir.path(), &names).unwrap();
+        let h = db.cf_handle(Cf::Index.name()).unwrap();
+        for meta in &metas {
+            for k in schema_6_index_keys(meta) {
+                assert!(!current.contains(&k), "this build does not write it");
+                db.put_cf(&h, k, b"").unwrap();
+            }
+        }
+    }
+    assert_eq!(index_keys(dir.path()).len(), current.len() + 4);
+    mark_older_schema(dir.path(), 6);
+
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    let report = store.verify().unwrap();
+    assert!(report.ok, "the old keys are gone: {report:?}");
+    let newest_first = vec![b.run, a.run];
+    let ids = |runs: Vec<keel_storage::RunMeta>| -> Vec<keel_storage::RunId> {
+        runs.into_iter().map(|m| m.run_id).collect()
+    };
+    let of_type = keel_storage::search::RunFilter::all().workflow_type("wf");
+    assert_eq!(ids(store.runs(&of_type).unwrap()), newest_first);
+    let every = keel_storage::search::RunFilter::all();
+    assert_eq!(ids(store.runs(&every).unwrap()), newest_first);
+    store.close().unwrap();
+    assert_eq!(index_keys(dir.path()), current);
+}
+
 /// Goal: a history read once (how `describe` streams a run's whole history)
 /// leaves the block cache as it found it, so a long history neither evicts
 /// the engine's working set nor grows the process up to the cache's bound;
