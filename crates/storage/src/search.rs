@@ -31,8 +31,11 @@
 //! start-time conditions where the index orders by start time, and checks
 //! every condition against each candidate's run record. A page examines at
 //! most [`LIST_SCAN_ENTRIES_MAX`] index entries, so a filter that matches
-//! little may answer a short page with a token to go on.
+//! little may answer a short page with a token to go on (a list across
+//! statuses reads at most one chunk (256 entries) ahead per
+//! status besides, and skips the statuses its conditions rule out).
 
+use std::collections::VecDeque;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -748,6 +751,16 @@ impl RunFilter {
         self.conditions.iter().all(|c| c.matches(meta))
     }
 
+    /// Whether no run in `status` can match: a condition on the status
+    /// fails for its name (as [`Condition::matches`] tests it).
+    fn rules_out(&self, status: RunStatus) -> bool {
+        let name = SearchValue::Keyword(status.name().to_string());
+        self.conditions
+            .iter()
+            .filter(|c| c.field == Field::Status)
+            .any(|c| !name.compare(&c.value).is_some_and(|ord| c.op.holds(ord)))
+    }
+
     /// Checks the conditions a builder made: a status that is a status
     /// name, times compared with times, attribute names that are valid.
     pub fn check(&self) -> Result<(), FilterError> {
@@ -1325,13 +1338,14 @@ pub fn list(
         from = key;
         from.push(0);
     }
+    let mut walk = Walk::new(&plan, filter, from);
     let mut page = RunPage::default();
     let mut examined = 0;
     loop {
         let want = (page_size - page.runs.len())
             .clamp(LIST_CHUNK_ENTRIES_MIN, LIST_CHUNK_ENTRIES)
             .min(LIST_SCAN_ENTRIES_MAX - examined);
-        let (chunk, ended) = read_chunk(view, &plan, &from, want)?;
+        let (chunk, ended) = walk.next(view, want)?;
         let runs: Vec<Option<RunId>> = chunk.iter().map(|k| run_of_key(k)).collect();
         let keys: Vec<Vec<u8>> = runs
             .iter()
@@ -1368,59 +1382,131 @@ pub fn list(
             page.next = Some(PageToken(hex(&last)));
             return Ok(page);
         }
-        from = last;
-        from.push(0);
     }
 }
 
-/// Up to `want` index keys of `plan` from `from` on, in order, and whether
-/// they end the plan's range.
-fn read_chunk(
-    view: &dyn KvRead,
-    plan: &Plan,
-    from: &[u8],
-    want: usize,
-) -> Result<(Vec<Vec<u8>>, bool), crate::Error> {
-    if !plan.across_statuses {
-        let mut chunk: Vec<Vec<u8>> = Vec::new();
-        let mut ended = false;
-        view.scan(Cf::Index, &plan.prefix, from, &mut |k, _| {
-            if plan.until.as_deref().is_some_and(|u| k >= u) {
-                ended = true;
-                return false;
+/// The index keys a plan walks, in order, a chunk at a time.
+enum Walk {
+    /// One range, from `from` on.
+    Range {
+        prefix: Vec<u8>,
+        until: Option<Vec<u8>>,
+        from: Vec<u8>,
+    },
+    /// One range per status, merged by what follows the status byte
+    /// ([`Plan::across_statuses`]).
+    Merged {
+        statuses: Vec<StatusWalk>,
+        /// The last key handed out.
+        last: Option<Vec<u8>>,
+    },
+}
+
+/// One status's range of a merged walk, with the keys read and not yet
+/// handed out (status byte removed).
+struct StatusWalk {
+    range: Walk,
+    read: VecDeque<Vec<u8>>,
+    ended: bool,
+}
+
+impl Walk {
+    /// The walk of `plan` from `from` (in the plan's keys) on, leaving out
+    /// the statuses `filter` rules out.
+    fn new(plan: &Plan, filter: &RunFilter, from: Vec<u8>) -> Walk {
+        if !plan.across_statuses {
+            return Walk::Range {
+                prefix: plan.prefix.clone(),
+                until: plan.until.clone(),
+                from,
+            };
+        }
+        let statuses = RunStatus::ALL
+            .into_iter()
+            .filter(|s| !filter.rules_out(*s))
+            .map(|s| StatusWalk {
+                range: Walk::Range {
+                    prefix: with_status(&plan.prefix, s),
+                    until: plan.until.as_deref().map(|u| with_status(u, s)),
+                    from: with_status(&from, s),
+                },
+                read: VecDeque::new(),
+                ended: false,
+            })
+            .collect();
+        Walk::Merged {
+            statuses,
+            last: None,
+        }
+    }
+
+    /// Up to `want` more keys, in order, and whether the walk ends with
+    /// them.
+    fn next(
+        &mut self,
+        view: &dyn KvRead,
+        want: usize,
+    ) -> Result<(Vec<Vec<u8>>, bool), crate::Error> {
+        match self {
+            Walk::Range {
+                prefix,
+                until,
+                from,
+            } => {
+                let mut chunk: Vec<Vec<u8>> = Vec::new();
+                let mut ended = false;
+                view.scan(Cf::Index, prefix, from, &mut |k, _| {
+                    if until.as_deref().is_some_and(|u| k >= u) {
+                        ended = true;
+                        return false;
+                    }
+                    chunk.push(k.to_vec());
+                    chunk.len() < want
+                })?;
+                if let Some(last) = chunk.last() {
+                    from.clone_from(last);
+                    from.push(0);
+                }
+                let ended = ended || chunk.len() < want;
+                Ok((chunk, ended))
             }
-            chunk.push(k.to_vec());
-            chunk.len() < want
-        })?;
-        let ended = ended || chunk.len() < want;
-        return Ok((chunk, ended));
+            Walk::Merged { statuses, last } => {
+                // Every status that has not ended holds `want` keys read
+                // ahead, so the next `want` of the merge are all read: a
+                // status emptied by them held only keys handed out.
+                for s in statuses.iter_mut().filter(|s| !s.ended) {
+                    if s.read.len() < want {
+                        let (keys, ended) = s.range.next(view, want - s.read.len())?;
+                        s.ended = ended;
+                        s.read.extend(keys.into_iter().map(|mut k| {
+                            k.remove(1);
+                            k
+                        }));
+                    }
+                }
+                let mut chunk = Vec::with_capacity(want);
+                while chunk.len() < want {
+                    let first = statuses
+                        .iter_mut()
+                        .filter(|s| !s.read.is_empty())
+                        .min_by(|a, b| a.read[0].cmp(&b.read[0]));
+                    let Some(first) = first else {
+                        break;
+                    };
+                    let key = first.read.pop_front().expect("a status with keys read");
+                    // Each status is its own scan, not one snapshot: a run
+                    // that closed between two of them is in both, once.
+                    if last.as_ref().is_some_and(|l| key <= *l) {
+                        continue;
+                    }
+                    *last = Some(key.clone());
+                    chunk.push(key);
+                }
+                let ended = statuses.iter().all(|s| s.ended && s.read.is_empty());
+                Ok((chunk, ended))
+            }
+        }
     }
-    // Up to `want` keys of each status, merged: the first `want` of the
-    // merge are the range's first `want`, each being among the first
-    // `want` of its own status.
-    let mut merged: Vec<Vec<u8>> = Vec::new();
-    let mut ended = true;
-    for status in RunStatus::ALL {
-        let one = Plan {
-            prefix: with_status(&plan.prefix, status),
-            from: Vec::new(),
-            until: plan.until.as_deref().map(|u| with_status(u, status)),
-            index: plan.index,
-            across_statuses: false,
-        };
-        let (keys, done) = read_chunk(view, &one, &with_status(from, status), want)?;
-        ended &= done;
-        merged.extend(keys.into_iter().map(|mut k| {
-            k.remove(1);
-            k
-        }));
-    }
-    merged.sort_unstable();
-    if merged.len() > want {
-        merged.truncate(want);
-        ended = false;
-    }
-    Ok((merged, ended))
 }
 
 /// The run an index key names (its last 16 bytes).
