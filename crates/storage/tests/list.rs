@@ -116,20 +116,7 @@ fn populate(store: &dyn Store, rng: &mut Rng) {
             };
             b.commit(store, vec![removal]).unwrap();
         }
-        let close = match rng.below(3) {
-            0 => workflow_completed(),
-            1 => EventKind::WorkflowFailed {
-                failure: keel_storage::Failure::new(
-                    keel_storage::FailureKind::Application,
-                    "no",
-                    false,
-                ),
-            },
-            _ => EventKind::WorkflowTerminated {
-                reason: "ops".into(),
-                command_id: None,
-            },
-        };
+        let close = closing(rng.below(3));
         if keep_open {
             last_of_instance[instance_no] = Some(run);
             continue;
@@ -137,6 +124,25 @@ fn populate(store: &dyn Store, rng: &mut Rng) {
         b.at += rng.below(50_000);
         b.commit(store, vec![close]).unwrap();
         last_of_instance[instance_no] = Some(run);
+    }
+}
+
+/// A run's closing event, one of three ways: 0 completed, 1 failed,
+/// otherwise terminated.
+fn closing(way: u64) -> EventKind {
+    match way {
+        0 => workflow_completed(),
+        1 => EventKind::WorkflowFailed {
+            failure: keel_storage::Failure::new(
+                keel_storage::FailureKind::Application,
+                "no",
+                false,
+            ),
+        },
+        _ => EventKind::WorkflowTerminated {
+            reason: "ops".into(),
+            command_id: None,
+        },
     }
 }
 
@@ -186,6 +192,21 @@ fn random_filter(rng: &mut Rng) -> RunFilter {
 
 fn ids(runs: &[RunMeta]) -> Vec<RunId> {
     runs.iter().map(|m| m.run_id).collect()
+}
+
+/// The runs `filter` lists, read page by page, `size` at most each.
+fn in_pages(store: &dyn Store, filter: &RunFilter, size: usize) -> Vec<RunId> {
+    let mut paged = Vec::new();
+    let mut after: Option<PageToken> = None;
+    loop {
+        let page = store.list(filter, size, after.as_ref()).unwrap();
+        assert!(page.runs.len() <= size);
+        paged.extend(ids(&page.runs));
+        match page.next {
+            Some(t) => after = Some(t),
+            None => return paged,
+        }
+    }
 }
 
 #[test]
@@ -305,17 +326,7 @@ fn list_matches_an_oracle_on_every_store() {
             nonempty += usize::from(!want.is_empty());
             // Pages of a random size walk the same runs in the same order.
             let size = 1 + rng.below(7) as usize;
-            let mut paged = Vec::new();
-            let mut after: Option<PageToken> = None;
-            loop {
-                let page = store.list(&filter, size, after.as_ref()).unwrap();
-                assert!(page.runs.len() <= size);
-                paged.extend(ids(&page.runs));
-                match page.next {
-                    Some(t) => after = Some(t),
-                    None => break,
-                }
-            }
+            let paged = in_pages(store, &filter, size);
             assert_eq!(paged, ids(&whole.runs), "{filter}: pages of {size}");
         }
         assert!(nonempty > 100, "the filters find something: {nonempty}");
@@ -467,21 +478,11 @@ fn runs_of_a_type_and_every_run_merge_the_status_indexes_in_start_order() {
             let mut b = RunBuilder::new(run, T0 + rng.below(150) * 1_000);
             b.commit(store, vec![started(run, &format!("m-{n}"), workflow_type)])
                 .unwrap();
-            let close = match rng.below(8) {
-                0 => workflow_completed(),
-                1 => EventKind::WorkflowFailed {
-                    failure: keel_storage::Failure::new(
-                        keel_storage::FailureKind::Application,
-                        "no",
-                        false,
-                    ),
-                },
-                2 => EventKind::WorkflowTerminated {
-                    reason: "ops".into(),
-                    command_id: None,
-                },
-                _ => continue,
-            };
+            let way = rng.below(8);
+            if way > 2 {
+                continue;
+            }
+            let close = closing(way);
             b.commit(store, vec![close]).unwrap();
         }
         let everything = all_runs(store);
@@ -512,17 +513,7 @@ fn runs_of_a_type_and_every_run_merge_the_status_indexes_in_start_order() {
             assert!(plan.across_statuses, "{filter}: {}", plan.index);
             let want = newest_first(&filter);
             for size in [1, 5, 33, 1000] {
-                let mut paged = Vec::new();
-                let mut after: Option<PageToken> = None;
-                loop {
-                    let page = store.list(&filter, size, after.as_ref()).unwrap();
-                    assert!(page.runs.len() <= size);
-                    paged.extend(ids(&page.runs));
-                    match page.next {
-                        Some(t) => after = Some(t),
-                        None => break,
-                    }
-                }
+                let paged = in_pages(store, &filter, size);
                 assert_eq!(paged, want, "{filter}: pages of {size}");
             }
         }
