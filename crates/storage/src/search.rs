@@ -20,7 +20,7 @@
 //!
 //! Runs of a type, and every run, have no index of their own (schema 7
 //! dropped them: they were two of the ten index rows a short run writes,
-//! and the writer's most expensive per row). They are the status and
+//! a few percent of the store writer's work). They are the status and
 //! status-and-type indexes read across every status: one scan per status,
 //! merged by start time ([`Plan::across_statuses`]).
 //!
@@ -491,12 +491,11 @@ fn attribute_prefix(name: &str, value: Option<&SearchValue>, tag: u8) -> Vec<u8>
 
 /// Every index key of a run in the state `meta` describes.
 pub fn index_keys(meta: &RunMeta) -> Vec<Vec<u8>> {
-    const TAIL_BYTES: usize = INDEX_TAIL_BYTES;
     // Each key is sized once for its prefix (two bytes at most), an
     // escaped string and its terminator, and the tail, instead of growing
     // as it is built: the writer builds them for every run that starts or
     // closes.
-    let sized = |text: &str| Vec::with_capacity(2 + text.len() + 2 + TAIL_BYTES);
+    let sized = |text: &str| Vec::with_capacity(2 + text.len() + 2 + INDEX_TAIL_BYTES);
     let tail = |mut k: Vec<u8>| {
         k.extend_from_slice(&inverted(meta.started_at));
         k.extend_from_slice(meta.run_id.as_bytes());
@@ -1471,21 +1470,21 @@ impl Walk {
                 Ok((chunk, ended))
             }
             Walk::Merged { statuses, last } => {
-                // Every status that has not ended holds `want` keys read
-                // ahead, so the next `want` of the merge are all read: a
-                // status emptied by them held only keys handed out.
-                for s in statuses.iter_mut().filter(|s| !s.ended) {
-                    if s.read.len() < want {
-                        let (keys, ended) = s.range.next(view, want - s.read.len())?;
+                let mut chunk = Vec::with_capacity(want);
+                while chunk.len() < want {
+                    // A status that has not ended always shows its next
+                    // key, so the smallest in view is the merge's next.
+                    for s in statuses
+                        .iter_mut()
+                        .filter(|s| !s.ended && s.read.is_empty())
+                    {
+                        let (keys, ended) = s.range.next(view, want)?;
                         s.ended = ended;
                         s.read.extend(keys.into_iter().map(|mut k| {
                             k.remove(1);
                             k
                         }));
                     }
-                }
-                let mut chunk = Vec::with_capacity(want);
-                while chunk.len() < want {
                     let first = statuses
                         .iter_mut()
                         .filter(|s| !s.read.is_empty())

@@ -533,12 +533,13 @@ fn runs_of_a_type_and_every_run_merge_the_status_indexes_in_start_order() {
     });
 }
 
-/// A store's view that closes a run right after the first scan of the
-/// running runs' status keys: a commit landing between two of the scans a
-/// list across statuses makes.
+/// A store's view that closes the next of `open` right after each scan of
+/// the index by status (of the running runs' keys only, if `after_running`):
+/// commits landing between the scans a list across statuses makes.
 struct ClosesBetweenScans<'a> {
     store: &'a dyn Store,
-    open: std::cell::RefCell<Option<RunBuilder>>,
+    open: std::cell::RefCell<Vec<RunBuilder>>,
+    after_running: bool,
 }
 
 impl keel_storage::kv::KvRead for ClosesBetweenScans<'_> {
@@ -554,8 +555,10 @@ impl keel_storage::kv::KvRead for ClosesBetweenScans<'_> {
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> keel_storage::Result<()> {
         let scanned = self.store.view().scan(cf, prefix, from, visit);
-        if cf == Cf::Index && prefix.starts_with(&[b'S', RunStatus::Running.code()]) {
-            if let Some(mut run) = self.open.borrow_mut().take() {
+        let by_status = prefix.first().is_some_and(|b| matches!(b, b'S' | b'X'));
+        let running = prefix.get(1) == Some(&RunStatus::Running.code());
+        if cf == Cf::Index && by_status && (running || !self.after_running) {
+            if let Some(mut run) = self.open.borrow_mut().pop() {
                 run.commit(self.store, vec![workflow_completed()]).unwrap();
             }
         }
@@ -571,7 +574,7 @@ fn a_run_closing_between_the_status_scans_is_listed_once() {
     // runs, half of them open; a view that closes one open run right after
     // the running runs' scan; every run listed exactly once, newest first.
     for_each_store(|store| {
-        let mut open = None;
+        let mut open = Vec::new();
         for n in 0..10u64 {
             let run = run_id(5_000 + n);
             let mut b = RunBuilder::new(run, T0 + n * 1_000);
@@ -580,16 +583,76 @@ fn a_run_closing_between_the_status_scans_is_listed_once() {
             if n % 2 == 0 {
                 b.commit(store, vec![workflow_completed()]).unwrap();
             } else if n == 5 {
-                open = Some(b);
+                open.push(b);
             }
         }
         let view = ClosesBetweenScans {
             store,
             open: std::cell::RefCell::new(open),
+            after_running: true,
         };
         let page = search::list(&view, &RunFilter::all(), 100, None).unwrap();
-        assert!(view.open.borrow().is_none(), "the run was closed mid-list");
+        assert!(view.open.borrow().is_empty(), "the run was closed mid-list");
         let want: Vec<RunId> = (0..10u64).rev().map(|n| run_id(5_000 + n)).collect();
         assert_eq!(ids(&page.runs), want);
+    });
+}
+
+#[test]
+fn runs_closing_all_through_a_list_are_each_listed_once_in_order() {
+    // Goal: however commits interleave with the scans of a list across
+    // statuses, paging through it names every run once, newest first: a
+    // run keeps its place (its start time) when it moves from one status
+    // to another. Method: for each page size, 300 runs of a type of their
+    // own, most of them open, and a view that closes one of them, in a
+    // shuffled order, after every scan of the index by status; the pages
+    // compared with the runs sorted by start time and run id.
+    for_each_store(|store| {
+        let mut rng = Rng(0x00c1_05e5);
+        for (i, size) in [1usize, 7, 33, 1000].into_iter().enumerate() {
+            let workflow_type = format!("churn-{i}");
+            let mut open = Vec::new();
+            let mut want = Vec::new();
+            for n in 0..300u64 {
+                let run = run_id(10_000 + 1_000 * i as u64 + n);
+                let at = T0 + rng.below(200) * 1_000;
+                let mut b = RunBuilder::new(run, at);
+                b.commit(
+                    store,
+                    vec![started(
+                        run,
+                        &format!("{workflow_type}-{n}"),
+                        &workflow_type,
+                    )],
+                )
+                .unwrap();
+                want.push((std::cmp::Reverse(at), run));
+                if rng.below(5) == 0 {
+                    b.commit(store, vec![closing(rng.below(3))]).unwrap();
+                } else {
+                    let at = rng.below(open.len() as u64 + 1) as usize;
+                    open.insert(at, b);
+                }
+            }
+            want.sort();
+            let want: Vec<RunId> = want.into_iter().map(|(_, r)| r).collect();
+            let view = ClosesBetweenScans {
+                store,
+                open: std::cell::RefCell::new(open),
+                after_running: false,
+            };
+            let filter = RunFilter::all().workflow_type(&workflow_type);
+            let mut paged = Vec::new();
+            let mut after: Option<PageToken> = None;
+            loop {
+                let page = search::list(&view, &filter, size, after.as_ref()).unwrap();
+                paged.extend(ids(&page.runs));
+                match page.next {
+                    Some(t) => after = Some(t),
+                    None => break,
+                }
+            }
+            assert_eq!(paged, want, "pages of {size}");
+        }
     });
 }
