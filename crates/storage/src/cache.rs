@@ -10,8 +10,11 @@
 //! only writer of its data (RocksDB's exclusive open, PostgreSQL's fenced
 //! write lease), so what it wrote is exactly what the store would return:
 //!
-//! - `records`: the `runs` and `instances` records as last written; a
-//!   run's record leaves with the commit that closes the run.
+//! - `records`: the `runs` and `instances` records as last written,
+//!   including a run record's rewrites the store leaves out
+//!   ([`crate::kv::KvWrite::put_derivable`]), so a record kept here is
+//!   current and one read from the store is caught up first; a run's
+//!   record leaves with the commit that closes the run.
 //! - `born`: for runs this writer created, every row they own in
 //!   [`OWNED_CFS`] (all of them were written by this writer, after the
 //!   run's first event), with its value. A read of such a row, present or
@@ -455,6 +458,34 @@ impl KvRead for CachedView<'_> {
         match self.known(cf, key) {
             Some(v) => Ok(v),
             None => self.base.get(cf, key),
+        }
+    }
+
+    fn records_lag(&self) -> bool {
+        self.base.records_lag()
+    }
+
+    /// Of events: a run record read from the store is caught up
+    /// (`derive::catch_up`) only for a run none of whose commits is in
+    /// this group (such a commit left the run's current record in the
+    /// group's overlay), so none of its events are missing from the store.
+    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let answered_here = owner(cf, prefix).is_some_and(|run| self.cache.born.contains_key(&run))
+            || self.scans.contains_key(&(cf, prefix.to_vec()));
+        if answered_here {
+            crate::kv::last_by_scan(self, cf, prefix)
+        } else {
+            self.base.last(cf, prefix)
+        }
+    }
+
+    fn get_knowing(&self, cf: Cf, key: &[u8]) -> Result<(Option<Vec<u8>>, bool)> {
+        // What was read ahead came from the store; what the cache keeps,
+        // from the writer's own writes.
+        let ahead = !self.ahead.is_empty() && self.ahead.contains_key(&(cf, key.to_vec()));
+        match self.known(cf, key) {
+            Some(v) => Ok((v, !ahead)),
+            None => Ok((self.base.get(cf, key)?, false)),
         }
     }
 

@@ -245,7 +245,11 @@ pub fn apply_batch_raw(
     // needed, and every intent row in it is the batch's.
     let mut overlay = Overlay::new(base);
     let appends = validate_batch(&mut overlay, prepared, checks, EventRows::Written)?;
-    let writes = overlay.into_writes();
+    // What a store whose records lag leaves out (`KvWrite::put_derivable`).
+    let (mut writes, derivable) = overlay.into_parts();
+    for key in &derivable {
+        writes.remove(key);
+    }
     let rows = writes
         .iter()
         .filter(|((cf, _), _)| is_intent_family(*cf))
@@ -494,7 +498,26 @@ fn append_to(
         (Some(f), Some(l)) => (f, l),
         _ => return Err(invalid("an append needs at least one event".into())),
     };
-    let old: Option<RunMeta> = read_record(out, Cf::Runs, RecordKind::Run, &keys::run_key(run))?;
+    let run_key = keys::run_key(run);
+    let lag = out.records_lag();
+    let (stored, current) = out.get_knowing(Cf::Runs, &run_key)?;
+    let mut old: Option<RunMeta> = stored
+        .map(|bytes| codec::decode(RecordKind::Run, &bytes))
+        .transpose()
+        .map_err(|source| Error::Corrupt {
+            cf: Cf::Runs.name(),
+            run: Some(run),
+            seq: None,
+            source,
+        })?;
+    if let Some(m) = old.as_mut() {
+        // A record read from a store whose records lag, and not known here
+        // from this writer's own writes, may trail the run's events: the
+        // seq this commit must continue from is the last event's.
+        if lag && !current && !m.status.is_closed() {
+            catch_up(&*out, run, m)?;
+        }
+    }
     let expected = old.as_ref().map_or(Seq::FIRST, |m| m.next_seq);
     if first.seq != expected {
         return Err(Error::SeqGap {
@@ -571,12 +594,54 @@ fn append_to(
             }
         }
     }
-    out.put(Cf::Runs, keys::run_key(run), enc(RecordKind::Run, &meta)?);
+    let record = enc(RecordKind::Run, &meta)?;
+    match &old {
+        // Only the progress moved, which the events just written say: a
+        // store whose records lag leaves the rewrite out.
+        Some(o) if lag && o.same_but_progress(&meta) => {
+            out.put_derivable(Cf::Runs, run_key, record)
+        }
+        _ => out.put(Cf::Runs, run_key, record),
+    }
     Ok(AppendAck {
         run_id: run,
         first: first.seq,
         last: last.seq,
     })
+}
+
+/// Brings an open run's record, as read from a store whose records lag
+/// ([`KvRead::records_lag`]), up to the run's last event: its `next_seq`
+/// and `updated_at` are the last event's, which the commits that left the
+/// record alone wrote. One seek to the run's last event, however far the
+/// record trails.
+pub(crate) fn catch_up<V: KvRead + ?Sized>(view: &V, run: RunId, meta: &mut RunMeta) -> Result<()> {
+    let Some((key, bytes)) = view.last(Cf::Events, run.as_bytes())? else {
+        return Ok(());
+    };
+    let Some((_, seq)) = keys::parse_event_key(&key).filter(|(_, s)| *s >= meta.next_seq) else {
+        return Ok(());
+    };
+    let event: Event =
+        codec::decode(RecordKind::Event, &bytes).map_err(|source| Error::Corrupt {
+            cf: Cf::Events.name(),
+            run: Some(run),
+            seq: Some(seq),
+            source,
+        })?;
+    meta.next_seq = seq.next();
+    meta.updated_at = event.at;
+    Ok(())
+}
+
+/// A run's record as a reader gets it: as stored, caught up with its
+/// events where the store's records lag ([`catch_up`]). Closed runs'
+/// records are always current (a close rewrites the record).
+pub(crate) fn current_run(view: &dyn KvRead, run: RunId, meta: &mut RunMeta) -> Result<()> {
+    if view.records_lag() && !meta.status.is_closed() {
+        catch_up(view, run, meta)?;
+    }
+    Ok(())
 }
 
 fn close(

@@ -6,7 +6,7 @@
 //! only move bytes.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use crate::error::Result;
 use crate::keys::Cf;
@@ -65,6 +65,48 @@ pub trait KvRead {
             }
         }
     }
+
+    /// The last key that starts with `prefix`, with its value: a run's
+    /// last event. A store with a cursor seeks it from the end; the
+    /// default scans the prefix.
+    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        last_by_scan(self, cf, prefix)
+    }
+
+    /// Whether an open run's record read here may trail its events: the
+    /// store leaves out a rewrite of the record that changes only its
+    /// progress (`next_seq`, `updated_at`), which its events already say
+    /// ([`KvWrite::put_derivable`]), and readers catch the record up from
+    /// them (`derive::catch_up`). A view over such a store says so too.
+    fn records_lag(&self) -> bool {
+        false
+    }
+
+    /// [`KvRead::get`], and whether the value is what this view's writer
+    /// wrote rather than what the store holds: such a run record is current
+    /// even where [`KvRead::records_lag`], so validating a commit need not
+    /// read the run's events.
+    fn get_knowing(&self, cf: Cf, key: &[u8]) -> Result<(Option<Vec<u8>>, bool)> {
+        Ok((self.get(cf, key)?, false))
+    }
+}
+
+/// [`KvRead::last`] by scanning the whole prefix.
+pub fn last_by_scan<V: KvRead + ?Sized>(
+    view: &V,
+    cf: Cf,
+    prefix: &[u8],
+) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+    let mut last: Option<(Vec<u8>, Vec<u8>)> = None;
+    view.scan(cf, prefix, prefix, &mut |k, v| {
+        let (key, value) = last.get_or_insert_with(Default::default);
+        key.clear();
+        key.extend_from_slice(k);
+        value.clear();
+        value.extend_from_slice(v);
+        true
+    })?;
+    Ok(last)
 }
 
 /// What [`KvRead::scan_prefixes`] calls for each key: the prefix's index,
@@ -77,7 +119,20 @@ pub trait KvWrite: KvRead {
     fn put(&mut self, cf: Cf, key: Vec<u8>, value: Vec<u8>);
     /// Deletes a key (a no-op if absent).
     fn delete(&mut self, cf: Cf, key: Vec<u8>);
+    /// Puts a value that later reads through this writer see, but which a
+    /// store whose records lag ([`KvRead::records_lag`]) need not write,
+    /// because rows written with it say the same: an open run's record
+    /// whose only change is its progress. An [`Overlay`] lists such keys
+    /// ([`Overlay::into_parts`]) for its writer to leave out; anything else
+    /// puts it.
+    fn put_derivable(&mut self, cf: Cf, key: Vec<u8>, value: Vec<u8>) {
+        self.put(cf, key, value);
+    }
 }
+
+/// Keys whose pending value an [`Overlay`] took as
+/// [derivable](KvWrite::put_derivable).
+pub type Derivable = HashSet<(Cf, Vec<u8>), foldhash::fast::RandomState>;
 
 /// One byte-level change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,6 +164,12 @@ pub struct Overlay<'a> {
     /// While a [step](Overlay::step) runs: what each of its writes
     /// replaced, in the order written.
     undo: Option<Vec<Undo>>,
+    /// The keys whose pending value was put as derivable and not written
+    /// over since.
+    derivable: Derivable,
+    /// The families with keys in `derivable`, a bit each: a write to any
+    /// other family (almost all of them) skips the set.
+    derivable_cfs: u32,
 }
 
 /// One write of a step and the pending write it replaced (`None`: the key
@@ -147,6 +208,8 @@ impl<'a> Overlay<'a> {
             base,
             writes: Cow::Owned(writes),
             undo: None,
+            derivable: Derivable::default(),
+            derivable_cfs: 0,
         }
     }
 
@@ -157,6 +220,8 @@ impl<'a> Overlay<'a> {
             base,
             writes: Cow::Borrowed(writes),
             undo: None,
+            derivable: Derivable::default(),
+            derivable_cfs: 0,
         }
     }
 
@@ -184,6 +249,11 @@ impl<'a> Overlay<'a> {
             Err(e) => {
                 let writes = self.writes.to_mut();
                 for (key, before) in undo.into_iter().rev() {
+                    // Whatever the key held before is written, which is
+                    // never wrong (only a saving is given up).
+                    if self.derivable_cfs & cf_bit(key.0) != 0 {
+                        self.derivable.remove(&key);
+                    }
                     match before {
                         Some(v) => writes.insert(key, v),
                         None => writes.remove(&key),
@@ -199,22 +269,33 @@ impl<'a> Overlay<'a> {
         self.writes.get(&(cf, key.to_vec()))
     }
 
-    fn write(&mut self, cf: Cf, key: Vec<u8>, value: Option<Vec<u8>>) {
+    /// Writes `key`; whether a write of it was pending already.
+    fn write(&mut self, cf: Cf, key: Vec<u8>, value: Option<Vec<u8>>) -> bool {
+        let entry = (cf, key);
+        if self.derivable_cfs & cf_bit(cf) != 0 {
+            self.derivable.remove(&entry);
+        }
         let writes = self.writes.to_mut();
         match &mut self.undo {
             Some(undo) => {
-                let before = writes.insert((cf, key.clone()), value);
-                undo.push(((cf, key), before));
+                let before = writes.insert(entry.clone(), value);
+                let pending = before.is_some();
+                undo.push((entry, before));
+                pending
             }
-            None => {
-                writes.insert((cf, key), value);
-            }
+            None => writes.insert(entry, value).is_some(),
         }
     }
 
     /// The writes, for absorbing into a parent overlay.
     pub fn into_writes(self) -> Writes {
         self.writes.into_owned()
+    }
+
+    /// The writes, and which of them a store whose records lag leaves out
+    /// ([`KvWrite::put_derivable`]); its writer still learns them.
+    pub fn into_parts(self) -> (Writes, Derivable) {
+        (self.writes.into_owned(), self.derivable)
     }
 
     /// The writes as mutations in key order.
@@ -239,6 +320,37 @@ impl KvRead for Overlay<'_> {
             Some(v) => Ok(v.clone()),
             None => self.base.get(cf, key),
         }
+    }
+
+    fn records_lag(&self) -> bool {
+        self.base.records_lag()
+    }
+
+    fn get_knowing(&self, cf: Cf, key: &[u8]) -> Result<(Option<Vec<u8>>, bool)> {
+        match self.writes.get(&(cf, key.to_vec())) {
+            Some(v) => Ok((v.clone(), true)),
+            None => self.base.get_knowing(cf, key),
+        }
+    }
+
+    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let mut pending = None;
+        for ((c, k), v) in self.writes.range((cf, prefix.to_vec())..) {
+            if *c != cf || !k.starts_with(prefix) {
+                break;
+            }
+            match v {
+                Some(v) => pending = Some((k, v)),
+                // A pending delete may be of the base's last key.
+                None => return last_by_scan(self, cf, prefix),
+            }
+        }
+        let base = self.base.last(cf, prefix)?;
+        Ok(match (base, pending) {
+            (Some(b), Some((k, _))) if b.0 > *k => Some(b),
+            (_, Some((k, v))) => Some((k.clone(), v.clone())),
+            (base, None) => base,
+        })
     }
 
     fn scan(
@@ -281,6 +393,24 @@ impl KvWrite for Overlay<'_> {
     fn delete(&mut self, cf: Cf, key: Vec<u8>) {
         self.write(cf, key, None);
     }
+
+    fn put_derivable(&mut self, cf: Cf, key: Vec<u8>, value: Vec<u8>) {
+        // Derivable from what the store holds only if every write of the
+        // key here was: over a pending full put (no longer listed once
+        // `write` has run), this value is written in its place.
+        let entry = (cf, key);
+        let listed = self.derivable_cfs & cf_bit(cf) != 0 && self.derivable.contains(&entry);
+        let pending = self.write(cf, entry.1.clone(), Some(value));
+        if listed || !pending {
+            self.derivable.insert(entry);
+            self.derivable_cfs |= cf_bit(cf);
+        }
+    }
+}
+
+/// A family's bit in a set of families.
+pub fn cf_bit(cf: Cf) -> u32 {
+    1 << cf.index()
 }
 
 /// Plain in-memory column families: the in-memory store's state and the
@@ -336,6 +466,17 @@ impl KvRead for Maps {
         }
         Ok(())
     }
+
+    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let map = &self.cfs[cf.index()];
+        let found = match crate::keys::prefix_end(prefix) {
+            Some(end) => map.range(prefix.to_vec()..end).next_back(),
+            None => map.range(prefix.to_vec()..).next_back(),
+        };
+        Ok(found
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone())))
+    }
 }
 
 impl KvWrite for Maps {
@@ -359,6 +500,44 @@ mod tests {
 
     fn value(o: &Overlay<'_>, cf: Cf, key: &[u8]) -> Option<Vec<u8>> {
         o.get(cf, key).expect("in memory")
+    }
+
+    /// Goal: a key is left out of the store's write only while every
+    /// write of it in the overlay was derivable: one over a pending full
+    /// put, a full put or delete after it, or a failed step's derivable
+    /// put puts it back in. Method: each case on a fresh key, then the
+    /// set `into_parts` hands out.
+    #[test]
+    fn a_key_is_derivable_only_while_every_write_of_it_was() {
+        let base = Maps::default();
+        let mut o = Overlay::new(&base);
+        o.put_derivable(Cf::Runs, b"alone".to_vec(), b"1".to_vec());
+        o.put_derivable(Cf::Runs, b"alone".to_vec(), b"2".to_vec());
+        o.put(Cf::Runs, b"full-first".to_vec(), b"1".to_vec());
+        o.put_derivable(Cf::Runs, b"full-first".to_vec(), b"2".to_vec());
+        o.put_derivable(Cf::Runs, b"full-after".to_vec(), b"1".to_vec());
+        o.put(Cf::Runs, b"full-after".to_vec(), b"2".to_vec());
+        o.put_derivable(Cf::Runs, b"deleted".to_vec(), b"1".to_vec());
+        o.delete(Cf::Runs, b"deleted".to_vec());
+        let failed: std::result::Result<((), Stepped), ()> = o.step(|o| {
+            o.put_derivable(Cf::Runs, b"failed".to_vec(), b"1".to_vec());
+            Err(())
+        });
+        assert!(failed.is_err());
+        let (writes, derivable) = o.into_parts();
+        assert_eq!(
+            derivable.into_iter().collect::<Vec<_>>(),
+            vec![(Cf::Runs, b"alone".to_vec())]
+        );
+        assert_eq!(
+            writes.get(&(Cf::Runs, b"alone".to_vec())),
+            Some(&Some(b"2".to_vec()))
+        );
+        assert_eq!(
+            writes.get(&(Cf::Runs, b"full-first".to_vec())),
+            Some(&Some(b"2".to_vec()))
+        );
+        assert!(!writes.contains_key(&(Cf::Runs, b"failed".to_vec())));
     }
 
     #[test]

@@ -80,8 +80,11 @@ pub use verify::{VerifyReport, Violation};
 /// activity), which a build of version 5 would report missing. Version 7:
 /// the index keeps no keys by type alone nor of every run (both are read
 /// across the status indexes), which a build of version 6 would report
-/// missing and could not list by.
-pub const SCHEMA_VERSION: u32 = 7;
+/// missing and could not list by. Version 8: an open run's record is not
+/// rewritten by a commit that only moves its progress (its last event says
+/// it, see [`kv::KvWrite::put_derivable`]), which a build of version 7
+/// would take for a gap in the history.
+pub const SCHEMA_VERSION: u32 = 8;
 
 /// The oldest schema whose records this build reads as they are: migrating
 /// from it, or from a newer one, rewrites no record; it deletes the rows

@@ -49,7 +49,7 @@ use crate::health::{
 };
 use crate::ids::{RunId, Seq};
 use crate::keys::{prefix_end, Cf, STORE_META_KEY};
-use crate::kv::{KvRead, Mutation, Overlay, PrefixVisitor, Writes};
+use crate::kv::{cf_bit, Derivable, KvRead, Mutation, Overlay, PrefixVisitor, Writes};
 use crate::state::StoreMeta;
 use crate::stats::StoreMemory;
 use crate::store::{CommitHandle, Durability, Reply, Store};
@@ -740,7 +740,10 @@ fn check_or_init_meta(db: &DB, path: &Path, mode: OpenMode) -> Result<()> {
 /// keeps no keys by type alone nor of every run, so the ranges of keys
 /// starting with [`crate::search::DROPPED_INDEX_PREFIXES`] are deleted,
 /// by one range deletion each in that batch (nothing is read, however
-/// many runs the directory holds). Only a read-write open migrates;
+/// many runs the directory holds). Schema 7 to 8: an open run's record
+/// may trail its events ([`crate::kv::KvWrite::put_derivable`]); schema 7's
+/// records are all current, which is one case of that, so only the version
+/// is written. Only a read-write open migrates;
 /// inspection of an older directory asks for one.
 fn migrate(db: &DB, path: &Path, mut meta: StoreMeta) -> Result<()> {
     let from = meta.schema_version;
@@ -967,11 +970,42 @@ impl KvRead for DbView<'_> {
     fn scan_prefixes(&self, cf: Cf, prefixes: &[Vec<u8>], visit: &mut PrefixVisitor<'_>) {
         self.scan_prefixes_filling(cf, prefixes, true, visit)
     }
+
+    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
+        // Checksums checked: this read may be the first of a block since
+        // the store opened (a run's record caught up after a restart), and
+        // it decodes one record of it, not every one.
+        let mut ro = ReadOptions::default();
+        ro.set_iterate_lower_bound(prefix.to_vec());
+        if let Some(end) = prefix_end(prefix) {
+            ro.set_iterate_upper_bound(end);
+        }
+        let mut it = self.0.raw_iterator_cf_opt(&h, ro);
+        it.seek_to_last();
+        if let Some((k, v)) = it.item().filter(|(k, _)| k.starts_with(prefix)) {
+            return Ok(Some((k.to_vec(), v.to_vec())));
+        }
+        it.status().map_err(|e| read_error(cf, e))?;
+        Ok(None)
+    }
+
+    fn records_lag(&self) -> bool {
+        true
+    }
 }
 
 impl KvRead for RocksStore {
     fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
         DbView(&self.db).get(cf, key)
+    }
+
+    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        DbView(&self.db).last(cf, prefix)
+    }
+
+    fn records_lag(&self) -> bool {
+        true
     }
 
     fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {
@@ -1359,7 +1393,7 @@ impl WriterCore {
             // Given up for good: nothing is written any more.
             Err(e)
         } else {
-            let writes = overlay.into_writes();
+            let (writes, derivable) = overlay.into_parts();
             let accepted: Vec<&PreparedBatch> = group
                 .iter()
                 .zip(&results)
@@ -1367,7 +1401,7 @@ impl WriterCore {
                 .map(|(req, _)| &req.prepared)
                 .collect();
             let started = std::time::Instant::now();
-            let written = write_batch(&self.db, &writes, &accepted, &self.wo);
+            let written = write_batch(&self.db, &writes, &derivable, &accepted, &self.wo);
             took = Some(started.elapsed());
             match &written {
                 Ok(()) => {
@@ -1525,6 +1559,7 @@ const PROBE_KEY: &[u8] = b"keel-write-probe";
 fn write_batch(
     db: &DB,
     writes: &Writes,
+    derivable: &Derivable,
     accepted: &[&PreparedBatch],
     wo: &WriteOptions,
 ) -> Result<()> {
@@ -1551,8 +1586,14 @@ fn write_batch(
             batch.put_cf(events, key, bytes);
         }
     }
-    for ((cf, k), v) in writes {
+    // The families with derivable keys (a run's record): the others'
+    // writes are not looked up.
+    let derivable_cfs = derivable.iter().fold(0, |m, (cf, _)| m | cf_bit(*cf));
+    for (key, v) in writes {
+        let (cf, k) = key;
         match v {
+            // The events in this batch say it (`KvWrite::put_derivable`).
+            Some(_) if derivable_cfs & cf_bit(*cf) != 0 && derivable.contains(key) => {}
             Some(v) => batch.put_cf(handle(*cf)?, k, v),
             None => batch.delete_cf(handle(*cf)?, k),
         }

@@ -1357,8 +1357,9 @@ pub fn list(
             examined += 1;
             if let Some(run) = run {
                 let record = records.next().expect("one record per run key");
-                if let Some(meta) = record.map(|bytes| decode_run(run, &bytes)).transpose()? {
+                if let Some(mut meta) = record.map(|bytes| decode_run(run, &bytes)).transpose()? {
                     if filter.matches(&meta) {
+                        crate::derive::current_run(view, run, &mut meta)?;
                         page.runs.push(meta);
                     }
                 }

@@ -109,6 +109,40 @@ pub struct RunMeta {
     pub memo: Vec<(String, Payload)>,
 }
 
+impl RunMeta {
+    /// Whether `other` differs from this record at most in its progress
+    /// (`next_seq`, `updated_at`), which the run's events also say.
+    pub fn same_but_progress(&self, other: &RunMeta) -> bool {
+        // Whole, so that a field added later is compared too.
+        let RunMeta {
+            run_id,
+            instance_id,
+            workflow_type,
+            status,
+            next_seq: _,
+            parent,
+            started_at,
+            updated_at: _,
+            closed_at,
+            outcome,
+            cancel_requested,
+            search_attributes,
+            memo,
+        } = self;
+        *run_id == other.run_id
+            && *instance_id == other.instance_id
+            && *workflow_type == other.workflow_type
+            && *status == other.status
+            && *parent == other.parent
+            && *started_at == other.started_at
+            && *closed_at == other.closed_at
+            && *outcome == other.outcome
+            && *cancel_requested == other.cancel_requested
+            && *search_attributes == other.search_attributes
+            && *memo == other.memo
+    }
+}
+
 /// An instance's current run.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct InstanceMeta {

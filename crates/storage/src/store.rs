@@ -420,7 +420,13 @@ pub trait Store: Send + Sync + 'static {
 
     /// A run's derived metadata.
     fn run_meta(&self, run: RunId) -> Result<Option<RunMeta>> {
-        read_record(self.view(), Cf::Runs, RecordKind::Run, &keys::run_key(run))
+        let view = self.view();
+        let mut meta: Option<RunMeta> =
+            read_record(view, Cf::Runs, RecordKind::Run, &keys::run_key(run))?;
+        if let Some(m) = meta.as_mut() {
+            crate::derive::current_run(view, run, m)?;
+        }
+        Ok(meta)
     }
 
     /// An instance's current run.

@@ -352,6 +352,9 @@ fn compare(
             stored.insert(k.to_vec(), v.to_vec());
             true
         })?;
+        if cf == Cf::Runs && view.records_lag() {
+            catch_up_stored(view, &mut stored);
+        }
         let expected = rebuilt.maps.cf(cf);
         let skip = |k: &[u8], v: &[u8]| {
             key_run(cf, k)
@@ -376,6 +379,30 @@ fn compare(
         }
     }
     Ok(())
+}
+
+/// Brings the stored records of open runs up to their events, as every
+/// reader does (`derive::catch_up`): a store whose records lag leaves out
+/// the rewrites that only move a run's progress, and the rebuilt records
+/// have them. A record that does not decode, or whose events do not, is
+/// left as stored for the comparison to report.
+fn catch_up_stored(view: &dyn KvRead, stored: &mut BTreeMap<Vec<u8>, Vec<u8>>) {
+    for (k, v) in stored.iter_mut() {
+        let Some(run) = keys::run_prefix(k) else {
+            continue;
+        };
+        let Ok(mut meta) = codec::decode::<RunMeta>(RecordKind::Run, v) else {
+            continue;
+        };
+        if meta.status.is_closed() {
+            continue;
+        }
+        if crate::derive::catch_up(view, run, &mut meta).is_ok() {
+            if let Ok(bytes) = codec::encode(RecordKind::Run, &meta) {
+                *v = bytes;
+            }
+        }
+    }
 }
 
 /// Whether a stored derived record says what the rebuilt one says. Equal

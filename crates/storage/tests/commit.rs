@@ -1609,3 +1609,110 @@ fn a_group_keeps_its_good_commits_and_answers_each_with_its_own_rows() {
         assert_eq!(group.into_writes(), expected, "{rows:?}");
     }
 }
+
+/// The raw stored record of `run`, decoded as it is (not caught up).
+fn stored_record(store: &dyn Store, run: keel_storage::RunId) -> keel_storage::RunMeta {
+    let bytes = store
+        .view()
+        .get(
+            keel_storage::keys::Cf::Runs,
+            &keel_storage::keys::run_key(run),
+        )
+        .unwrap()
+        .expect("a run record");
+    keel_storage::codec::decode(keel_storage::codec::RecordKind::Run, &bytes).unwrap()
+}
+
+/// Goal: a store whose run records lag leaves out a rewrite of an open
+/// run's record that changes only its progress, yet every reader sees the
+/// progress its events say, the commit path still refuses a commit that
+/// does not continue from the last event, and a change of anything else
+/// (here the close) is written. Method: five signals committed one at a
+/// time; the raw record must still say what the start wrote (the saving
+/// taken) where the store lags, and be current where it does not
+/// (PostgreSQL); `run_meta` and a list must say seq 7 and the last
+/// event's time; a commit at the record's stale seq must be refused as a
+/// gap; after the close the raw record is current; `verify` passes.
+#[test]
+fn an_open_runs_record_trails_its_events_and_every_reader_catches_it_up() {
+    for_each_store(|store| {
+        let mut b = start(store, 41, "lag", "wf");
+        let started_at = b.at - 10;
+        for i in 0..5u8 {
+            b.commit(store, vec![signal("s", &[i])]).unwrap();
+        }
+        let last_at = Timestamp(b.at - 10);
+        let raw = stored_record(store, b.run);
+        if store.view().records_lag() {
+            assert_eq!(raw.next_seq, Seq(2), "the progress rewrites were left out");
+            assert_eq!(raw.updated_at, Timestamp(started_at));
+        } else {
+            assert_eq!(raw.next_seq, Seq(7));
+        }
+        let meta = store.run_meta(b.run).unwrap().unwrap();
+        assert_eq!((meta.next_seq, meta.updated_at), (Seq(7), last_at));
+        let listed = store
+            .list(&RunFilter::default(), 1000, None)
+            .unwrap()
+            .runs
+            .into_iter()
+            .find(|m| m.run_id == b.run)
+            .expect("listed");
+        assert_eq!(listed, meta);
+        // The seq the stale record names is taken.
+        let err = commit(store, b.run, vec![ev(2, b.at, signal("s", b"again"))]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SeqGap {
+                    expected: Seq(7),
+                    found: Seq(2),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        b.commit(store, vec![workflow_completed()]).unwrap();
+        let raw = stored_record(store, b.run);
+        assert_eq!((raw.next_seq, raw.status), (Seq(8), RunStatus::Completed));
+        assert!(store.verify().unwrap().ok);
+    });
+}
+
+/// Goal: after a restart, when the writer knows nothing of a run, its
+/// trailing record is caught up from the run's last event before a commit
+/// is checked, so a commit that repeats a seq already written is refused
+/// and the next one accepted. Method: RocksDB; seven signals, close,
+/// reopen; commits at the record's stale seq and at a seq in the middle
+/// are refused as gaps naming seq 9; seq 9 is accepted.
+#[test]
+fn a_trailing_record_is_caught_up_before_a_commit_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = {
+        let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+        let mut b = start(&store, 42, "restart-lag", "wf");
+        for i in 0..7u8 {
+            b.commit(&store, vec![signal("s", &[i])]).unwrap();
+        }
+        assert_eq!(stored_record(&store, b.run).next_seq, Seq(2));
+        store.close().unwrap();
+        b
+    };
+    let store = RocksStore::open(dir.path(), Durability::Sync).unwrap();
+    for seq in [2, 5] {
+        let err = commit(&store, b.run, vec![ev(seq, b.at, signal("s", b"dup"))]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::SeqGap {
+                    expected: Seq(9),
+                    ..
+                }
+            ),
+            "seq {seq}: {err}"
+        );
+    }
+    b.commit(&store, vec![signal("s", b"next")]).unwrap();
+    assert_eq!(store.run_meta(b.run).unwrap().unwrap().next_seq, Seq(10));
+    assert!(store.verify().unwrap().ok);
+}

@@ -199,8 +199,9 @@ fn a_log_cut_short_opened_accepting_the_loss_counts_what_is_unreadable() {
 /// with a typed corruption error and the store reports that it gave up
 /// (the engine then stops serving with that cause).
 /// Method: write three table files, damage a data block of one while the
-/// store is closed, reopen, write a fourth, which makes RocksDB compact
-/// the four (it reads every block, checksums on), then commit again.
+/// store is closed, reopen, write a fourth (of other runs), which makes
+/// RocksDB compact the four (it reads every block, checksums on), then
+/// commit again.
 #[test]
 fn a_compaction_meeting_a_damaged_table_stops_writes_with_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
@@ -241,12 +242,21 @@ fn a_compaction_meeting_a_damaged_table_stops_writes_with_a_typed_error() {
     std::fs::write(&sst, bytes).unwrap();
 
     let store = RocksStore::open(&data, Durability::Sync).unwrap();
-    for run in runs.iter_mut() {
+    // New runs write the fourth table: a commit to one of the old runs
+    // would read that run's last event first (its record is caught up
+    // after a restart), which may be in the damaged block, and would find
+    // the damage there instead of the compaction.
+    let mut fresh: Vec<RunBuilder> = (0..4u64)
+        .map(|n| RunBuilder::new(run_id(200 + n), 100))
+        .collect();
+    for (n, run) in fresh.iter_mut().enumerate() {
+        run.commit(&store, vec![started(run.run, &format!("d-{n}"), "wf")])
+            .unwrap();
         for _ in 0..5 {
             run.commit(&store, vec![signal("s", &payload)]).unwrap();
         }
     }
-    let run = &mut runs[0];
+    let run = &mut fresh[0];
     // The flush may itself fail once the compaction has stopped writes.
     let _ = store.flush();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
