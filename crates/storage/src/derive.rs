@@ -245,10 +245,15 @@ pub fn apply_batch_raw(
     // needed, and every intent row in it is the batch's.
     let mut overlay = Overlay::new(base);
     let appends = validate_batch(&mut overlay, prepared, checks, EventRows::Written)?;
-    // What a store whose records lag leaves out (`KvWrite::put_derivable`).
+    // What a store whose records lag leaves out (`KvWrite::put_derivable`):
+    // derivable here means from what this batch's own overlay saw, so a
+    // key `base` holds pending from its writer (an earlier commit of the
+    // group, which may have changed more than progress) is written.
     let (mut writes, derivable) = overlay.into_parts();
     for key in &derivable {
-        writes.remove(key);
+        if !base.get_knowing(key.0, &key.1)?.1 {
+            writes.remove(key);
+        }
     }
     let rows = writes
         .iter()
@@ -614,32 +619,46 @@ fn append_to(
 /// ([`KvRead::records_lag`]), up to the run's last event: its `next_seq`
 /// and `updated_at` are the last event's, which the commits that left the
 /// record alone wrote. One seek to the run's last event, however far the
-/// record trails.
-pub(crate) fn catch_up<V: KvRead + ?Sized>(view: &V, run: RunId, meta: &mut RunMeta) -> Result<()> {
+/// record trails. Returns whether that event closes the run (a reader
+/// then holds a record read before the close: see [`current_run`]).
+pub(crate) fn catch_up<V: KvRead + ?Sized>(
+    view: &V,
+    run: RunId,
+    meta: &mut RunMeta,
+) -> Result<bool> {
     let Some((key, bytes)) = view.last(Cf::Events, run.as_bytes())? else {
-        return Ok(());
+        return Ok(false);
     };
-    let Some((_, seq)) = keys::parse_event_key(&key).filter(|(_, s)| *s >= meta.next_seq) else {
-        return Ok(());
+    let corrupt = |seq, source| Error::Corrupt {
+        cf: Cf::Events.name(),
+        run: Some(run),
+        seq,
+        source,
     };
+    // The run's prefix holds only event keys: anything else is damage, and
+    // the record must not pass for current.
+    let Some((_, seq)) = keys::parse_event_key(&key) else {
+        return Err(corrupt(None, codec::Error::TooShort { len: key.len() }));
+    };
+    if seq < meta.next_seq {
+        return Ok(false);
+    }
     let event: Event =
-        codec::decode(RecordKind::Event, &bytes).map_err(|source| Error::Corrupt {
-            cf: Cf::Events.name(),
-            run: Some(run),
-            seq: Some(seq),
-            source,
-        })?;
+        codec::decode(RecordKind::Event, &bytes).map_err(|source| corrupt(Some(seq), source))?;
     meta.next_seq = seq.next();
     meta.updated_at = event.at;
-    Ok(())
+    Ok(event.kind.closes_run())
 }
 
 /// A run's record as a reader gets it: as stored, caught up with its
 /// events where the store's records lag ([`catch_up`]). Closed runs'
-/// records are always current (a close rewrites the record).
+/// records are always current (a close rewrites the record); one that
+/// closed between reading the record and its last event is read again.
 pub(crate) fn current_run(view: &dyn KvRead, run: RunId, meta: &mut RunMeta) -> Result<()> {
-    if view.records_lag() && !meta.status.is_closed() {
-        catch_up(view, run, meta)?;
+    if view.records_lag() && !meta.status.is_closed() && catch_up(view, run, meta)? {
+        if let Some(closed) = read_record(view, Cf::Runs, RecordKind::Run, &keys::run_key(run))? {
+            *meta = closed;
+        }
     }
     Ok(())
 }

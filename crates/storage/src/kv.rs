@@ -225,8 +225,14 @@ impl<'a> Overlay<'a> {
         }
     }
 
-    /// Takes another overlay's writes on top of this one's.
+    /// Takes another overlay's writes on top of this one's (written whole:
+    /// a key this one held as derivable no longer is).
     pub fn absorb(&mut self, writes: Writes) {
+        if self.derivable_cfs != 0 {
+            for key in writes.keys() {
+                self.derivable.remove(key);
+            }
+        }
         self.writes.to_mut().extend(writes);
     }
 

@@ -86,6 +86,13 @@ pub use verify::{VerifyReport, Violation};
 /// would take for a gap in the history.
 pub const SCHEMA_VERSION: u32 = 8;
 
+/// The schema version a PostgreSQL database records, which moves only when
+/// what PostgreSQL holds changes: version 8 changed what the embedded
+/// stores leave out (an open run's record trails its events there, never on
+/// PostgreSQL, whose other processes read the records as written), so a
+/// database stays at 7 and engines of both builds share it.
+pub const PG_SCHEMA_VERSION: u32 = 7;
+
 /// The oldest schema whose records this build reads as they are: migrating
 /// from it, or from a newer one, rewrites no record; it deletes the rows
 /// that [`SCHEMA_VERSION_ATTEMPT_ROWS_DROPPED`] and

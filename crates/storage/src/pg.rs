@@ -85,7 +85,10 @@ use crate::lease::{self, Fence, Member, ShardLease, ShardLeases};
 use crate::pg_tls::{self, Tls};
 use crate::relay::{self, Note, Relay, RelayNotices, RelayTo};
 use crate::store::{CommitHandle, Durability, Reply, Store};
-use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_VERSION};
+use crate::{
+    COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX,
+    PG_SCHEMA_VERSION as SCHEMA_VERSION,
+};
 
 /// Most connections one store opens for reads (the writer has its own).
 pub const PG_READ_CONNECTIONS_MAX: usize = 8;

@@ -18,7 +18,7 @@ use keel_storage::keys::Cf;
 use keel_storage::search::{self, Field, Op};
 use keel_storage::{
     codec, EventKind, ListError, PageToken, Payload, RunFilter, RunId, RunMeta, RunStatus,
-    SearchValue, Store, Timestamp,
+    SearchValue, Seq, Store, Timestamp,
 };
 
 /// A small deterministic generator (xorshift64*).
@@ -653,6 +653,81 @@ fn runs_closing_all_through_a_list_are_each_listed_once_in_order() {
                 }
             }
             assert_eq!(paged, want, "pages of {size}");
+        }
+    });
+}
+
+/// A store's view that closes `open` (once) just before the first read of
+/// a run's last event: a close landing between a reader's read of a run's
+/// record and the catching up of it.
+struct ClosesBeforeLastEvent<'a> {
+    store: &'a dyn Store,
+    open: std::cell::RefCell<Option<RunBuilder>>,
+}
+
+impl keel_storage::kv::KvRead for ClosesBeforeLastEvent<'_> {
+    fn get(&self, cf: Cf, key: &[u8]) -> keel_storage::Result<Option<Vec<u8>>> {
+        self.store.view().get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> keel_storage::Result<()> {
+        self.store.view().scan(cf, prefix, from, visit)
+    }
+
+    fn last(&self, cf: Cf, prefix: &[u8]) -> keel_storage::Result<Option<(Vec<u8>, Vec<u8>)>> {
+        if let Some(mut run) = self.open.borrow_mut().take() {
+            run.commit(self.store, vec![workflow_completed()]).unwrap();
+        }
+        self.store.view().last(cf, prefix)
+    }
+
+    fn records_lag(&self) -> bool {
+        self.store.view().records_lag()
+    }
+}
+
+#[test]
+fn a_run_closing_while_its_record_is_caught_up_is_listed_closed() {
+    // Goal: where run records lag, a list reads an open run's record and
+    // then its last event, not as one snapshot; a run that closes between
+    // the two is listed as its closed record says, never as open with the
+    // close counted in its history. Method: one run with two signals; a
+    // view that commits the run's close just before the last event is
+    // read; the listed run equals `run_meta` afterwards (completed, seq 5).
+    for_each_store(|store| {
+        let run = run_id(7_000);
+        let mut b = RunBuilder::new(run, T0);
+        b.commit(store, vec![started(run, "torn", TYPES[0])])
+            .unwrap();
+        for i in 0..2u8 {
+            b.commit(store, vec![signal("s", &[i])]).unwrap();
+        }
+        let view = ClosesBeforeLastEvent {
+            store,
+            open: std::cell::RefCell::new(Some(b)),
+        };
+        let filter = RunFilter::all().workflow_type(TYPES[0]);
+        let page = search::list(&view, &filter, 10, None).unwrap();
+        let listed = page.runs.iter().find(|m| m.run_id == run).expect("listed");
+        if store.view().records_lag() {
+            assert!(view.open.borrow().is_none(), "closed mid-list");
+            assert_eq!(listed, &store.run_meta(run).unwrap().unwrap());
+            assert_eq!(
+                (listed.status, listed.next_seq),
+                (RunStatus::Completed, Seq(5))
+            );
+        } else {
+            // Read whole, as written: the record before the close.
+            assert_eq!(
+                (listed.status, listed.next_seq),
+                (RunStatus::Running, Seq(4))
+            );
         }
     });
 }

@@ -29,7 +29,8 @@ use std::sync::Arc;
 use crate::common::*;
 use keel_storage::{
     CommitBatch, DatabaseFault, Error, Fence, Note, PgOptions, PgStore, Relay, RelayTo, Seq,
-    ShardLease, ShardLeases, Store, Timestamp, SCHEMA_VERSION, SCHEMA_VERSION_READ_AS_IS,
+    ShardLease, ShardLeases, Store, Timestamp, PG_SCHEMA_VERSION as SCHEMA_VERSION,
+    SCHEMA_VERSION_READ_AS_IS,
 };
 
 /// Runs one SQL statement on the test server (its own runtime: the store's
