@@ -564,6 +564,15 @@ impl keel_storage::kv::KvRead for ClosesBetweenScans<'_> {
         }
         scanned
     }
+
+    // As the store reads: open runs' records caught up where they lag.
+    fn last(&self, cf: Cf, prefix: &[u8]) -> keel_storage::Result<Option<(Vec<u8>, Vec<u8>)>> {
+        self.store.view().last(cf, prefix)
+    }
+
+    fn records_lag(&self) -> bool {
+        self.store.view().records_lag()
+    }
 }
 
 #[test]
