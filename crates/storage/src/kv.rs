@@ -77,9 +77,13 @@ pub trait KvRead {
     /// store leaves out a rewrite of the record that changes only its
     /// progress (`next_seq`, `updated_at`), which its events already say
     /// ([`KvWrite::put_derivable`]), and readers catch the record up from
-    /// them (`derive::catch_up`). A view over such a store says so too.
+    /// them (`derive::catch_up`). True unless a view says otherwise: a
+    /// view that wraps a store and forwards only `get` and `scan` (say, to
+    /// count reads) still reads current records, at the cost of a scan of
+    /// the run's events where it does not forward [`KvRead::last`]. Only a
+    /// store that writes every record whole (PostgreSQL) says false.
     fn records_lag(&self) -> bool {
-        false
+        true
     }
 
     /// [`KvRead::get`], and whether the value is what this view's writer

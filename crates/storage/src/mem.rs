@@ -286,12 +286,6 @@ impl KvRead for MemStore {
     fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
         self.inner.lock().live.last(cf, prefix)
     }
-
-    /// Lags as RocksDB's do, so that the simulator and the tests on this
-    /// store read records as the embedded store leaves them.
-    fn records_lag(&self) -> bool {
-        true
-    }
 }
 
 impl Relay for MemStore {
@@ -335,7 +329,7 @@ impl Store for MemStore {
         if let Some(e) = inner.health.error() {
             return CommitHandle::ready(Err(e));
         }
-        let result = apply_batch_checked(&Lagging(&inner.live), &prepared, inner.checks)
+        let result = apply_batch_checked(&inner.live, &prepared, inner.checks)
             .map(|(w, ack)| (mutations_of(w), ack));
         CommitHandle::ready(result.map(|(mutations, ack)| {
             inner.live.apply(&mutations);
@@ -362,34 +356,6 @@ impl Store for MemStore {
 
     fn health(&self) -> StoreHealth {
         self.inner.lock().health.clone()
-    }
-}
-
-/// The store's maps as its commits read them: with records that lag
-/// ([`KvRead::records_lag`]), as the store writes them.
-struct Lagging<'a>(&'a Maps);
-
-impl KvRead for Lagging<'_> {
-    fn get(&self, cf: Cf, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        self.0.get(cf, key)
-    }
-
-    fn scan(
-        &self,
-        cf: Cf,
-        prefix: &[u8],
-        from: &[u8],
-        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
-    ) -> Result<()> {
-        self.0.scan(cf, prefix, from, visit)
-    }
-
-    fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
-        self.0.last(cf, prefix)
-    }
-
-    fn records_lag(&self) -> bool {
-        true
     }
 }
 
@@ -430,10 +396,6 @@ impl KvRead for SyncedView {
 
     fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
         self.0.inner.lock().durable.last(cf, prefix)
-    }
-
-    fn records_lag(&self) -> bool {
-        true
     }
 }
 

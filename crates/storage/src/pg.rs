@@ -1685,6 +1685,11 @@ impl KvRead for ConnView<'_> {
             visit,
         )
     }
+
+    /// Every record is written whole here: other processes read them.
+    fn records_lag(&self) -> bool {
+        false
+    }
 }
 
 impl KvRead for PgStore {
@@ -1729,6 +1734,10 @@ impl KvRead for PgStore {
             },
             visit,
         )
+    }
+
+    fn records_lag(&self) -> bool {
+        false
     }
 }
 

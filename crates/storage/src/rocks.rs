@@ -990,10 +990,6 @@ impl KvRead for DbView<'_> {
         it.status().map_err(|e| read_error(cf, e))?;
         Ok(None)
     }
-
-    fn records_lag(&self) -> bool {
-        true
-    }
 }
 
 impl KvRead for RocksStore {
@@ -1003,10 +999,6 @@ impl KvRead for RocksStore {
 
     fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
         DbView(&self.db).last(cf, prefix)
-    }
-
-    fn records_lag(&self) -> bool {
-        true
     }
 
     fn get_many(&self, cf: Cf, keys: &[Vec<u8>]) -> Result<Vec<Option<Vec<u8>>>> {

@@ -141,6 +141,11 @@ impl KvRead for Rebuilt {
     ) -> Result<()> {
         self.maps.scan(cf, prefix, from, visit)
     }
+
+    /// Rebuilt from the events, every record whole.
+    fn records_lag(&self) -> bool {
+        false
+    }
 }
 
 impl KvWrite for Rebuilt {
