@@ -497,3 +497,89 @@ async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Res
     engine.shutdown().await;
     Ok(())
 }
+
+/// A store that panics on the commit after it is armed (a broken store or
+/// a broken invariant on the shard's thread).
+struct PanicOnCommit {
+    inner: Arc<MemStore>,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl KvRead for PanicOnCommit {
+    fn get(&self, cf: Cf, key: &[u8]) -> keel::storage::Result<Option<Vec<u8>>> {
+        self.inner.view().get(cf, key)
+    }
+
+    fn scan(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> keel::storage::Result<()> {
+        self.inner.view().scan(cf, prefix, from, visit)
+    }
+}
+
+impl Store for PanicOnCommit {
+    fn view(&self) -> &dyn KvRead {
+        self
+    }
+    fn commit(&self, batch: CommitBatch) -> CommitHandle {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            panic!("a store that panics on commit (test)");
+        }
+        self.inner.commit(batch)
+    }
+    fn sync(&self) -> keel::storage::Result<()> {
+        self.inner.sync()
+    }
+    fn durability(&self) -> keel::Durability {
+        self.inner.durability()
+    }
+}
+
+// Goal: a panic on a shard's thread does not leave the calls that shard
+// had taken waiting for ever: they end with an error, later calls to the
+// shard too, and the engine still shuts down. Method: one shard; a caller
+// waits for a run's result; the store is armed to panic on the next
+// commit, which the signal sent next makes on the shard's thread; both
+// calls, a describe after them and the shutdown must end within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_shard_leaves_no_call_waiting() -> anyhow::Result<()> {
+    let store = Arc::new(PanicOnCommit {
+        inner: Arc::new(MemStore::new(keel::Durability::Sync)),
+        armed: std::sync::atomic::AtomicBool::new(false),
+    });
+    let engine = Engine::builder()
+        .store(store.clone())
+        .shards(1)
+        .register_workflow::<TwoSignals>()
+        .build()?;
+    let client = engine.client();
+    client.start::<TwoSignals>("doomed", &()).await?;
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.result::<TwoSignals>("doomed").await })
+    };
+    // The result call is taken by the shard before the panic.
+    client.describe("doomed").await?;
+    store.armed.store(true, Ordering::SeqCst);
+    let limit = Duration::from_secs(20);
+    let signalled = tokio::time::timeout(limit, client.signal("doomed", "a", &1u32, None))
+        .await
+        .expect("the signal's call ended");
+    assert!(signalled.is_err(), "{signalled:?}");
+    let result = tokio::time::timeout(limit, waiting)
+        .await
+        .expect("the waiting result's call ended")?;
+    assert!(result.is_err(), "{result:?}");
+    let described = tokio::time::timeout(limit, client.describe("doomed"))
+        .await
+        .expect("a later call ended");
+    assert!(described.is_err(), "{described:?}");
+    tokio::time::timeout(limit, engine.shutdown())
+        .await
+        .expect("the engine shut down");
+    Ok(())
+}

@@ -105,6 +105,9 @@ pub(crate) struct ShardActor {
     generation: u64,
     /// Commit answers not yet fed to the driver.
     answers: Arc<Answers>,
+    /// Whether actix stopped this actor (its `stopped` hook ran); an actor
+    /// dropped without it was unwound by a panic in its handling.
+    stopped: bool,
 }
 
 impl ShardActor {
@@ -115,6 +118,7 @@ impl ShardActor {
             wake: None,
             generation,
             answers: Arc::default(),
+            stopped: false,
         }
     }
 
@@ -291,6 +295,10 @@ impl Actor for ShardActor {
             }
         });
     }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.stopped = true;
+    }
 }
 
 impl Handler<Feed> for ShardActor {
@@ -347,6 +355,24 @@ impl Handler<Stop> for ShardActor {
                 }
             }
         }
+    }
+}
+
+impl Drop for ShardActor {
+    /// However the actor ends, nothing keeps waiting on it. A panic in its
+    /// handling (a broken invariant in the driver, a store that panicked)
+    /// is caught by the runtime, which drops the actor without stopping it:
+    /// the calls it had taken would otherwise wait for answers that never
+    /// come. Each is told to ask again, which ends in `Unavailable` while
+    /// no shard serves it here (another process takes the shard once its
+    /// lease, no longer renewed, runs out), and the route to it goes.
+    fn drop(&mut self) {
+        let shard = self.driver.id();
+        if !self.stopped {
+            tracing::error!(%shard, "the shard's actor ended without stopping (a panic in its handling); its waiting calls are told to ask again, and its runs wait for the engine's restart or for another process to take the shard");
+        }
+        self.host.routes.remove(shard, self.generation);
+        self.host.client.shard_stopped(shard, self.generation);
     }
 }
 
