@@ -768,6 +768,9 @@ fn plan_search(rng: &mut ChaCha8Rng, instance: &str) -> WorkflowPlan {
         "stage >= 1 and type = sim.search".to_string(),
         format!("done = true and customer != {instance:?}"),
         "status = completed and type = sim.search".to_string(),
+        // Every open run of every shape, mid-way through its history:
+        // each listed run's progress is checked against its events.
+        "status = running".to_string(),
     ];
     for _ in 0..2 {
         p.ops.push(ClientOp {

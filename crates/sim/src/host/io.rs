@@ -436,6 +436,7 @@ impl World<'_> {
             return;
         }
         let mut expected = Vec::new();
+        let mut progress = std::collections::HashMap::new();
         for run in runs {
             let Ok(history) = reader.history(run) else {
                 return;
@@ -444,6 +445,20 @@ impl World<'_> {
                 if filter.matches(&meta) {
                     expected.push(run);
                 }
+                progress.insert(run, (meta.next_seq, meta.updated_at));
+            }
+        }
+        // A listed run's progress is its history's, however far its stored
+        // record trails (the embedded stores leave progress-only rewrites
+        // to the events).
+        for meta in &page.runs {
+            let folded = progress.get(&meta.run_id);
+            if folded.is_some_and(|f| *f != (meta.next_seq, meta.updated_at)) {
+                let detail = format!(
+                    "list {filter}: run {} listed at seq {} (updated {}), its durable history at {:?}",
+                    meta.run_id, meta.next_seq, meta.updated_at.0, folded
+                );
+                self.violation(crate::check::ViolationKind::WrongAnswer, detail);
             }
         }
         let mut listed: Vec<_> = page.runs.iter().map(|m| m.run_id).collect();
