@@ -407,10 +407,23 @@ impl Workflow for TwoSignals {
     }
 }
 
-/// A store that counts the reads of instance records.
+/// An in-memory store that counts the reads of instance records and, once
+/// armed, panics on its next commit (a broken store, or a broken invariant
+/// on the shard's thread).
 struct CountingStore {
     inner: Arc<MemStore>,
     instance_reads: AtomicU32,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl CountingStore {
+    fn new() -> Self {
+        CountingStore {
+            inner: Arc::new(MemStore::new(keel::Durability::Sync)),
+            instance_reads: AtomicU32::new(0),
+            armed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
 }
 
 impl KvRead for CountingStore {
@@ -437,6 +450,9 @@ impl Store for CountingStore {
         self
     }
     fn commit(&self, batch: CommitBatch) -> CommitHandle {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            panic!("a store that panics on commit (test)");
+        }
         self.inner.commit(batch)
     }
     fn sync(&self) -> keel::storage::Result<()> {
@@ -455,10 +471,7 @@ impl Store for CountingStore {
 // closed run's result; then the same for a run replayed after a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Result<()> {
-    let store = Arc::new(CountingStore {
-        inner: Arc::new(MemStore::new(keel::Durability::Sync)),
-        instance_reads: AtomicU32::new(0),
-    });
+    let store = Arc::new(CountingStore::new());
     let engine = Engine::builder()
         .store(store.clone())
         .register_workflow::<TwoSignals>()
@@ -498,47 +511,6 @@ async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Res
     Ok(())
 }
 
-/// A store that panics on the commit after it is armed (a broken store or
-/// a broken invariant on the shard's thread).
-struct PanicOnCommit {
-    inner: Arc<MemStore>,
-    armed: std::sync::atomic::AtomicBool,
-}
-
-impl KvRead for PanicOnCommit {
-    fn get(&self, cf: Cf, key: &[u8]) -> keel::storage::Result<Option<Vec<u8>>> {
-        self.inner.view().get(cf, key)
-    }
-
-    fn scan(
-        &self,
-        cf: Cf,
-        prefix: &[u8],
-        from: &[u8],
-        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
-    ) -> keel::storage::Result<()> {
-        self.inner.view().scan(cf, prefix, from, visit)
-    }
-}
-
-impl Store for PanicOnCommit {
-    fn view(&self) -> &dyn KvRead {
-        self
-    }
-    fn commit(&self, batch: CommitBatch) -> CommitHandle {
-        if self.armed.swap(false, Ordering::SeqCst) {
-            panic!("a store that panics on commit (test)");
-        }
-        self.inner.commit(batch)
-    }
-    fn sync(&self) -> keel::storage::Result<()> {
-        self.inner.sync()
-    }
-    fn durability(&self) -> keel::Durability {
-        self.inner.durability()
-    }
-}
-
 // Goal: a panic on a shard's thread does not leave the calls that shard
 // had taken waiting for ever: they end with an error, later calls to the
 // shard too, and the engine still shuts down. Method: one shard; a caller
@@ -547,10 +519,7 @@ impl Store for PanicOnCommit {
 // calls, a describe after them and the shutdown must end within seconds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_shard_leaves_no_call_waiting() -> anyhow::Result<()> {
-    let store = Arc::new(PanicOnCommit {
-        inner: Arc::new(MemStore::new(keel::Durability::Sync)),
-        armed: std::sync::atomic::AtomicBool::new(false),
-    });
+    let store = Arc::new(CountingStore::new());
     let engine = Engine::builder()
         .store(store.clone())
         .shards(1)

@@ -533,16 +533,35 @@ fn runs_of_a_type_and_every_run_merge_the_status_indexes_in_start_order() {
     });
 }
 
-/// A store's view that closes the next of `open` right after each scan of
-/// the index by status (of the running runs' keys only, if `after_running`):
-/// commits landing between the scans a list across statuses makes.
-struct ClosesBetweenScans<'a> {
-    store: &'a dyn Store,
-    open: std::cell::RefCell<Vec<RunBuilder>>,
-    after_running: bool,
+/// When a [`Closing`] view closes the next of its open runs.
+#[derive(Clone, Copy)]
+enum CloseAt {
+    /// Right after each scan of the index by status (of the running runs'
+    /// keys only, if `running_only`): commits landing between the scans a
+    /// list across statuses makes.
+    StatusScans { running_only: bool },
+    /// Just before a read of a run's last event: a close landing between
+    /// a reader's read of a run's record and the catching up of it.
+    LastEvent,
 }
 
-impl keel_storage::kv::KvRead for ClosesBetweenScans<'_> {
+/// A store's view that closes the next of `open` at `at`, and otherwise
+/// reads as its store does (open runs' records caught up where they lag).
+struct Closing<'a> {
+    store: &'a dyn Store,
+    open: std::cell::RefCell<Vec<RunBuilder>>,
+    at: CloseAt,
+}
+
+impl Closing<'_> {
+    fn close_next(&self) {
+        if let Some(mut run) = self.open.borrow_mut().pop() {
+            run.commit(self.store, vec![workflow_completed()]).unwrap();
+        }
+    }
+}
+
+impl keel_storage::kv::KvRead for Closing<'_> {
     fn get(&self, cf: Cf, key: &[u8]) -> keel_storage::Result<Option<Vec<u8>>> {
         self.store.view().get(cf, key)
     }
@@ -555,18 +574,20 @@ impl keel_storage::kv::KvRead for ClosesBetweenScans<'_> {
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> keel_storage::Result<()> {
         let scanned = self.store.view().scan(cf, prefix, from, visit);
-        let by_status = prefix.first().is_some_and(|b| matches!(b, b'S' | b'X'));
-        let running = prefix.get(1) == Some(&RunStatus::Running.code());
-        if cf == Cf::Index && by_status && (running || !self.after_running) {
-            if let Some(mut run) = self.open.borrow_mut().pop() {
-                run.commit(self.store, vec![workflow_completed()]).unwrap();
+        if let CloseAt::StatusScans { running_only } = self.at {
+            let by_status = prefix.first().is_some_and(|b| matches!(b, b'S' | b'X'));
+            let running = prefix.get(1) == Some(&RunStatus::Running.code());
+            if cf == Cf::Index && by_status && (running || !running_only) {
+                self.close_next();
             }
         }
         scanned
     }
 
-    // As the store reads: open runs' records caught up where they lag.
     fn last(&self, cf: Cf, prefix: &[u8]) -> keel_storage::Result<Option<(Vec<u8>, Vec<u8>)>> {
+        if let CloseAt::LastEvent = self.at {
+            self.close_next();
+        }
         self.store.view().last(cf, prefix)
     }
 
@@ -595,10 +616,10 @@ fn a_run_closing_between_the_status_scans_is_listed_once() {
                 open.push(b);
             }
         }
-        let view = ClosesBetweenScans {
+        let view = Closing {
             store,
             open: std::cell::RefCell::new(open),
-            after_running: true,
+            at: CloseAt::StatusScans { running_only: true },
         };
         let page = search::list(&view, &RunFilter::all(), 100, None).unwrap();
         assert!(view.open.borrow().is_empty(), "the run was closed mid-list");
@@ -645,10 +666,12 @@ fn runs_closing_all_through_a_list_are_each_listed_once_in_order() {
             }
             want.sort();
             let want: Vec<RunId> = want.into_iter().map(|(_, r)| r).collect();
-            let view = ClosesBetweenScans {
+            let view = Closing {
                 store,
                 open: std::cell::RefCell::new(open),
-                after_running: false,
+                at: CloseAt::StatusScans {
+                    running_only: false,
+                },
             };
             let filter = RunFilter::all().workflow_type(&workflow_type);
             let mut paged = Vec::new();
@@ -664,41 +687,6 @@ fn runs_closing_all_through_a_list_are_each_listed_once_in_order() {
             assert_eq!(paged, want, "pages of {size}");
         }
     });
-}
-
-/// A store's view that closes `open` (once) just before the first read of
-/// a run's last event: a close landing between a reader's read of a run's
-/// record and the catching up of it.
-struct ClosesBeforeLastEvent<'a> {
-    store: &'a dyn Store,
-    open: std::cell::RefCell<Option<RunBuilder>>,
-}
-
-impl keel_storage::kv::KvRead for ClosesBeforeLastEvent<'_> {
-    fn get(&self, cf: Cf, key: &[u8]) -> keel_storage::Result<Option<Vec<u8>>> {
-        self.store.view().get(cf, key)
-    }
-
-    fn scan(
-        &self,
-        cf: Cf,
-        prefix: &[u8],
-        from: &[u8],
-        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
-    ) -> keel_storage::Result<()> {
-        self.store.view().scan(cf, prefix, from, visit)
-    }
-
-    fn last(&self, cf: Cf, prefix: &[u8]) -> keel_storage::Result<Option<(Vec<u8>, Vec<u8>)>> {
-        if let Some(mut run) = self.open.borrow_mut().take() {
-            run.commit(self.store, vec![workflow_completed()]).unwrap();
-        }
-        self.store.view().last(cf, prefix)
-    }
-
-    fn records_lag(&self) -> bool {
-        self.store.view().records_lag()
-    }
 }
 
 #[test]
@@ -717,15 +705,16 @@ fn a_run_closing_while_its_record_is_caught_up_is_listed_closed() {
         for i in 0..2u8 {
             b.commit(store, vec![signal("s", &[i])]).unwrap();
         }
-        let view = ClosesBeforeLastEvent {
+        let view = Closing {
             store,
-            open: std::cell::RefCell::new(Some(b)),
+            open: std::cell::RefCell::new(vec![b]),
+            at: CloseAt::LastEvent,
         };
         let filter = RunFilter::all().workflow_type(TYPES[0]);
         let page = search::list(&view, &filter, 10, None).unwrap();
         let listed = page.runs.iter().find(|m| m.run_id == run).expect("listed");
         if store.view().records_lag() {
-            assert!(view.open.borrow().is_none(), "closed mid-list");
+            assert!(view.open.borrow().is_empty(), "closed mid-list");
             assert_eq!(listed, &store.run_meta(run).unwrap().unwrap());
             assert_eq!(
                 (listed.status, listed.next_seq),
