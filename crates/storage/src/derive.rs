@@ -250,7 +250,7 @@ pub fn apply_batch_raw(
     // key `base` holds pending from its writer (an earlier commit of the
     // group, which may have changed more than progress) is written.
     let (mut writes, derivable) = overlay.into_parts();
-    for key in &derivable {
+    for key in derivable.keys() {
         if !base.get_knowing(key.0, &key.1)?.1 {
             writes.remove(key);
         }
@@ -382,17 +382,25 @@ pub fn read_record<T: serde::de::DeserializeOwned>(
     kind: RecordKind,
     key: &[u8],
 ) -> Result<Option<T>> {
-    match view.get(cf, key)? {
-        None => Ok(None),
-        Some(bytes) => codec::decode(kind, &bytes)
-            .map(Some)
-            .map_err(|source| Error::Corrupt {
-                cf: cf.name(),
-                run: keys::run_prefix(key),
-                seq: None,
-                source,
-            }),
-    }
+    view.get(cf, key)?
+        .map(|bytes| decode_record(cf, kind, key, &bytes))
+        .transpose()
+}
+
+/// A record read at `key` in `cf`, decoded; damage is [`Error::Corrupt`]
+/// naming the family and the run the key names.
+fn decode_record<T: serde::de::DeserializeOwned>(
+    cf: Cf,
+    kind: RecordKind,
+    key: &[u8],
+    bytes: &[u8],
+) -> Result<T> {
+    codec::decode(kind, bytes).map_err(|source| Error::Corrupt {
+        cf: cf.name(),
+        run: keys::run_prefix(key),
+        seq: None,
+        source,
+    })
 }
 
 /// Warns once a count crosses [`LIMIT_WARN_PERCENT`] of its limit.
@@ -507,14 +515,8 @@ fn append_to(
     let lag = out.records_lag();
     let (stored, current) = out.get_knowing(Cf::Runs, &run_key)?;
     let mut old: Option<RunMeta> = stored
-        .map(|bytes| codec::decode(RecordKind::Run, &bytes))
-        .transpose()
-        .map_err(|source| Error::Corrupt {
-            cf: Cf::Runs.name(),
-            run: Some(run),
-            seq: None,
-            source,
-        })?;
+        .map(|bytes| decode_record(Cf::Runs, RecordKind::Run, &run_key, &bytes))
+        .transpose()?;
     if let Some(m) = old.as_mut() {
         // A record read from a store whose records lag, and not known here
         // from this writer's own writes, may trail the run's events: the

@@ -135,8 +135,37 @@ pub trait KvWrite: KvRead {
 }
 
 /// Keys whose pending value an [`Overlay`] took as
-/// [derivable](KvWrite::put_derivable).
-pub type Derivable = HashSet<(Cf, Vec<u8>), foldhash::fast::RandomState>;
+/// [derivable](KvWrite::put_derivable), with the families they are in: a
+/// write to any other family (almost every write) skips the set.
+#[derive(Debug, Default)]
+pub struct Derivable {
+    keys: HashSet<(Cf, Vec<u8>), foldhash::fast::RandomState>,
+    /// A bit per family with keys here (`1 << Cf::index`).
+    cfs: u32,
+}
+
+impl Derivable {
+    /// Whether `key` is listed.
+    pub fn contains(&self, key: &(Cf, Vec<u8>)) -> bool {
+        self.cfs & (1 << key.0.index()) != 0 && self.keys.contains(key)
+    }
+
+    /// The listed keys.
+    pub fn keys(&self) -> impl Iterator<Item = &(Cf, Vec<u8>)> {
+        self.keys.iter()
+    }
+
+    fn insert(&mut self, key: (Cf, Vec<u8>)) {
+        self.cfs |= 1 << key.0.index();
+        self.keys.insert(key);
+    }
+
+    fn remove(&mut self, key: &(Cf, Vec<u8>)) {
+        if self.cfs & (1 << key.0.index()) != 0 {
+            self.keys.remove(key);
+        }
+    }
+}
 
 /// One byte-level change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,9 +200,6 @@ pub struct Overlay<'a> {
     /// The keys whose pending value was put as derivable and not written
     /// over since.
     derivable: Derivable,
-    /// The families with keys in `derivable`, a bit each: a write to any
-    /// other family (almost all of them) skips the set.
-    derivable_cfs: u32,
 }
 
 /// One write of a step and the pending write it replaced (`None`: the key
@@ -213,7 +239,6 @@ impl<'a> Overlay<'a> {
             writes: Cow::Owned(writes),
             undo: None,
             derivable: Derivable::default(),
-            derivable_cfs: 0,
         }
     }
 
@@ -225,17 +250,14 @@ impl<'a> Overlay<'a> {
             writes: Cow::Borrowed(writes),
             undo: None,
             derivable: Derivable::default(),
-            derivable_cfs: 0,
         }
     }
 
     /// Takes another overlay's writes on top of this one's (written whole:
     /// a key this one held as derivable no longer is).
     pub fn absorb(&mut self, writes: Writes) {
-        if self.derivable_cfs != 0 {
-            for key in writes.keys() {
-                self.derivable.remove(key);
-            }
+        for key in writes.keys() {
+            self.derivable.remove(key);
         }
         self.writes.to_mut().extend(writes);
     }
@@ -261,9 +283,7 @@ impl<'a> Overlay<'a> {
                 for (key, before) in undo.into_iter().rev() {
                     // Whatever the key held before is written, which is
                     // never wrong (only a saving is given up).
-                    if self.derivable_cfs & cf_bit(key.0) != 0 {
-                        self.derivable.remove(&key);
-                    }
+                    self.derivable.remove(&key);
                     match before {
                         Some(v) => writes.insert(key, v),
                         None => writes.remove(&key),
@@ -282,9 +302,7 @@ impl<'a> Overlay<'a> {
     /// Writes `key`; whether a write of it was pending already.
     fn write(&mut self, cf: Cf, key: Vec<u8>, value: Option<Vec<u8>>) -> bool {
         let entry = (cf, key);
-        if self.derivable_cfs & cf_bit(cf) != 0 {
-            self.derivable.remove(&entry);
-        }
+        self.derivable.remove(&entry);
         let writes = self.writes.to_mut();
         match &mut self.undo {
             Some(undo) => {
@@ -409,18 +427,12 @@ impl KvWrite for Overlay<'_> {
         // key here was: over a pending full put (no longer listed once
         // `write` has run), this value is written in its place.
         let entry = (cf, key);
-        let listed = self.derivable_cfs & cf_bit(cf) != 0 && self.derivable.contains(&entry);
+        let listed = self.derivable.contains(&entry);
         let pending = self.write(cf, entry.1.clone(), Some(value));
         if listed || !pending {
             self.derivable.insert(entry);
-            self.derivable_cfs |= cf_bit(cf);
         }
     }
-}
-
-/// A family's bit in a set of families.
-pub fn cf_bit(cf: Cf) -> u32 {
-    1 << cf.index()
 }
 
 /// Plain in-memory column families: the in-memory store's state and the
@@ -536,7 +548,7 @@ mod tests {
         assert!(failed.is_err());
         let (writes, derivable) = o.into_parts();
         assert_eq!(
-            derivable.into_iter().collect::<Vec<_>>(),
+            derivable.keys().cloned().collect::<Vec<_>>(),
             vec![(Cf::Runs, b"alone".to_vec())]
         );
         assert_eq!(

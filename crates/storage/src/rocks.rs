@@ -49,7 +49,7 @@ use crate::health::{
 };
 use crate::ids::{RunId, Seq};
 use crate::keys::{prefix_end, Cf, STORE_META_KEY};
-use crate::kv::{cf_bit, Derivable, KvRead, Mutation, Overlay, PrefixVisitor, Writes};
+use crate::kv::{Derivable, KvRead, Mutation, Overlay, PrefixVisitor, Writes};
 use crate::state::StoreMeta;
 use crate::stats::StoreMemory;
 use crate::store::{CommitHandle, Durability, Reply, Store};
@@ -1579,14 +1579,11 @@ fn write_batch(
             batch.put_cf(events, key, bytes);
         }
     }
-    // The families with derivable keys (a run's record): the others'
-    // writes are not looked up.
-    let derivable_cfs = derivable.iter().fold(0, |m, (cf, _)| m | cf_bit(*cf));
     for (key, v) in writes {
         let (cf, k) = key;
         match v {
             // The events in this batch say it (`KvWrite::put_derivable`).
-            Some(_) if derivable_cfs & cf_bit(*cf) != 0 && derivable.contains(key) => {}
+            Some(_) if derivable.contains(key) => {}
             Some(v) => batch.put_cf(handle(*cf)?, k, v),
             None => batch.delete_cf(handle(*cf)?, k),
         }
