@@ -801,6 +801,15 @@ impl DbView<'_> {
     /// [`KvRead::scan`], with `fill_cache` saying whether the blocks it
     /// reads go into the block cache: an inspection open scans whole
     /// families once, and caching them would only evict block after block.
+    ///
+    /// Our records carry their own checksums, so a damaged block is read
+    /// record by record and costs only the records it hit, named by the
+    /// codec. But a block goes into the cache only once RocksDB has checked
+    /// it: a compaction takes cached blocks as checked and would write a
+    /// damaged one into a new table under a fresh checksum, where nothing
+    /// would find the damage again. So a scan that fills the cache checks
+    /// blocks, and on a block that fails goes on from its last record
+    /// without checking or caching ([`read_options`]).
     fn scan_filling(
         &self,
         cf: Cf,
@@ -809,12 +818,38 @@ impl DbView<'_> {
         fill_cache: bool,
         visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
     ) -> Result<()> {
+        if !fill_cache {
+            return self.scan_with(cf, prefix, from, Read::Unchecked, &mut None, visit);
+        }
+        let mut last = Some(Vec::new());
+        match self.scan_with(cf, prefix, from, Read::Checked, &mut last, visit) {
+            Err(Error::DamagedTable { detail, .. }) => {
+                damaged_block_read(cf, &detail);
+                let last = last.expect("kept above");
+                let from = if last.is_empty() {
+                    from.to_vec()
+                } else {
+                    key_after(last)
+                };
+                self.scan_with(cf, prefix, &from, Read::Unchecked, &mut None, visit)
+            }
+            done => done,
+        }
+    }
+
+    /// One iterator's pass of [`Self::scan_filling`], keeping the last key
+    /// it visited in `last` if asked (to go on after it).
+    fn scan_with(
+        &self,
+        cf: Cf,
+        prefix: &[u8],
+        from: &[u8],
+        read: Read,
+        last: &mut Option<Vec<u8>>,
+        visit: &mut dyn FnMut(&[u8], &[u8]) -> bool,
+    ) -> Result<()> {
         let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
-        let mut ro = ReadOptions::default();
-        // Our records carry their own checksums: let a damaged record reach
-        // the codec so the error names the run and seq.
-        ro.set_verify_checksums(false);
-        ro.fill_cache(fill_cache);
+        let mut ro = read_options(read);
         // With an upper bound every key the iterator yields has the
         // prefix (it starts at or after it): no comparison per record.
         let mut check_prefix = !prefix.is_empty();
@@ -830,6 +865,10 @@ impl DbView<'_> {
         while let Some((k, v)) = it.item() {
             if (check_prefix && !k.starts_with(prefix)) || !visit(k, v) {
                 return Ok(());
+            }
+            if let Some(last) = last.as_mut() {
+                last.clear();
+                last.extend_from_slice(k);
             }
             it.next();
         }
@@ -860,14 +899,14 @@ impl DbView<'_> {
             }
             return;
         };
-        let read_options = || {
-            let mut ro = ReadOptions::default();
-            // As in `scan_filling`: the codec checks each record.
-            ro.set_verify_checksums(false);
-            ro.fill_cache(fill_cache);
-            ro
+        // As in `scan_filling`: blocks are checked where they are cached,
+        // and a prefix whose block fails is read again by `scan_filling`.
+        let read = if fill_cache {
+            Read::Checked
+        } else {
+            Read::Unchecked
         };
-        let mut it = self.0.raw_iterator_cf_opt(&h, read_options());
+        let mut it = self.0.raw_iterator_cf_opt(&h, read_options(read));
         // The prefix whose keys ran out under the iterator, if it ran on.
         let mut ran_past: Option<&[u8]> = None;
         let mut last: Vec<u8> = Vec::new();
@@ -901,16 +940,13 @@ impl DbView<'_> {
                 // is read again alone, from after its last key, and only its
                 // own failure is its error. A failed iterator stays failed:
                 // the next prefix gets a new one.
-                it = self.0.raw_iterator_cf_opt(&h, read_options());
+                it = self.0.raw_iterator_cf_opt(&h, read_options(read));
                 ran_past = None;
                 if !stopped {
                     let from = if last.is_empty() {
                         prefix.clone()
                     } else {
-                        // The least key after the last one visited.
-                        let mut after = std::mem::take(&mut last);
-                        after.push(0);
-                        after
+                        key_after(std::mem::take(&mut last))
                     };
                     let rest = self.scan_filling(cf, prefix, &from, fill_cache, &mut |k, v| {
                         visit(i, Ok((k, v)))
@@ -932,13 +968,17 @@ impl KvRead for DbView<'_> {
             // checksum, which the codec checks, so a damaged byte costs
             // its own event, named by run and seq, and not every event of
             // its table block (`EVENTS_BLOCK_BYTES`) through RocksDB's
-            // block checksum.
-            let mut ro = ReadOptions::default();
-            ro.set_verify_checksums(false);
-            return self
-                .0
-                .get_cf_opt(&h, key, &ro)
-                .map_err(|e| read_error(cf, e));
+            // block checksum. The block is checked first all the same, so
+            // that a damaged one is never cached (see `scan_filling`).
+            return match self.0.get_cf_opt(&h, key, &read_options(Read::Checked)) {
+                Err(e) if e.kind() == rocksdb::ErrorKind::Corruption => {
+                    damaged_block_read(cf, e.as_ref());
+                    self.0
+                        .get_cf_opt(&h, key, &read_options(Read::Unchecked))
+                        .map_err(|e| read_error(cf, e))
+                }
+                read => read.map_err(|e| read_error(cf, e)),
+            };
         }
         // The block's checksum stays checked here: a damaged key must not
         // read as absent (a durable id's row, a run's record).
@@ -972,12 +1012,23 @@ impl KvRead for DbView<'_> {
     }
 
     fn last(&self, cf: Cf, prefix: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
-        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
         // As the other reads of events: the record's own checksum, which
         // the codec checks, covers what is used, so a damaged block costs
-        // only the readers of the event it damaged.
-        let mut ro = ReadOptions::default();
-        ro.set_verify_checksums(cf != Cf::Events);
+        // only the readers of the event it damaged (and is not cached).
+        match self.last_with(cf, prefix, Read::Checked) {
+            Err(Error::DamagedTable { detail, .. }) if cf == Cf::Events => {
+                damaged_block_read(cf, &detail);
+                self.last_with(cf, prefix, Read::Unchecked)
+            }
+            read => read,
+        }
+    }
+}
+
+impl DbView<'_> {
+    fn last_with(&self, cf: Cf, prefix: &[u8], read: Read) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        let h = self.0.cf_handle(cf.name()).ok_or(Error::Closed)?;
+        let mut ro = read_options(read);
         ro.set_iterate_lower_bound(prefix.to_vec());
         if let Some(end) = prefix_end(prefix) {
             ro.set_iterate_upper_bound(end);
@@ -990,6 +1041,42 @@ impl KvRead for DbView<'_> {
         it.status().map_err(|e| read_error(cf, e))?;
         Ok(None)
     }
+}
+
+/// How a read treats RocksDB's block checksums and its block cache.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Read {
+    /// Checks each block read from a file and caches it.
+    Checked,
+    /// Neither checks nor caches: the records' own checksums, which the
+    /// codec checks, find damage record by record. A block read so may be
+    /// damaged, and the cache must hold only checked blocks (a compaction
+    /// takes cached blocks as checked).
+    Unchecked,
+}
+
+fn read_options(read: Read) -> ReadOptions {
+    let mut ro = ReadOptions::default();
+    ro.set_verify_checksums(read == Read::Checked);
+    ro.fill_cache(read == Read::Checked);
+    ro
+}
+
+/// The least key after `key`.
+fn key_after(mut key: Vec<u8>) -> Vec<u8> {
+    key.push(0);
+    key
+}
+
+/// A block failed its checksum under a read that can go on record by
+/// record: said once per read, since the compaction that meets the block
+/// later stops the store, and this is the first sign of it.
+fn damaged_block_read(cf: Cf, detail: &str) {
+    tracing::warn!(
+        cf = cf.name(),
+        detail,
+        "a table block failed its checksum; reading its records one by one, uncached"
+    );
 }
 
 impl KvRead for RocksStore {
