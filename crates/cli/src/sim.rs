@@ -37,8 +37,11 @@ pub(crate) struct SimArgs {
     /// `--processes` 2 or more), slow-read.
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
-    /// Workflows per seed (the default mix).
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    /// Workflows per seed (the default mix: one of each of its shapes in
+    /// order, then shapes drawn by weight). The default is one of each, so
+    /// a plain `keel sim` runs every shape; fewer leave the last ones out.
+    #[arg(long, default_value_t = keel_sim::workload::SHAPES.len() as u64,
+        value_parser = clap::value_parser!(u64).range(1..=100_000))]
     workflows: u64,
     /// Store: `mem` (in-memory, unsynced tail dropped or torn on a crash),
     /// `rocksdb` (a temporary directory, reopened on a crash) or `mem-sync`.
