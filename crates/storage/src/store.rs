@@ -578,6 +578,11 @@ pub trait Store: Send + Sync + 'static {
         scan_typed(self.view(), Cf::Outbox, RecordKind::Outbox, &[], limit)
     }
 
+    /// The outbox message under `key`, if it is waiting for delivery.
+    fn outbox_row(&self, key: &[u8]) -> Result<Option<OutboxMessage>> {
+        crate::derive::read_record(self.view(), Cf::Outbox, RecordKind::Outbox, key)
+    }
+
     /// Pending activity attempts of every run, at most `limit`.
     fn tasks(&self, limit: usize) -> Result<Vec<TaskEntry>> {
         scan_typed(self.view(), Cf::Tasks, RecordKind::Task, &[], limit)

@@ -19,10 +19,12 @@
 //! by the time of the next pass, and memory follows the window, not the
 //! number of rows.
 //!
-//! Rows held may wait on rows not read yet: a child's cancellation is
-//! delivered again and again while the start of that child sits further
-//! on in the outbox. So when none of the rows windows brought in got done
-//! for `BACKLOG_STALL_MS` (since the last read, or the last row done), the
+//! Rows held may wait on rows not read yet, or on nothing a shard can
+//! hurry (a send to a full stream). The one such wait a shard can name, a
+//! child's cancellation waiting for the child's start (which sorts after
+//! it), reads that start row at once (`Shard::outbox_answered`). For the
+//! rest, when none of the rows windows brought in got done for
+//! `BACKLOG_STALL_MS` (since the last read, or the last row done), the
 //! next window comes in regardless: memory follows the window while rows
 //! get done, and grows by a window per stall only while none can be.
 //!

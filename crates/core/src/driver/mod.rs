@@ -1079,6 +1079,9 @@ enum ReadFor {
     /// A window of a shard's task or outbox rows.
     Backlog(BacklogOf),
     RunIntents(RunId),
+    /// A child's start row its cancellation waits for (see
+    /// `Shard::outbox_answered`).
+    StartRow,
     TimerWindow,
     List(ReplyTo),
     QueryClosed {
@@ -1100,7 +1103,7 @@ impl ReadFor {
     fn reads_intents(&self) -> bool {
         matches!(
             self,
-            ReadFor::Backlog(_) | ReadFor::RunIntents(_) | ReadFor::TimerWindow
+            ReadFor::Backlog(_) | ReadFor::RunIntents(_) | ReadFor::StartRow | ReadFor::TimerWindow
         )
     }
 }
@@ -1744,6 +1747,12 @@ impl Shard {
             ReadFor::Backlog(of) => self.backlog_read(of, result),
             ReadFor::TimerWindow => self.timer_window_read(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
+            // Unreadable now: the cancellation waiting for it asks again.
+            ReadFor::StartRow => {
+                if let Ok(ReadResult::Intents(rows)) = result {
+                    self.intents_read_back(rows, false);
+                }
+            }
             ReadFor::ClosedInput { run, input, origin } => {
                 self.closed_input_read(run, input, origin, result)
             }

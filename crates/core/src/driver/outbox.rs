@@ -456,10 +456,23 @@ impl Shard {
                 });
                 self.deliver_outbox(key);
             }
-            (OutboxMessage::CancelChild { .. }, Answer::Refused(Refusal::UnknownRun(_))) => {
-                // Its start has not been committed yet: try again.
+            (
+                OutboxMessage::CancelChild { parent, .. },
+                Answer::Refused(Refusal::UnknownRun(_)),
+            ) => {
+                // Its start has not been committed yet: try again. That
+                // start is a row of this shard too, which no window may
+                // have brought in yet: windows read the outbox in key
+                // order, cancellations before starts, and this row would
+                // hold its window while the start waited behind it (after
+                // a restart, for as long as the window stalls). So the
+                // start row is read now, unless memory drives it already.
+                let start = keys::outbox_start_key(parent.run_id, parent.step);
                 let at = again(row);
                 self.due.push(at, Due::Outbox(key.to_vec()));
+                if !self.outbox.holds(&start) {
+                    self.read(ReadQuery::OutboxRow(start), ReadFor::StartRow);
+                }
             }
             // Delivered for good: committed, a duplicate, closed, parked (a
             // resume drives the rows addressed to it again).
@@ -474,5 +487,142 @@ fn describe(answer: &Answer) -> String {
     match answer {
         Answer::Refused(r) => r.to_string(),
         other => format!("{other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Goal: a child's cancellation that reaches no run (the child's start
+    // is not committed) does not wait for a backlog window to bring the
+    // start in. Windows read the outbox in key order, cancellations before
+    // starts; with the cancellation holding the window, the start came in
+    // only once the window stalled (`BACKLOG_STALL_MS`, counted again from
+    // every restart), and rows after it (a continuation's start) waited as
+    // long. Method: a shard recovering with a one-row window is handed the
+    // cancellation alone; its delivery is answered "no such run"; the
+    // shard must read the start row at once, and deliver the start with
+    // the cancellation riding on it.
+    use super::*;
+    use crate::driver::{Action, DriverConfig, ReadResult, ShardId, ShardInput};
+    use crate::workflow::WorkflowRegistry;
+    use keel_storage::{InstanceId, Intent, ParentRef, Payload, Step, Timestamp};
+
+    fn actions(shard: &mut Shard) -> Vec<Action> {
+        std::iter::from_fn(|| shard.poll_action()).collect()
+    }
+
+    #[test]
+    fn a_cancellation_of_an_unstarted_child_reads_the_childs_start_at_once() {
+        let config = DriverConfig {
+            shards: 1,
+            intents_in_memory_max: 1,
+            ..DriverConfig::default()
+        };
+        let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 0);
+        let parent = ParentRef {
+            instance_id: InstanceId::new("parent"),
+            run_id: RunId::from_u64_pair(1, 1),
+            step: Step(4),
+            close_policy: ParentClosePolicy::Terminate,
+        };
+        let child = RunId::from_u64_pair(2, 2);
+        let cancel = OutboxMessage::CancelChild {
+            parent: parent.clone(),
+            child_run_id: child,
+            policy: ParentClosePolicy::Terminate,
+            reason: "scope cancelled".into(),
+        };
+        let start = OutboxMessage::StartChild {
+            parent: parent.clone(),
+            child_instance_id: InstanceId::new("parent/child-4"),
+            child_run_id: child,
+            workflow_type: "child".into(),
+            input: Payload::encode(&()).unwrap(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            timeouts: Default::default(),
+        };
+        assert!(cancel.key() < start.key(), "the order the windows read");
+
+        let mut now = Timestamp(1);
+        shard.recover(now);
+        // The first outbox window: the cancellation fills it.
+        for action in actions(&mut shard) {
+            let Action::Read { token, query } = action else {
+                continue;
+            };
+            let result = match query {
+                ReadQuery::Backlog {
+                    of: crate::driver::BacklogOf::Outbox,
+                    ..
+                } => ReadResult::Backlog {
+                    rows: vec![Intent::Outbox(cancel.clone())],
+                    last: Some(cancel.key()),
+                    skipped_due: None,
+                },
+                ReadQuery::Backlog { .. } => ReadResult::Backlog {
+                    rows: Vec::new(),
+                    last: None,
+                    skipped_due: None,
+                },
+                ReadQuery::Timers { .. } => ReadResult::Timers(Vec::new()),
+                other => panic!("unexpected read at recovery: {other:?}"),
+            };
+            shard.handle(
+                now,
+                ShardInput::Read {
+                    token,
+                    result: Ok(result),
+                },
+            );
+        }
+        let delivered = actions(&mut shard);
+        let token = delivered
+            .iter()
+            .find_map(|a| match a {
+                Action::Send {
+                    message:
+                        Message::ToRun {
+                            run,
+                            reply: ReplyTo::Shard(_, token),
+                            ..
+                        },
+                    ..
+                } if *run == child => Some(*token),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("the cancellation is delivered: {delivered:?}"));
+        now = now.plus_ms(1);
+        let answer = Answer::Refused(Refusal::UnknownRun(child.to_string()));
+        shard.handle(now, ShardInput::Message(Message::Answer { token, answer }));
+        let after = actions(&mut shard);
+        let read = after
+            .iter()
+            .find_map(|a| match a {
+                Action::Read {
+                    token,
+                    query: ReadQuery::OutboxRow(key),
+                } if *key == start.key() => Some(*token),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("the child's start row is read at once: {after:?}"));
+        shard.handle(
+            now,
+            ShardInput::Read {
+                token: read,
+                result: Ok(ReadResult::Intents(vec![Intent::Outbox(start.clone())])),
+            },
+        );
+        let started = actions(&mut shard);
+        assert!(
+            started.iter().any(|a| matches!(
+                a,
+                Action::Send {
+                    message: Message::Start { spec, then: Some(Input::Terminate { .. }), .. },
+                    ..
+                } if spec.run_id == child
+            )),
+            "the start is delivered with the cancellation riding on it: {started:?}"
+        );
     }
 }

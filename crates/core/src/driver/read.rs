@@ -69,6 +69,9 @@ pub enum ReadQuery {
     /// A run's intent rows, and the outbox messages addressed to it (to
     /// drive them again after the run is resumed).
     IntentsOf(RunId),
+    /// The outbox row under this key, if the store holds it (answered as
+    /// [`ReadResult::Intents`], with one row or none).
+    OutboxRow(Vec<u8>),
     /// The next window of a shard's timers in due order: those after
     /// `after` (from the first without it), at most `limit`.
     Timers {
@@ -389,6 +392,13 @@ impl ReadQuery {
             } => ReadResult::Timers(store.timers_after(*after, *limit, &mut |t| {
                 shard_of(t.run_id, *shards) == *shard
             })?),
+            ReadQuery::OutboxRow(key) => ReadResult::Intents(
+                store
+                    .outbox_row(key)?
+                    .into_iter()
+                    .map(Intent::Outbox)
+                    .collect(),
+            ),
             ReadQuery::IntentsOf(run) => {
                 let mut rows: Vec<Intent> = store
                     .run_tasks(*run)?
