@@ -279,15 +279,9 @@ impl Shard {
 
     fn decide_start(&mut self, mut job: StartJob) {
         job.decisions += 1;
-        let run = job.spec.run_id;
-        // The run is in memory here already, its start committed or in
-        // flight: the start was delivered twice.
-        if let Some(slot) = self.runs.get(&run) {
-            if slot.exists() {
-                let origin = Origin::Reply(job.reply);
-                return self.answer_when_durable(run, origin, Answer::Existing(run));
-            }
-        }
+        let Some(job) = self.not_here_yet(job) else {
+            return;
+        };
         // The first decision is optimistic: most starts are of a new
         // instance (or continue the run they name), and the store refuses
         // a start whose `previous_run` is not the instance's run (written,
@@ -423,9 +417,36 @@ impl Shard {
         }
     }
 
+    /// The start's job, unless its run is in memory here already. A run
+    /// whose start is committed or in flight (the start was delivered
+    /// twice, or the run was loaded for an input while its start was
+    /// decided on a read from before its first start) exists: answered
+    /// `Existing` once that is durable, and its machine is never replaced
+    /// by a new one. A run being loaded is decided again shortly.
+    fn not_here_yet(&mut self, job: StartJob) -> Option<StartJob> {
+        let run = job.spec.run_id;
+        let Some(slot) = self.runs.get(&run) else {
+            return Some(job);
+        };
+        if slot.exists() {
+            let origin = Origin::Reply(job.reply);
+            self.answer_when_durable(run, origin, Answer::Existing(run));
+            return None;
+        }
+        if matches!(slot.phase, Phase::Loading) {
+            let at = self.now.plus_ms(Self::backoff(job.decisions));
+            self.due.push(at, super::Due::Start(Box::new(job)));
+            return None;
+        }
+        Some(job)
+    }
+
     /// Starts the run: its first activation's events (and `then`'s) in one
     /// commit.
-    fn create(&mut self, mut job: StartJob) {
+    fn create(&mut self, job: StartJob) {
+        let Some(mut job) = self.not_here_yet(job) else {
+            return;
+        };
         let run = job.spec.run_id;
         let now = self.now;
         // An async child runs the closure its parent binds when it issues
@@ -454,10 +475,10 @@ impl Shard {
                 let slot = self.slot(run);
                 slot.phase = Phase::Ready(Box::new(machine));
                 self.stats.input("start");
-                self.commit_run(run, events, Origin::Start(Box::new(job)), true);
                 // Operations that came before the start (a cancellation
-                // sent to a child not started yet) wait no more.
-                self.run_waiting(run);
+                // sent to a child not started yet) run once it is answered
+                // (`Shard::after_commit`), as later ones do.
+                self.commit_run(run, events, Origin::Start(Box::new(job)), true);
             }
             Err(e @ (MachineError::UnknownWorkflowType(_) | MachineError::InputDecode(_)))
                 if job.reuse.is_some() =>
@@ -625,5 +646,245 @@ mod tests {
             "{actions:?}"
         );
         assert!(shard.outcome_starts.is_empty(), "the request is forgotten");
+    }
+
+    // Goal: a start delivered again never replaces the machine of its run.
+    // A continuation's start, redelivered, is refused by the store (the run
+    // exists), decided again on a read of the instance, and meanwhile the
+    // run is loaded from its durable history for an input; the read,
+    // taken before the first start, says the run has not started. The
+    // second start used to build a new machine over the loaded one: its
+    // commit was refused, but inputs built on it were committed after the
+    // durable history (the simulator found a timer's fire time taken from
+    // that machine). And an input that arrives while any start is in flight
+    // waits for its answer, so nothing is built on a start that is refused.
+    // Method: a shard with one workflow (a 300 ms timer) is handed the
+    // messages and read answers of that race by hand; its actions are read.
+
+    use crate::driver::{Message, RunOp};
+    use crate::{Workflow, WorkflowContext, WorkflowError};
+    use keel_storage::{
+        Carried, Error as StoreError, Event, InstanceMeta, RunMeta, RunStatus, Seq,
+    };
+
+    struct Nap;
+    impl Workflow for Nap {
+        const NAME: &'static str = "nap";
+        type Input = ();
+        type Output = ();
+        async fn run(ctx: WorkflowContext, _: ()) -> Result<(), WorkflowError> {
+            ctx.timer(std::time::Duration::from_millis(300)).await;
+            Ok(())
+        }
+    }
+
+    struct Race {
+        shard: Shard,
+        spec: StartSpec,
+        /// The run's durable history: started at 100, its timer due at 400.
+        durable: Vec<Event>,
+    }
+
+    fn race() -> Race {
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<Nap>();
+        let config = DriverConfig {
+            shards: 1,
+            ..DriverConfig::default()
+        };
+        let shard = Shard::new(ShardId(0), reg.clone(), config, 0);
+        let spec = StartSpec::continuation(
+            RunId::from_u64_pair(1, 1),
+            InstanceId::new("nap"),
+            Nap::NAME.into(),
+            RunId::from_u64_pair(1, 2),
+            Payload::encode(&()).unwrap(),
+            None,
+            Carried::default(),
+        );
+        let (_, durable) = RunMachine::start(&reg, spec.clone(), Timestamp(100)).unwrap();
+        Race {
+            shard,
+            spec,
+            durable,
+        }
+    }
+
+    fn actions(shard: &mut Shard) -> Vec<Action> {
+        std::iter::from_fn(|| shard.poll_action()).collect()
+    }
+
+    fn commits(actions: &[Action]) -> Vec<(crate::driver::Token, Vec<Event>)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Commit { token, batch, .. } => Some((
+                    *token,
+                    batch
+                        .appends
+                        .iter()
+                        .flat_map(|a| a.events.clone())
+                        .collect(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn read_token(actions: &[Action], what: impl Fn(&ReadQuery) -> bool) -> crate::driver::Token {
+        actions
+            .iter()
+            .find_map(|a| match a {
+                Action::Read { token, query } if what(query) => Some(*token),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no such read in {actions:?}"))
+    }
+
+    fn start(r: &mut Race, at: u64) {
+        let message = Message::Start {
+            spec: Box::new(r.spec.clone()),
+            then: None,
+            reply: ReplyTo::Nobody,
+        };
+        r.shard.handle(Timestamp(at), ShardInput::Message(message));
+    }
+
+    fn signal(r: &mut Race, at: u64) {
+        let message = Message::ToRun {
+            run: r.spec.run_id,
+            op: RunOp::Input(Input::Signal {
+                name: "s".into(),
+                payload: Payload::encode(&()).unwrap(),
+                command_id: None,
+            }),
+            reply: ReplyTo::Nobody,
+        };
+        r.shard.handle(Timestamp(at), ShardInput::Message(message));
+    }
+
+    fn refuse(r: &mut Race, token: crate::driver::Token, at: u64) {
+        let e = StoreError::SeqGap {
+            run: r.spec.run_id,
+            expected: Seq(3),
+            found: Seq::FIRST,
+        };
+        r.shard.handle(
+            Timestamp(at),
+            ShardInput::Committed {
+                token,
+                result: Err(e),
+            },
+        );
+    }
+
+    #[test]
+    fn a_start_decided_on_a_stale_read_does_not_replace_a_loaded_run() {
+        let mut r = race();
+        let run = r.spec.run_id;
+        start(&mut r, 150);
+        let first = commits(&actions(&mut r.shard));
+        assert_eq!(first.len(), 1, "the optimistic start: {first:?}");
+        refuse(&mut r, first[0].0, 151);
+        let after = actions(&mut r.shard);
+        let instance = read_token(&after, |q| matches!(q, ReadQuery::Instance(_)));
+        // An input loads the run from its durable history meanwhile.
+        signal(&mut r, 152);
+        let loading = actions(&mut r.shard);
+        let history = read_token(&loading, |q| matches!(q, ReadQuery::Activation(_)));
+        r.shard.handle(
+            Timestamp(153),
+            ShardInput::Read {
+                token: history,
+                result: Ok(ReadResult::History(r.durable.clone(), None)),
+            },
+        );
+        let signalled = commits(&actions(&mut r.shard));
+        assert_eq!(signalled.len(), 1, "the signal, on the loaded run");
+        assert_eq!(signalled[0].1[0].seq, Seq(3));
+        // The instance read answers as before the first start.
+        let closed = RunMeta {
+            run_id: RunId::from_u64_pair(1, 1),
+            instance_id: InstanceId::new("nap"),
+            workflow_type: Nap::NAME.into(),
+            status: RunStatus::ContinuedAsNew,
+            next_seq: Seq(3),
+            parent: None,
+            started_at: Timestamp(10),
+            updated_at: Timestamp(90),
+            closed_at: Some(Timestamp(90)),
+            outcome: Some(keel_storage::Outcome::ContinuedAsNew(run)),
+            cancel_requested: false,
+            search_attributes: Vec::new(),
+            memo: Vec::new(),
+        };
+        let state = crate::driver::InstanceState {
+            instance: InstanceMeta {
+                current_run: closed.run_id,
+                started_at: Timestamp(10),
+            },
+            run: closed,
+            starts: Vec::new(),
+        };
+        r.shard.handle(
+            Timestamp(154),
+            ShardInput::Read {
+                token: instance,
+                result: Ok(ReadResult::Instance(Some(state))),
+            },
+        );
+        let decided = commits(&actions(&mut r.shard));
+        assert!(
+            decided.is_empty(),
+            "no second start over the loaded run: {decided:?}"
+        );
+        // The loaded machine is the durable one: its timer fires at 400.
+        let message = Message::ToRun {
+            run,
+            op: RunOp::Input(Input::TimerFired {
+                step: keel_storage::Step(1),
+            }),
+            reply: ReplyTo::Nobody,
+        };
+        r.shard.handle(Timestamp(400), ShardInput::Message(message));
+        let fired = commits(&actions(&mut r.shard));
+        let fire_at = fired
+            .iter()
+            .flat_map(|(_, es)| es)
+            .find_map(|e| match &e.kind {
+                keel_storage::EventKind::TimerFired { fire_at, .. } => Some(*fire_at),
+                _ => None,
+            });
+        assert_eq!(fire_at, Some(Timestamp(400)), "{fired:?}");
+    }
+
+    #[test]
+    fn an_input_waits_for_its_runs_start_to_be_answered() {
+        let mut r = race();
+        start(&mut r, 150);
+        let first = commits(&actions(&mut r.shard));
+        assert_eq!(first.len(), 1);
+        signal(&mut r, 151);
+        let while_starting = commits(&actions(&mut r.shard));
+        assert!(
+            while_starting.is_empty(),
+            "nothing is built on a start in flight: {while_starting:?}"
+        );
+        // The start is refused (the run exists): the input is taken on the
+        // durable history.
+        refuse(&mut r, first[0].0, 152);
+        let after = actions(&mut r.shard);
+        assert!(commits(&after).is_empty(), "{after:?}");
+        let history = read_token(&after, |q| matches!(q, ReadQuery::Activation(_)));
+        r.shard.handle(
+            Timestamp(153),
+            ShardInput::Read {
+                token: history,
+                result: Ok(ReadResult::History(r.durable.clone(), None)),
+            },
+        );
+        let signalled = commits(&actions(&mut r.shard));
+        assert_eq!(signalled.len(), 1, "{signalled:?}");
+        assert_eq!(signalled[0].1[0].seq, Seq(3));
     }
 }

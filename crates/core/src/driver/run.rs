@@ -253,6 +253,13 @@ impl Shard {
                 self.queue(run, op, origin);
                 self.activate(run);
             }
+            // Its start is in flight: an operation now would build on a
+            // machine that exists only if that start commits. (A start
+            // delivered twice may be decided on a read from before the
+            // first one: its commit is refused, and a commit behind it
+            // could line up with the durable history's seqs.) It waits
+            // for the start's answer (`Shard::after_commit`).
+            Phase::Ready(_) if slot.inflight.iter().any(|i| i.start) => self.queue(run, op, origin),
             Phase::Ready(_) => self.ready_op(run, op, origin),
             Phase::Closed => self.closed_op(run, op, origin),
         }
@@ -884,6 +891,12 @@ impl Shard {
                 op @ RunOp::Input(_) => self.closed_op(run, op, origin),
                 _ => self.describe_now(run, origin),
             }
+        }
+        // Operations that waited for its start (see `Shard::run_op`).
+        if self.runs.get(&run).is_some_and(|s| {
+            matches!(s.phase, Phase::Ready(_) | Phase::Closed) && !s.waiting.is_empty()
+        }) {
+            self.run_waiting(run);
         }
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
