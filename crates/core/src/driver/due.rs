@@ -74,6 +74,18 @@ impl DueQueue {
     }
 
     /// Entries held.
+    /// Removes and returns, in due order, the entries `take` picks (a
+    /// stopping shard's starts: answered instead of decided).
+    pub(super) fn take_where(&mut self, take: impl Fn(&Due) -> bool) -> Vec<Due> {
+        let keys: Vec<(Timestamp, u64)> = self
+            .queue
+            .iter()
+            .filter(|(_, due)| take(due))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.iter().filter_map(|k| self.queue.remove(k)).collect()
+    }
+
     pub(super) fn len(&self) -> usize {
         self.queue.len()
     }

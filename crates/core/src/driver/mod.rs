@@ -1603,6 +1603,13 @@ impl Shard {
         for (_, _, reply, _) in std::mem::take(&mut self.continuing).into_values() {
             waiting.push(reply);
         }
+        // Starts waiting to be decided again: their senders wait too, and
+        // they are not decided any more.
+        for due in self.due.take_where(|due| matches!(due, Due::Start(_))) {
+            if let Due::Start(job) = due {
+                waiting.push(job.reply_to());
+            }
+        }
         // No read is answered from here on (see `read_done`).
         self.intent_reads = 0;
         self.removed_while_reading.clear();

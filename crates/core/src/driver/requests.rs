@@ -887,4 +887,44 @@ mod tests {
         assert_eq!(signalled.len(), 1, "{signalled:?}");
         assert_eq!(signalled[0].1[0].seq, Seq(3));
     }
+
+    // Goal: a shard that leaves its process answers the sender of a start
+    // whose commit is in flight. Its in-flight commits' other waiters were
+    // answered "moved", but a start's sender (the shard delivering a
+    // continuation's start, say) was not, and waited for its own timeout
+    // (`OUTBOX_ANSWER_WAIT_MS`, 10 s) to deliver it again: `keel sim
+    // --processes 3` found a continuation stuck that long behind a process
+    // that froze past its lease. Method: a start from another shard is
+    // handed to a shard, which commits it; the shard then loses its lease.
+    #[test]
+    fn a_shard_that_moves_answers_the_sender_of_a_start_in_flight() {
+        let mut r = race();
+        let message = Message::Start {
+            spec: Box::new(r.spec.clone()),
+            then: None,
+            reply: ReplyTo::Shard(ShardId(2), crate::driver::Token(7)),
+        };
+        r.shard.handle(Timestamp(150), ShardInput::Message(message));
+        assert_eq!(
+            commits(&actions(&mut r.shard)).len(),
+            1,
+            "the start's commit"
+        );
+        r.shard.lose("its lease ended".into());
+        let after = actions(&mut r.shard);
+        assert!(
+            after.iter().any(|a| matches!(
+                a,
+                Action::Send {
+                    to: ShardId(2),
+                    message: Message::Answer {
+                        token: crate::driver::Token(7),
+                        answer: Answer::Retry(_),
+                    },
+                    ..
+                }
+            )),
+            "the sender is told to deliver it again: {after:?}"
+        );
+    }
 }

@@ -127,10 +127,12 @@ impl RunSlot {
     /// shard stops).
     pub(super) fn take_waiting(&mut self) -> Vec<ReplyTo> {
         let mut out = Vec::new();
-        let mut take = |o: &Origin| {
-            if let Origin::Reply(reply) = o {
-                out.push(*reply);
-            }
+        let mut take = |o: &Origin| match o {
+            Origin::Reply(reply) => out.push(*reply),
+            // A start's commit in flight: its sender (a client, or the
+            // shard delivering a child's or a continuation's start) waits.
+            Origin::Start(job) => out.push(job.reply_to()),
+            _ => {}
         };
         for (_, o) in self.waiting.drain(..).chain(self.drained.drain(..)) {
             take(&o);
