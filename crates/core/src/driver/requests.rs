@@ -763,6 +763,26 @@ mod tests {
         r.shard.handle(Timestamp(at), ShardInput::Message(message));
     }
 
+    /// Answers the activation read among `asked` with the durable history;
+    /// the signal waiting for it is then committed after that history.
+    fn signal_on_the_durable_history(r: &mut Race, asked: &[Action]) {
+        let history = read_token(asked, |q| matches!(q, ReadQuery::Activation(_)));
+        r.shard.handle(
+            Timestamp(153),
+            ShardInput::Read {
+                token: history,
+                result: Ok(ReadResult::History(r.durable.clone(), None)),
+            },
+        );
+        let signalled = commits(&actions(&mut r.shard));
+        assert_eq!(
+            signalled.len(),
+            1,
+            "the signal, on the loaded run: {signalled:?}"
+        );
+        assert_eq!(signalled[0].1[0].seq, Seq(3));
+    }
+
     fn refuse(r: &mut Race, token: crate::driver::Token, at: u64) {
         let e = StoreError::SeqGap {
             run: r.spec.run_id,
@@ -791,17 +811,7 @@ mod tests {
         // An input loads the run from its durable history meanwhile.
         signal(&mut r, 152);
         let loading = actions(&mut r.shard);
-        let history = read_token(&loading, |q| matches!(q, ReadQuery::Activation(_)));
-        r.shard.handle(
-            Timestamp(153),
-            ShardInput::Read {
-                token: history,
-                result: Ok(ReadResult::History(r.durable.clone(), None)),
-            },
-        );
-        let signalled = commits(&actions(&mut r.shard));
-        assert_eq!(signalled.len(), 1, "the signal, on the loaded run");
-        assert_eq!(signalled[0].1[0].seq, Seq(3));
+        signal_on_the_durable_history(&mut r, &loading);
         // The instance read answers as before the first start.
         let closed = RunMeta {
             run_id: RunId::from_u64_pair(1, 1),
@@ -875,17 +885,7 @@ mod tests {
         refuse(&mut r, first[0].0, 152);
         let after = actions(&mut r.shard);
         assert!(commits(&after).is_empty(), "{after:?}");
-        let history = read_token(&after, |q| matches!(q, ReadQuery::Activation(_)));
-        r.shard.handle(
-            Timestamp(153),
-            ShardInput::Read {
-                token: history,
-                result: Ok(ReadResult::History(r.durable.clone(), None)),
-            },
-        );
-        let signalled = commits(&actions(&mut r.shard));
-        assert_eq!(signalled.len(), 1, "{signalled:?}");
-        assert_eq!(signalled[0].1[0].seq, Seq(3));
+        signal_on_the_durable_history(&mut r, &after);
     }
 
     // Goal: a shard that leaves its process answers the sender of a start
