@@ -860,6 +860,8 @@ impl DbView<'_> {
         let start = if from > prefix { from } else { prefix };
         // A raw iterator hands out borrowed slices: no allocation or copy per
         // record (the boxed iterator costs both, which dominates long scans).
+        // A checked scan copies each key into `last` (into one buffer), to
+        // go on after it past a damaged block.
         let mut it = self.0.raw_iterator_cf_opt(&h, ro);
         it.seek(start);
         while let Some((k, v)) = it.item() {

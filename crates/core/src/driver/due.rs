@@ -73,7 +73,6 @@ impl DueQueue {
         self.queue.keys().next().map(|(t, _)| *t)
     }
 
-    /// Entries held.
     /// Removes and returns, in due order, the entries `take` picks (a
     /// stopping shard's starts: answered instead of decided).
     pub(super) fn take_where(&mut self, take: impl Fn(&Due) -> bool) -> Vec<Due> {
@@ -86,6 +85,7 @@ impl DueQueue {
         keys.iter().filter_map(|k| self.queue.remove(k)).collect()
     }
 
+    /// Entries held.
     pub(super) fn len(&self) -> usize {
         self.queue.len()
     }

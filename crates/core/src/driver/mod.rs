@@ -1079,9 +1079,9 @@ enum ReadFor {
     /// A window of a shard's task or outbox rows.
     Backlog(BacklogOf),
     RunIntents(RunId),
-    /// A child's start row its cancellation waits for (see
+    /// A child's start row (its key) its cancellation waits for (see
     /// `Shard::outbox_answered`).
-    StartRow,
+    StartRow(Vec<u8>),
     TimerWindow,
     List(ReplyTo),
     QueryClosed {
@@ -1103,7 +1103,10 @@ impl ReadFor {
     fn reads_intents(&self) -> bool {
         matches!(
             self,
-            ReadFor::Backlog(_) | ReadFor::RunIntents(_) | ReadFor::StartRow | ReadFor::TimerWindow
+            ReadFor::Backlog(_)
+                | ReadFor::RunIntents(_)
+                | ReadFor::StartRow(_)
+                | ReadFor::TimerWindow
         )
     }
 }
@@ -1592,7 +1595,7 @@ impl Shard {
         self.shut_down = true;
         let mut waiting = Vec::new();
         for slot in self.runs.values_mut() {
-            waiting.extend(slot.take_waiting());
+            waiting.extend(slot.take_waiting(shards));
         }
         for waiters in std::mem::take(&mut self.results).into_values() {
             waiting.extend(waiters.into_values());
@@ -1755,7 +1758,7 @@ impl Shard {
             ReadFor::TimerWindow => self.timer_window_read(result),
             ReadFor::RunIntents(run) => self.run_intents_read(run, result),
             // Unreadable now: the cancellation waiting for it asks again.
-            ReadFor::StartRow => {
+            ReadFor::StartRow(_) => {
                 if let Ok(ReadResult::Intents(rows)) = result {
                     self.intents_read_back(rows, false);
                 }

@@ -466,12 +466,20 @@ impl Shard {
                 // order, cancellations before starts, and this row would
                 // hold its window while the start waited behind it (after
                 // a restart, for as long as the window stalls). So the
-                // start row is read now, unless memory drives it already.
+                // start row is read now, unless memory drives it already
+                // or a read of it is in flight.
                 let start = keys::outbox_start_key(parent.run_id, parent.step);
                 let at = again(row);
                 self.due.push(at, Due::Outbox(key.to_vec()));
-                if !self.outbox.holds(&start) {
-                    self.read(ReadQuery::OutboxRow(start), ReadFor::StartRow);
+                let reading = self
+                    .reads
+                    .values()
+                    .any(|r| matches!(r, ReadFor::StartRow(k) if *k == start));
+                if !self.outbox.holds(&start) && !reading {
+                    self.read(
+                        ReadQuery::OutboxRow(start.clone()),
+                        ReadFor::StartRow(start),
+                    );
                 }
             }
             // Delivered for good: committed, a duplicate, closed, parked (a

@@ -422,23 +422,20 @@ impl Shard {
     /// twice, or the run was loaded for an input while its start was
     /// decided on a read from before its first start) exists: answered
     /// `Existing` once that is durable, and its machine is never replaced
-    /// by a new one. A run being loaded is decided again shortly.
+    /// by a new one. A run still being loaded has no machine yet: the
+    /// start goes ahead, its read is ignored when it answers, and what
+    /// waited for it waits for the start's answer (`Shard::run_op`); if
+    /// the run existed, the start is refused and the run is loaded again.
     fn not_here_yet(&mut self, job: StartJob) -> Option<StartJob> {
         let run = job.spec.run_id;
-        let Some(slot) = self.runs.get(&run) else {
-            return Some(job);
-        };
-        if slot.exists() {
-            let origin = Origin::Reply(job.reply);
-            self.answer_when_durable(run, origin, Answer::Existing(run));
-            return None;
+        match self.runs.get(&run) {
+            Some(slot) if slot.exists() => {
+                let origin = Origin::Reply(job.reply);
+                self.answer_when_durable(run, origin, Answer::Existing(run));
+                None
+            }
+            _ => Some(job),
         }
-        if matches!(slot.phase, Phase::Loading) {
-            let at = self.now.plus_ms(Self::backoff(job.decisions));
-            self.due.push(at, super::Due::Start(Box::new(job)));
-            return None;
-        }
-        Some(job)
     }
 
     /// Starts the run: its first activation's events (and `then`'s) in one
@@ -475,8 +472,9 @@ impl Shard {
                 let slot = self.slot(run);
                 slot.phase = Phase::Ready(Box::new(machine));
                 self.stats.input("start");
-                // Operations that came before the start (a cancellation
-                // sent to a child not started yet) run once it is answered
+                // Operations that wait for the run (they came while it was
+                // being loaded: a cancellation sent to a child not started
+                // yet) run once the start is answered
                 // (`Shard::after_commit`), as later ones do.
                 self.commit_run(run, events, Origin::Start(Box::new(job)), true);
             }

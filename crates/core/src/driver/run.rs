@@ -124,14 +124,16 @@ impl RunSlot {
     }
 
     /// The clients and shards waiting on this run (answered when the
-    /// shard stops).
-    pub(super) fn take_waiting(&mut self) -> Vec<ReplyTo> {
+    /// shard stops). With `starts`, also the sender of a start whose
+    /// commit is in flight (a client, or the shard delivering a child's or
+    /// a continuation's start): for a shard that leaves its process, whose
+    /// commits are never answered here; not at shutdown, where the commit
+    /// still answers (a start told "shut down" might commit after all).
+    pub(super) fn take_waiting(&mut self, starts: bool) -> Vec<ReplyTo> {
         let mut out = Vec::new();
         let mut take = |o: &Origin| match o {
             Origin::Reply(reply) => out.push(*reply),
-            // A start's commit in flight: its sender (a client, or the
-            // shard delivering a child's or a continuation's start) waits.
-            Origin::Start(job) => out.push(job.reply_to()),
+            Origin::Start(job) if starts => out.push(job.reply_to()),
             _ => {}
         };
         for (_, o) in self.waiting.drain(..).chain(self.drained.drain(..)) {
@@ -261,7 +263,10 @@ impl Shard {
             // first one: its commit is refused, and a commit behind it
             // could line up with the durable history's seqs.) It waits
             // for the start's answer (`Shard::after_commit`).
-            Phase::Ready(_) if slot.inflight.iter().any(|i| i.start) => self.queue(run, op, origin),
+            // (A start is always a run's first commit.)
+            Phase::Ready(_) if slot.inflight.front().is_some_and(|i| i.start) => {
+                self.queue(run, op, origin)
+            }
             Phase::Ready(_) => self.ready_op(run, op, origin),
             Phase::Closed => self.closed_op(run, op, origin),
         }
