@@ -512,6 +512,16 @@ impl Drop for RunMachine {
         if let Ok(mut core) = self.core.try_borrow_mut() {
             core.tearing_down = true;
         }
+        // Handlers hold what workflow code gave them, commonly a clone of
+        // its context (an update handler runs activities), and the context
+        // holds the handlers: a cycle that would keep the run's whole state
+        // alive after the machine is gone, once per activation. Dropped
+        // outside the borrow (a handler's captures may reach the handlers).
+        let handlers = self
+            .handlers
+            .try_borrow_mut()
+            .map(|mut h| std::mem::take(&mut *h));
+        drop(handlers);
     }
 }
 
