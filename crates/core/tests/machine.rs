@@ -132,6 +132,10 @@ fn registry() -> WorkflowRegistry {
 }
 
 fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
+    start_in::<W>(&registry(), input)
+}
+
+fn start_in<W: Workflow>(reg: &WorkflowRegistry, input: &W::Input) -> (RunMachine, Vec<Event>) {
     let spec = StartSpec {
         run_id: RunId::from_u64_pair(1, 2),
         instance_id: InstanceId::new("i"),
@@ -147,7 +151,7 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
         search_attributes: Vec::new(),
         timeouts: Default::default(),
     };
-    RunMachine::start(&registry(), spec, Timestamp(1000)).unwrap()
+    RunMachine::start(reg, spec, Timestamp(1000)).unwrap()
 }
 
 fn scheduled(events: &[Event]) -> Vec<(Step, u32)> {
@@ -426,22 +430,7 @@ impl Workflow for Holds {
 fn a_dropped_machine_frees_what_its_handlers_captured() {
     let mut reg = registry();
     reg.register::<Holds>();
-    let spec = StartSpec {
-        run_id: RunId::from_u64_pair(3, 4),
-        instance_id: InstanceId::new("holds"),
-        workflow_type: Holds::NAME.into(),
-        input: Payload::encode(&()).unwrap(),
-        command_id: None,
-        parent: None,
-        continued_from: None,
-        random_seed: 7,
-        previous_run: None,
-        carried: Default::default(),
-        memo: Vec::new(),
-        search_attributes: Vec::new(),
-        timeouts: Default::default(),
-    };
-    let (machine, _) = RunMachine::start(&reg, spec, Timestamp(1000)).unwrap();
+    let (machine, _) = start_in::<Holds>(&reg, &());
     let captured = CAPTURED
         .with(|c| c.borrow().clone())
         .expect("the run registered its handlers");
