@@ -116,9 +116,14 @@ keel_pg_start() {
   else
     echo "keel: no openssl: the test PostgreSQL runs without TLS" >&2
   fi
-  local port tries=0
+  # Ports below the kernel's range for outgoing connections: a port in
+  # that range can be handed to a client socket while the server is down
+  # (keel_pg_restart), and the server could not take it back.
+  local port tries=0 low
+  low="$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)"
+  [ "$low" -gt 21000 ] 2>/dev/null || low=32768
   while :; do
-    port=$((20000 + RANDOM % 20000))
+    port=$((20000 + RANDOM % (low - 20000)))
     printf '%s\n' "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300$tls_options" \
       > "$KEEL_PG_DIR/options"
     if keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
@@ -148,16 +153,38 @@ keel_pg_start() {
   echo "keel: test PostgreSQL on 127.0.0.1:$port ($KEEL_PG_DIR)" >&2
 }
 
-# Stops the cluster in $KEEL_PG_DIR (fast: connections are cut), keeps it
-# down for $1 seconds (default 2), and starts it again on the same port.
-# tests/postgres_restart.rs restarts its own server under load with it.
-keel_pg_restart() {
+# Stops the cluster in $KEEL_PG_DIR (fast: connections are cut) and
+# leaves it down, data kept; keel_pg_up starts it again on the same port.
+keel_pg_down() {
   local bin
   bin="$(keel_pg_bindir)" || return 1
   keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -m fast -w stop >/dev/null
+}
+
+# Starts the cluster in $KEEL_PG_DIR again with its first options (same
+# port). A start can fail while something still holds the port (a client
+# socket the kernel gave that port to, say): it is tried again for a while.
+keel_pg_up() {
+  local bin tries=0
+  bin="$(keel_pg_bindir)" || return 1
+  until keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30       -o "$(cat "$KEEL_PG_DIR/options")" start >/dev/null; do
+    tries=$((tries + 1))
+    if [ "$tries" -ge 10 ]; then
+      echo "keel: the test PostgreSQL did not start again; its log:" >&2
+      tail -n 20 "$KEEL_PG_DIR/server.log" >&2
+      return 1
+    fi
+    sleep 1
+  done
+}
+
+# Stops the cluster in $KEEL_PG_DIR, keeps it down for $1 seconds (default
+# 2), and starts it again on the same port. tests/postgres_restart.rs
+# restarts its own server under load with it.
+keel_pg_restart() {
+  keel_pg_down || return 1
   sleep "${1:-2}"
-  keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
-    -o "$(cat "$KEEL_PG_DIR/options")" start >/dev/null
+  keel_pg_up
 }
 
 keel_pg_stop() {

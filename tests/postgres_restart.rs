@@ -7,8 +7,10 @@
 //! so the shared server other tests use is not disturbed); 60 workflows
 //! of three slow activities each; a few seconds in, the server is stopped
 //! for 3 s and started again (`keel_pg_restart`). Clients retry calls the
-//! engine answered "unavailable" with the same command id. Runs only where
-//! `.ci/run` could start a server (KEEL_TEST_POSTGRES_URL set).
+//! engine answered "unavailable" with the same command id. A second test
+//! stops the server for good and expects the engine to shut down anyway.
+//! Runs only where `.ci/run` could start a server (KEEL_TEST_POSTGRES_URL
+//! set); a [`Watchdog`] ends the test process if a test here hangs.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -22,6 +24,11 @@ use keel::{
 };
 
 const WORKFLOWS: u64 = 60;
+
+/// The longest a test here may run before its [`Watchdog`] ends the test
+/// process (each normally takes seconds; the restart test's own waits add
+/// up to a few minutes at worst).
+const TEST_LIMIT_S: u64 = 600;
 
 #[derive(Default)]
 struct Slow;
@@ -83,17 +90,22 @@ impl Server {
     }
 }
 
-/// Stops the server in `dir` for `down_s` seconds and starts it again.
-fn restart(dir: &str, down_s: u32) {
+/// Runs one of scripts/postgres.sh's functions on the server in `dir`.
+fn server_script(dir: &str, call: &str) {
     let root = env!("CARGO_MANIFEST_DIR");
     let status = Command::new("bash")
         .arg("-c")
         .arg(format!(
-            "set -e; source {root}/scripts/postgres.sh; KEEL_PG_DIR={dir}; keel_pg_restart {down_s}"
+            "set -e; source {root}/scripts/postgres.sh; KEEL_PG_DIR={dir}; {call}"
         ))
         .status()
         .expect("bash");
-    assert!(status.success(), "restarting the server failed");
+    assert!(status.success(), "`{call}` on the test server failed");
+}
+
+/// Stops the server in `dir` for `down_s` seconds and starts it again.
+fn restart(dir: &str, down_s: u32) {
+    server_script(dir, &format!("keel_pg_restart {down_s}"));
 }
 
 impl Drop for Server {
@@ -102,6 +114,37 @@ impl Drop for Server {
             let _ = stdin.write_all(b"\n");
         }
         let _ = self.shell.wait();
+    }
+}
+
+/// Ends the whole test process, naming the test, when a test that drives
+/// servers of its own is still running after `limit`: a wait without end
+/// there (a server that did not come back, a call that never returns)
+/// would otherwise hold the suite until CI's own limit, with no word of
+/// where it stood. Dropped at the test's end, it stands down.
+struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+
+impl Watchdog {
+    fn new(test: &'static str, limit: Duration) -> Watchdog {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                // Straight to the descriptor: the harness captures
+                // `eprintln!`, and would drop it with the process.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{test} still runs after {limit:?}: ending the test process"
+                );
+                std::process::exit(101);
+            }
+        });
+        Watchdog(Some(tx))
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        drop(self.0.take());
     }
 }
 
@@ -136,6 +179,10 @@ async fn a_database_restart_under_load_loses_nothing() {
         eprintln!("no PostgreSQL on this machine: skipping the restart test");
         return;
     }
+    let _watchdog = Watchdog::new(
+        "a_database_restart_under_load_loses_nothing",
+        Duration::from_secs(TEST_LIMIT_S),
+    );
     let server = Server::start();
     let engine = Engine::builder()
         .postgres_options(PgOptions::new(&server.url).lease_ms(30_000))
@@ -205,5 +252,96 @@ async fn a_database_restart_under_load_loses_nothing() {
     assert!(report.ok, "{:?}", report.violations);
     assert_eq!(report.runs, WORKFLOWS);
     engine.shutdown_blocking();
+    drop(server);
+}
+
+/// Goal: an engine whose database went away for good still shuts down,
+/// in bounded time, and ends every call waiting on it, rather than
+/// waiting for a database that will not come back.
+/// Method: workflows of slow activities in flight on a private server;
+/// the server is stopped and left down; once health says the database is
+/// unreachable, `shutdown_blocking` runs on a thread of its own and must
+/// return within `SHUTDOWN_WAIT`, and every waiting `result` ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_database_is_gone_still_shuts_down() {
+    const SHUTDOWN_WAIT: Duration = Duration::from_secs(60);
+    if std::env::var("KEEL_TEST_POSTGRES_URL").map_or(true, |u| u.is_empty()) {
+        assert!(
+            std::env::var("KEEL_REQUIRE_POSTGRES").as_deref() != Ok("1"),
+            "KEEL_REQUIRE_POSTGRES=1 but KEEL_TEST_POSTGRES_URL is not set"
+        );
+        eprintln!("no PostgreSQL on this machine: skipping the shutdown test");
+        return;
+    }
+    let _watchdog = Watchdog::new(
+        "an_engine_whose_database_is_gone_still_shuts_down",
+        Duration::from_secs(TEST_LIMIT_S),
+    );
+    let server = Server::start();
+    let engine = Engine::builder()
+        .postgres_options(PgOptions::new(&server.url).lease_ms(30_000))
+        .register_workflow::<Steps>()
+        .register_activity::<Slow>()
+        .build()
+        .expect("engine");
+    let client = Arc::new(engine.client());
+    let mut results = Vec::new();
+    for i in 0..10u64 {
+        let id = format!("gone-{i}");
+        client
+            .start_with::<Steps>(&id, &i, StartOptions::new())
+            .await
+            .expect("start");
+        let c = client.clone();
+        results.push(tokio::spawn(async move { c.result::<Steps>(&id).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let dir = server.dir.clone();
+    tokio::task::spawn_blocking(move || server_script(&dir, "keel_pg_down"))
+        .await
+        .expect("stop the server");
+    let until = Instant::now() + Duration::from_secs(30);
+    while !matches!(
+        engine.health(),
+        StoreHealth::Stopped {
+            fault: WriteFault::Unreachable,
+            ..
+        }
+    ) {
+        assert!(
+            Instant::now() < until,
+            "health never said the database was unreachable: {}",
+            engine.health()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    // Dropped in async code, as a test that panics drops it.
+    tokio::spawn(async move {
+        drop(engine);
+        let _ = done_tx.send(());
+    });
+    let shut = tokio::task::spawn_blocking(move || done_rx.recv_timeout(SHUTDOWN_WAIT))
+        .await
+        .expect("wait");
+    assert!(
+        shut.is_ok(),
+        "the engine did not shut down within {SHUTDOWN_WAIT:?} of its database going away"
+    );
+    for r in results {
+        let answer = tokio::time::timeout(Duration::from_secs(10), r)
+            .await
+            .expect("a result call still waits after the shutdown")
+            .expect("result task");
+        // Workflows that finished before the server went away have their
+        // output; the others end with the shutdown or the store's fault.
+        match answer {
+            Ok(_)
+            | Err(EngineError::Shutdown)
+            | Err(EngineError::StoreUnavailable(_))
+            | Err(EngineError::Unavailable(_)) => {}
+            Err(e) => panic!("a waiting result ended with {e}"),
+        }
+    }
     drop(server);
 }

@@ -96,7 +96,12 @@ pub const PG_READ_CONNECTIONS_MAX: usize = 8;
 /// Rows one scan fetches per round trip.
 pub const PG_SCAN_PAGE_ROWS: i64 = 512;
 
-/// How long a connection attempt may take before it counts as unreachable.
+/// How long a connection attempt may take before it counts as unreachable,
+/// unless the connection string sets `connect_timeout`: the whole of it,
+/// socket, TLS, authentication and session setup, as libpq counts it. (The
+/// driver's own timeout covers the socket only, so a peer that accepts and
+/// never answers, such as a client socket the kernel connected to itself
+/// while the server was down, would otherwise hold a connect for good.)
 pub const PG_CONNECT_TIMEOUT_MS: u64 = 5_000;
 
 /// How long a reader waits for a free connection before giving up.
@@ -590,19 +595,34 @@ impl Shared {
         let Some(runtime) = self.runtime.as_ref() else {
             return Err(Error::Closed);
         };
+        let limit = connect_limit(&config);
         let task = runtime.spawn(async move {
-            let (client, connection) = pg_tls::connect(&config, tls).await?;
-            tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    debug!(error = %e, "postgres connection ended");
-                }
-            });
-            client.batch_execute(PG_SESSION_SETUP).await?;
-            Ok::<_, tokio_postgres::Error>(client)
+            let handshake = async {
+                let (client, connection) = pg_tls::connect(&config, tls).await?;
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        debug!(error = %e, "postgres connection ended");
+                    }
+                });
+                client.batch_execute(PG_SESSION_SETUP).await?;
+                Ok::<_, tokio_postgres::Error>(client)
+            };
+            // Dropped at the limit, the half-made connection closes its
+            // socket (and its task ends with the client).
+            tokio::time::timeout(limit, handshake).await
         });
         let client = match block(task) {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => {
+            Ok(Ok(Ok(client))) => client,
+            Ok(Err(_elapsed)) => {
+                return Err(self.fault(
+                    DatabaseFault::Unreachable,
+                    format!(
+                        "the server did not complete the connection within {} ms",
+                        limit.as_millis()
+                    ),
+                ))
+            }
+            Ok(Ok(Err(e))) => {
                 return Err(match e.code() {
                     Some(_) => self.error(&e),
                     None if pg_tls::is_tls_refusal(&e) => {
@@ -618,6 +638,15 @@ impl Shared {
             prepared: Mutex::new(HashMap::new()),
         })
     }
+}
+
+/// How long a whole connection attempt may take (see
+/// [`PG_CONNECT_TIMEOUT_MS`]).
+fn connect_limit(config: &tokio_postgres::Config) -> Duration {
+    config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(Duration::from_millis(PG_CONNECT_TIMEOUT_MS))
 }
 
 /// Whether a driver error comes from the socket (the connection failed
@@ -2038,6 +2067,11 @@ impl Relay for PgStore {
                 match listen(&config, tls.clone(), &channel, &tx).await {
                     Ok(Listening::ReaderGone) => return,
                     Ok(Listening::Closed) => debug!("the relay's listening connection closed"),
+                    Ok(Listening::Unanswered) => {
+                        debug!(
+                            "the server did not complete the relay's listening connection in time"
+                        )
+                    }
                     Err(e) => {
                         debug!(error = %describe(&e), "the relay's listening connection failed")
                     }
@@ -2055,6 +2089,8 @@ enum Listening {
     ReaderGone,
     /// The server closed the connection.
     Closed,
+    /// The connection was not made within its limit ([`connect_limit`]).
+    Unanswered,
 }
 
 /// Listens on `channel` over a new connection until it ends, passing the
@@ -2066,7 +2102,12 @@ async fn listen(
     to: &crossbeam_channel::Sender<String>,
 ) -> std::result::Result<Listening, tokio_postgres::Error> {
     use futures::StreamExt;
-    let (client, mut connection) = pg_tls::connect(config, tls).await?;
+    let Ok(connected) =
+        tokio::time::timeout(connect_limit(config), pg_tls::connect(config, tls)).await
+    else {
+        return Ok(Listening::Unanswered);
+    };
+    let (client, mut connection) = connected?;
     let to = to.clone();
     // The connection must be polled for the `listen` below to be answered,
     // and for the notifications after it.

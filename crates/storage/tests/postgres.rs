@@ -439,6 +439,56 @@ fn bad_addresses_and_credentials_get_typed_errors() {
     );
 }
 
+/// Goal: a peer that accepts the connection and never answers, as a
+/// stalled server does, or a client socket the kernel connected to itself
+/// while the server was down (which held the port a restarted test server
+/// needed, and the store's writer for good), is a typed "unreachable"
+/// within the connect timeout, not a wait without end.
+/// Method: a TCP listener of the test's own accepts and keeps every
+/// connection silent; the store opens against it with a 1 s
+/// `connect_timeout`, on a thread, and must answer within `ANSWER_WAIT`.
+/// No PostgreSQL server is needed.
+#[test]
+fn a_server_that_never_answers_is_unreachable_within_the_connect_timeout() {
+    const ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = listener.local_addr().expect("address").port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for socket in listener.incoming() {
+            match socket {
+                Ok(s) => held.push(s),
+                Err(_) => return,
+            }
+        }
+    });
+    for url in [
+        format!("postgres://keel:x@127.0.0.1:{port}/keel?connect_timeout=1"),
+        format!("postgres://keel:x@127.0.0.1:{port}/keel?connect_timeout=1&sslmode=disable"),
+    ] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let options = PgOptions::new(&url);
+        std::thread::spawn(move || {
+            let _ = tx.send(PgStore::open(options).map(|_| ()));
+        });
+        let answer = rx
+            .recv_timeout(ANSWER_WAIT)
+            .unwrap_or_else(|_| panic!("opening {url} still waits after {ANSWER_WAIT:?}"));
+        let err = answer.expect_err("a silent server cannot be opened");
+        assert!(
+            matches!(
+                err,
+                Error::Database {
+                    fault: DatabaseFault::Unreachable,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("1000 ms"), "{err}");
+    }
+}
+
 #[test]
 fn commits_survive_killed_connections_exactly_once() {
     let Some(url) = postgres_url() else { return };
