@@ -193,3 +193,86 @@ keel_pg_stop() {
     rm -rf "$KEEL_PG_DIR"
   fi
 }
+
+# A private cluster in a network namespace of its own, reached over a
+# veth pair, so a test can cut the network between keel and the server
+# (keel_pg_partition) the way a failed link does: packets vanish, nothing
+# answers, no connection is reset. Needs root (namespaces) and iproute2
+# (installed when missing). Exports KEEL_TEST_POSTGRES_URL (password
+# authentication, no TLS), KEEL_PG_DIR, KEEL_PG_NETNS and KEEL_PG_VETH;
+# keel_pg_stop_isolated (an EXIT trap) stops the server and removes the
+# namespace.
+keel_pg_start_isolated() {
+  keel_pg_install || return 1
+  if [ "$(id -u)" != 0 ]; then
+    echo "keel: a partitioned server needs root (network namespaces)" >&2
+    return 1
+  fi
+  if ! command -v ip >/dev/null; then
+    echo "keel: installing iproute2 (a test cuts the network to its server)" >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >&2
+  fi
+  local bin tag net
+  bin="$(keel_pg_bindir)"
+  tag="$$$RANDOM"
+  tag="${tag:0:9}"
+  KEEL_PG_NETNS="keelpg$tag"
+  KEEL_PG_VETH="kn$tag"
+  export KEEL_PG_NETNS KEEL_PG_VETH
+  # A /30 in 10.200-249.x.y, chosen at random (another test's may exist).
+  net="10.$((200 + RANDOM % 50)).$((RANDOM % 256)).$((4 * (RANDOM % 64)))"
+  local host_ip="${net%.*}.$(( ${net##*.} + 1 ))" server_ip="${net%.*}.$(( ${net##*.} + 2 ))"
+  ip netns add "$KEEL_PG_NETNS" || return 1
+  trap keel_pg_stop_isolated EXIT
+  ip link add "kh$tag" type veth peer name "$KEEL_PG_VETH" || return 1
+  ip link set "$KEEL_PG_VETH" netns "$KEEL_PG_NETNS" || return 1
+  ip addr add "$host_ip/30" dev "kh$tag" && ip link set "kh$tag" up || return 1
+  ip netns exec "$KEEL_PG_NETNS" ip addr add "$server_ip/30" dev "$KEEL_PG_VETH" || return 1
+  ip netns exec "$KEEL_PG_NETNS" ip link set "$KEEL_PG_VETH" up || return 1
+  ip netns exec "$KEEL_PG_NETNS" ip link set lo up || return 1
+  KEEL_PG_DIR="$(mktemp -d /tmp/keel-pg.XXXXXX)"
+  export KEEL_PG_DIR
+  id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql postgres
+  chown postgres "$KEEL_PG_DIR"
+  local password="keel-test-$RANDOM$RANDOM"
+  printf '%s\n' "$password" > "$KEEL_PG_DIR/pw"
+  chmod 600 "$KEEL_PG_DIR/pw"
+  chown postgres "$KEEL_PG_DIR/pw"
+  keel_pg_as_owner "$bin/initdb" -D "$KEEL_PG_DIR/data" -U keel --pwfile="$KEEL_PG_DIR/pw" \
+    -A scram-sha-256 --no-instructions >"$KEEL_PG_DIR/initdb.log" 2>&1 \
+    || { cat "$KEEL_PG_DIR/initdb.log" >&2; return 1; }
+  printf 'host all all %s/30 scram-sha-256\n' "$net" >> "$KEEL_PG_DIR/data/pg_hba.conf"
+  # Its own namespace: the usual port is free there.
+  printf '%s\n' "-c listen_addresses=$server_ip -c port=5432 -c unix_socket_directories=$KEEL_PG_DIR" \
+    > "$KEEL_PG_DIR/options"
+  ip netns exec "$KEEL_PG_NETNS" runuser -u postgres -- "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" \
+    -l "$KEEL_PG_DIR/server.log" -w -t 30 -o "$(cat "$KEEL_PG_DIR/options")" start >/dev/null \
+    || { cat "$KEEL_PG_DIR/server.log" >&2; return 1; }
+  PGPASSWORD="$password" ip netns exec "$KEEL_PG_NETNS" runuser -u postgres -- "$bin/psql" -q \
+    -h "$server_ip" -p 5432 -U keel -d postgres -c "create database keel_test" >/dev/null || return 1
+  export KEEL_TEST_POSTGRES_URL="postgres://keel:$password@$server_ip:5432/keel_test"
+  echo "keel: partitionable test PostgreSQL on $server_ip:5432 (namespace $KEEL_PG_NETNS, $KEEL_PG_DIR)" >&2
+}
+
+# Cuts (`on`) or restores (`off`) the network between keel and the server
+# keel_pg_start_isolated started: the server's end of the link goes down.
+keel_pg_partition() {
+  local state=up
+  [ "${1:-on}" = on ] && state=down
+  ip netns exec "$KEEL_PG_NETNS" ip link set "$KEEL_PG_VETH" "$state"
+}
+
+keel_pg_stop_isolated() {
+  if [ -n "${KEEL_PG_NETNS:-}" ]; then
+    if [ -n "${KEEL_PG_DIR:-}" ] && [ -d "$KEEL_PG_DIR/data" ]; then
+      ip netns exec "$KEEL_PG_NETNS" runuser -u postgres -- "$(keel_pg_bindir)/pg_ctl" \
+        -D "$KEEL_PG_DIR/data" -m immediate -w stop >/dev/null 2>&1 || true
+    fi
+    # Removing the namespace removes the veth pair with it.
+    ip netns del "$KEEL_PG_NETNS" 2>/dev/null || true
+  fi
+  if [ -n "${KEEL_PG_DIR:-}" ]; then
+    rm -rf "$KEEL_PG_DIR"
+  fi
+}

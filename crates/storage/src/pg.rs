@@ -104,6 +104,24 @@ pub const PG_SCAN_PAGE_ROWS: i64 = 512;
 /// while the server was down, would otherwise hold a connect for good.)
 pub const PG_CONNECT_TIMEOUT_MS: u64 = 5_000;
 
+/// How long data sent to the server may go unacknowledged before the
+/// connection counts as lost (TCP_USER_TIMEOUT), unless the connection
+/// string sets `tcp_user_timeout`. Without it, a commit sent into a failed
+/// link waits for the kernel's retransmissions, about 15 minutes, while the
+/// store still looks healthy.
+pub const PG_TCP_USER_TIMEOUT_MS: u64 = 20_000;
+
+/// Idle time before a connection's first keepalive probe, unless the
+/// connection string sets `keepalives_idle` (the driver's default is two
+/// hours): a connection waiting for an answer over a failed link sends
+/// nothing, so only the probes find it dead, within this plus
+/// [`PG_TCP_USER_TIMEOUT_MS`].
+pub const PG_KEEPALIVE_IDLE_MS: u64 = 10_000;
+
+/// Time between keepalive probes, unless the connection string sets
+/// `keepalives_interval`.
+pub const PG_KEEPALIVE_INTERVAL_MS: u64 = 5_000;
+
 /// How long a reader waits for a free connection before giving up.
 pub const PG_POOL_WAIT_MS: u64 = 30_000;
 
@@ -640,6 +658,14 @@ impl Shared {
     }
 }
 
+/// Whether a connection string (URL or `key=value` form) sets `option`:
+/// the driver reports some options only with its default filled in.
+fn names_option(url: &str, option: &str) -> bool {
+    url.split(|c: char| c == '?' || c == '&' || c.is_whitespace())
+        .filter_map(|part| part.split_once('='))
+        .any(|(key, _)| key == option)
+}
+
 /// How long a whole connection attempt may take (see
 /// [`PG_CONNECT_TIMEOUT_MS`]).
 fn connect_limit(config: &tokio_postgres::Config) -> Duration {
@@ -865,6 +891,17 @@ impl PgStore {
         let (mut config, tls) = pg_tls::driver_config(&options.url).map_err(bad)?;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_millis(PG_CONNECT_TIMEOUT_MS));
+        }
+        // A failed link is found within bounds (see PG_TCP_USER_TIMEOUT_MS),
+        // unless the connection string says otherwise.
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(Duration::from_millis(PG_TCP_USER_TIMEOUT_MS));
+        }
+        if config.get_keepalives() && !names_option(&options.url, "keepalives_idle") {
+            config.keepalives_idle(Duration::from_millis(PG_KEEPALIVE_IDLE_MS));
+        }
+        if config.get_keepalives() && config.get_keepalives_interval().is_none() {
+            config.keepalives_interval(Duration::from_millis(PG_KEEPALIVE_INTERVAL_MS));
         }
         if config.get_application_name().is_none() {
             config.application_name("keel");
@@ -3211,6 +3248,39 @@ mod tests {
             .iter()
             .map(|r| r.prepared.batch.appends[0].run_id.0.as_u64_pair().0)
             .collect()
+    }
+
+    /// Goal: keel's TCP defaults give way to what a connection string sets,
+    /// in either form, and only to that option (the driver reports
+    /// `keepalives_idle` with its default filled in, so keel reads the
+    /// string). Method: look for options in strings that set them, set
+    /// others, or set one whose name starts the same way.
+    #[test]
+    fn an_option_the_connection_string_sets_is_found_in_either_form() {
+        assert!(names_option(
+            "postgres://k@h/db?keepalives_idle=30",
+            "keepalives_idle"
+        ));
+        assert!(names_option(
+            "postgres://k@h/db?sslmode=disable&keepalives_idle=30",
+            "keepalives_idle"
+        ));
+        assert!(names_option(
+            "host=h user=k keepalives_idle=30",
+            "keepalives_idle"
+        ));
+        assert!(!names_option(
+            "postgres://k@h/db?keepalives=1",
+            "keepalives_idle"
+        ));
+        assert!(!names_option(
+            "postgres://k@h/db?keepalives_idle_x=1",
+            "keepalives_idle"
+        ));
+        assert!(!names_option(
+            "postgres://k@h/keepalives_idle",
+            "keepalives_idle"
+        ));
     }
 
     /// Goal: a sharded process's commits, queued with their shards
