@@ -170,6 +170,68 @@ fn postgres_here() -> bool {
     true
 }
 
+/// An engine on `server` that runs [`Steps`], under a 30 s write lease.
+fn engine_on(server: &Server) -> Engine {
+    Engine::builder()
+        .postgres_options(PgOptions::new(&server.url).lease_ms(30_000))
+        .register_workflow::<Steps>()
+        .register_activity::<Slow>()
+        .build()
+        .expect("engine")
+}
+
+/// Starts `n` [`Steps`] workflows, `{prefix}-{i}` with input `i`, each on
+/// a task of its own that retries its start (with the same command id)
+/// and then its result, for at most `result_wait`, while the engine
+/// answers "unavailable"; each task ends with the workflow's output.
+fn start_steps(
+    client: &Arc<keel::Client>,
+    prefix: &str,
+    n: u64,
+    result_wait: Duration,
+) -> Vec<tokio::task::JoinHandle<u64>> {
+    (0..n)
+        .map(|i| {
+            let c = client.clone();
+            let id = format!("{prefix}-{i}");
+            tokio::spawn(async move {
+                let cmd = format!("start-{i}");
+                retried("start", || {
+                    c.start_with::<Steps>(&id, &i, StartOptions::new().command_id(cmd.clone()))
+                })
+                .await;
+                retried_for("result", result_wait, || c.result::<Steps>(&id)).await
+            })
+        })
+        .collect()
+}
+
+/// Whether `health` says the database is out of reach.
+fn unreachable(health: &StoreHealth) -> bool {
+    matches!(
+        health,
+        StoreHealth::Stopped {
+            fault: WriteFault::Unreachable,
+            ..
+        }
+    )
+}
+
+/// Waits until the engine's health says the database is out of reach,
+/// failing the test after `limit`; how long that took.
+async fn until_unreachable(engine: &Engine, limit: Duration, what: &str) -> Duration {
+    let since = Instant::now();
+    while !unreachable(&engine.health()) {
+        assert!(
+            since.elapsed() < limit,
+            "health still says {} {limit:?} after {what}",
+            engine.health()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    since.elapsed()
+}
+
 /// Retries `call` while the engine answers that the store is unavailable
 /// (the database is down), for at most a minute.
 async fn retried<T, F, Fut>(what: &str, call: F) -> T
@@ -210,26 +272,9 @@ async fn a_database_restart_under_load_loses_nothing() {
         Duration::from_secs(TEST_LIMIT_S),
     );
     let server = Server::start("keel_pg_start");
-    let engine = Engine::builder()
-        .postgres_options(PgOptions::new(&server.url).lease_ms(30_000))
-        .register_workflow::<Steps>()
-        .register_activity::<Slow>()
-        .build()
-        .expect("engine");
+    let engine = engine_on(&server);
     let client = Arc::new(engine.client());
-    let mut handles = Vec::new();
-    for i in 0..WORKFLOWS {
-        let c = client.clone();
-        handles.push(tokio::spawn(async move {
-            let id = format!("restart-{i}");
-            let cmd = format!("start-{i}");
-            retried("start", || {
-                c.start_with::<Steps>(&id, &i, StartOptions::new().command_id(cmd.clone()))
-            })
-            .await;
-            retried("result", || c.result::<Steps>(&id)).await
-        }));
-    }
+    let handles = start_steps(&client, "restart", WORKFLOWS, Duration::from_secs(60));
     // Some work is in flight and some done; then the server goes away.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let restart = tokio::task::spawn_blocking(server.script("keel_pg_restart 3".into()));
@@ -237,11 +282,7 @@ async fn a_database_restart_under_load_loses_nothing() {
     let mut saw_stopped = false;
     let until = Instant::now() + Duration::from_secs(10);
     while Instant::now() < until && !restart.is_finished() {
-        if let StoreHealth::Stopped {
-            fault: WriteFault::Unreachable,
-            ..
-        } = engine.health()
-        {
+        if unreachable(&engine.health()) {
             saw_stopped = true;
             break;
         }
@@ -296,12 +337,7 @@ async fn an_engine_whose_database_is_gone_still_shuts_down() {
         Duration::from_secs(TEST_LIMIT_S),
     );
     let server = Server::start("keel_pg_start");
-    let engine = Engine::builder()
-        .postgres_options(PgOptions::new(&server.url).lease_ms(30_000))
-        .register_workflow::<Steps>()
-        .register_activity::<Slow>()
-        .build()
-        .expect("engine");
+    let engine = engine_on(&server);
     let client = Arc::new(engine.client());
     let mut results = Vec::new();
     for i in 0..10u64 {
@@ -317,21 +353,7 @@ async fn an_engine_whose_database_is_gone_still_shuts_down() {
     tokio::task::spawn_blocking(server.script("keel_pg_down".into()))
         .await
         .expect("stop the server");
-    let until = Instant::now() + Duration::from_secs(30);
-    while !matches!(
-        engine.health(),
-        StoreHealth::Stopped {
-            fault: WriteFault::Unreachable,
-            ..
-        }
-    ) {
-        assert!(
-            Instant::now() < until,
-            "health never said the database was unreachable: {}",
-            engine.health()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_unreachable(&engine, Duration::from_secs(30), "the server stopped").await;
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     // Dropped in async code, as a test that panics drops it.
     tokio::spawn(async move {
@@ -386,49 +408,16 @@ async fn a_network_cut_to_the_database_is_found_and_healed() {
         Duration::from_secs(TEST_LIMIT_S),
     );
     let server = Server::start("keel_pg_start_isolated");
-    let engine = Engine::builder()
-        .postgres_options(PgOptions::new(&server.url).lease_ms(30_000))
-        .register_workflow::<Steps>()
-        .register_activity::<Slow>()
-        .build()
-        .expect("engine");
+    let engine = engine_on(&server);
     let client = Arc::new(engine.client());
-    let mut handles = Vec::new();
-    for i in 0..RUNS {
-        let c = client.clone();
-        handles.push(tokio::spawn(async move {
-            let id = format!("cut-{i}");
-            let cmd = format!("start-{i}");
-            retried("start", || {
-                c.start_with::<Steps>(&id, &i, StartOptions::new().command_id(cmd.clone()))
-            })
-            .await;
-            retried_for("result", Duration::from_secs(300), || {
-                c.result::<Steps>(&id)
-            })
-            .await
-        }));
-    }
+    let handles = start_steps(&client, "cut", RUNS, Duration::from_secs(300));
     tokio::time::sleep(Duration::from_millis(500)).await;
     tokio::task::spawn_blocking(server.script("keel_pg_partition on".into()))
         .await
         .expect("cut the link");
-    let cut = Instant::now();
-    while !matches!(
-        engine.health(),
-        StoreHealth::Stopped {
-            fault: WriteFault::Unreachable,
-            ..
-        }
-    ) {
-        assert!(
-            cut.elapsed() < CUT_FOUND_WAIT,
-            "health still says {} {CUT_FOUND_WAIT:?} after the link to the database was cut",
-            engine.health()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!("the cut was found after {:?}", cut.elapsed());
+    let found =
+        until_unreachable(&engine, CUT_FOUND_WAIT, "the link to the database was cut").await;
+    eprintln!("the cut was found after {found:?}");
     tokio::task::spawn_blocking(server.script("keel_pg_partition off".into()))
         .await
         .expect("restore the link");

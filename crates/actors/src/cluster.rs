@@ -117,6 +117,7 @@ impl Member {
         let span = tracing::info_span!("member", name = %self.name);
         let _guard = span.enter();
         let mut generation = 0u64;
+        let mut seen_epochs = std::collections::HashMap::new();
         let mut last_look: Option<Instant> = None;
         let mut last_forget = Instant::now();
         let mut notices = self.shared().relay_listen();
@@ -144,7 +145,7 @@ impl Member {
             let look_due =
                 last_look.is_none_or(|at| at.elapsed() >= Duration::from_millis(LOOK_MS));
             if look_due && !quiesce.load(Ordering::Acquire) {
-                self.look(&mut generation);
+                self.look(&mut generation, &mut seen_epochs);
                 last_look = Some(Instant::now());
                 // Notes may wait for a shard just taken.
                 take_now = true;
@@ -369,7 +370,11 @@ impl Member {
 
     /// Says this process is alive, then takes and gives up shards as the
     /// driver's ownership rules say.
-    fn look(&mut self, generation: &mut u64) {
+    fn look(
+        &mut self,
+        generation: &mut u64,
+        seen_epochs: &mut std::collections::HashMap<u16, u64>,
+    ) {
         let shared = self.shared();
         let now = now();
         let ttl = self.driver.shard_lease_ms;
@@ -385,6 +390,7 @@ impl Member {
             }
         };
         self.copies_of_the_gone(&members, now);
+        self.tell_of_takeovers(&leases, seen_epochs);
         // A shard whose actor stopped without saying so is not run here.
         for (shard, local) in routes.all_local() {
             if !local.addr.connected() {
@@ -421,6 +427,34 @@ impl Member {
                 }
                 Err(keel_storage::Error::ShardHeld { .. }) => {}
                 Err(e) => tracing::warn!(%shard, error = %e, "cannot take the shard"),
+            }
+        }
+    }
+
+    /// Shards a new owner took since the last look (a higher epoch than
+    /// seen then): every shard here hears of it and delivers again, now,
+    /// what it sent there and still waits to hear of, which the earlier
+    /// owner may have lost (`ShardInput::PeerTaken`).
+    fn tell_of_takeovers(
+        &self,
+        leases: &[ShardLease],
+        seen_epochs: &mut std::collections::HashMap<u16, u64>,
+    ) {
+        let taken: Vec<ShardId> = leases
+            .iter()
+            .filter(|l| {
+                seen_epochs
+                    .insert(l.shard, l.epoch)
+                    .is_some_and(|seen| seen < l.epoch)
+            })
+            .map(|l| ShardId(l.shard))
+            .collect();
+        if taken.is_empty() {
+            return;
+        }
+        for (shard, local) in self.host.routes.all_local() {
+            for &t in taken.iter().filter(|&&t| t != shard) {
+                local.addr.do_send(Feed(ShardInput::PeerTaken(t)));
             }
         }
     }

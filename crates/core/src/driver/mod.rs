@@ -773,6 +773,12 @@ pub enum ShardInput {
     /// from a failed commit: an answer that arrives late must not flip a
     /// healthy view back.
     StoreHealth(keel_storage::StoreHealth),
+    /// Another shard of the engine was taken by a new owner (a host that
+    /// reads the shard leases tells every shard it runs). Deliveries to it
+    /// still waiting for their answers may have been lost with its earlier
+    /// owner: they are delivered again now, not after
+    /// [`OUTBOX_ANSWER_WAIT_MS`].
+    PeerTaken(ShardId),
     /// The renewal asked for with [`Action::RenewLease`], done: the lease
     /// as renewed, or why not ([`keel_storage::Error::Fenced`]: another
     /// process took the shard).
@@ -1427,6 +1433,7 @@ impl Shard {
             } => self.fallback_done(key, attempt, result),
             ShardInput::StoreHealth(health) => self.store_health_changed(health),
             ShardInput::LeaseRenewed { result } => self.lease_renewed(result),
+            ShardInput::PeerTaken(shard) => self.peer_taken(shard),
         }
         self.passivate();
         if self.due.wants_sweep() {

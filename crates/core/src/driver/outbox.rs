@@ -16,7 +16,7 @@ use keel_storage::{
 
 use super::{
     shard_of, Answer, BreakMode, Cause, Due, Message, Origin, ReadFor, ReadQuery, Refusal, ReplyTo,
-    RunOp, Shard, Token,
+    RunOp, Shard, ShardId, Token,
 };
 use crate::machine::{Input, StartSpec};
 
@@ -328,6 +328,31 @@ impl Shard {
         self.deliver_outbox(key);
     }
 
+    /// Shard `taken` has a new owner: a delivery to it still waiting for
+    /// its answer may have been lost with the owner before (a process that
+    /// died with the message in hand, or a message that came while no
+    /// process held the shard), so it is delivered again now rather than
+    /// after `OUTBOX_ANSWER_WAIT_MS`. Deliveries are idempotent by their
+    /// durable ids, and an answer to the earlier one is ignored. A send to
+    /// an instance is resolved through a read first, so its shard is not
+    /// known here: it waits for its own time.
+    pub(super) fn peer_taken(&mut self, taken: ShardId) {
+        let shards = self.config.shards;
+        let waiting: Vec<(Vec<u8>, Token)> = self
+            .outbox
+            .rows
+            .iter()
+            .filter_map(|(key, row)| {
+                let token = row.awaiting?;
+                let run = target_run(&row.msg)?;
+                (shard_of(run, shards) == taken).then(|| (key.clone(), token))
+            })
+            .collect();
+        for (key, token) in waiting {
+            self.outbox_unanswered(&key, token);
+        }
+    }
+
     /// An answer from a shard to a message this shard sent.
     pub(super) fn peer_answer(&mut self, token: Token, answer: Answer) {
         let Some(key) = self.outbox.pending.remove(&token) else {
@@ -498,6 +523,18 @@ fn describe(answer: &Answer) -> String {
     }
 }
 
+/// The run a delivery of `msg` goes to, when the message names it (a send
+/// to an instance is resolved first).
+fn target_run(msg: &OutboxMessage) -> Option<RunId> {
+    match msg {
+        OutboxMessage::StartChild { child_run_id, .. }
+        | OutboxMessage::CancelChild { child_run_id, .. } => Some(*child_run_id),
+        OutboxMessage::ChildResult { parent, .. } => Some(parent.run_id),
+        OutboxMessage::Continue { new_run_id, .. } => Some(*new_run_id),
+        OutboxMessage::Deliver { .. } => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     // Goal: a child's cancellation that reaches no run (the child's start
@@ -517,6 +554,46 @@ mod tests {
 
     fn actions(shard: &mut Shard) -> Vec<Action> {
         std::iter::from_fn(|| shard.poll_action()).collect()
+    }
+
+    /// Recovers `shard` at `now`, its first outbox window reading `rows`
+    /// (up to `last`), and nothing else due.
+    fn recover_with_outbox(
+        shard: &mut Shard,
+        now: Timestamp,
+        rows: Vec<Intent>,
+        last: Option<Vec<u8>>,
+    ) {
+        shard.recover(now);
+        for action in actions(shard) {
+            let Action::Read { token, query } = action else {
+                continue;
+            };
+            let result = match query {
+                ReadQuery::Backlog {
+                    of: crate::driver::BacklogOf::Outbox,
+                    ..
+                } => ReadResult::Backlog {
+                    rows: rows.clone(),
+                    last: last.clone(),
+                    skipped_due: None,
+                },
+                ReadQuery::Backlog { .. } => ReadResult::Backlog {
+                    rows: Vec::new(),
+                    last: None,
+                    skipped_due: None,
+                },
+                ReadQuery::Timers { .. } => ReadResult::Timers(Vec::new()),
+                other => panic!("unexpected read at recovery: {other:?}"),
+            };
+            shard.handle(
+                now,
+                ShardInput::Read {
+                    token,
+                    result: Ok(result),
+                },
+            );
+        }
     }
 
     #[test]
@@ -553,37 +630,13 @@ mod tests {
         assert!(cancel.key() < start.key(), "the order the windows read");
 
         let mut now = Timestamp(1);
-        shard.recover(now);
         // The first outbox window: the cancellation fills it.
-        for action in actions(&mut shard) {
-            let Action::Read { token, query } = action else {
-                continue;
-            };
-            let result = match query {
-                ReadQuery::Backlog {
-                    of: crate::driver::BacklogOf::Outbox,
-                    ..
-                } => ReadResult::Backlog {
-                    rows: vec![Intent::Outbox(cancel.clone())],
-                    last: Some(cancel.key()),
-                    skipped_due: None,
-                },
-                ReadQuery::Backlog { .. } => ReadResult::Backlog {
-                    rows: Vec::new(),
-                    last: None,
-                    skipped_due: None,
-                },
-                ReadQuery::Timers { .. } => ReadResult::Timers(Vec::new()),
-                other => panic!("unexpected read at recovery: {other:?}"),
-            };
-            shard.handle(
-                now,
-                ShardInput::Read {
-                    token,
-                    result: Ok(result),
-                },
-            );
-        }
+        recover_with_outbox(
+            &mut shard,
+            now,
+            vec![Intent::Outbox(cancel.clone())],
+            Some(cancel.key()),
+        );
         let delivered = actions(&mut shard);
         let token = delivered
             .iter()
@@ -632,5 +685,88 @@ mod tests {
             )),
             "the start is delivered with the cancellation riding on it: {started:?}"
         );
+    }
+
+    // Goal: a shard taken by a new owner gets, at once, the deliveries a
+    // shard sent it and still waits to hear of; deliveries to other shards
+    // keep waiting. A start that arrived while no process held its shard
+    // (its owner was killed) was lost, and its sender waited for
+    // `OUTBOX_ANSWER_WAIT_MS` (10 s) to deliver it again: `keel sim
+    // --processes 3 --seeds 20000` found an instance stuck that long in
+    // continue-as-new (seeds 16057 and 19468). Method: a shard of two
+    // recovers two child starts, one for a run on each shard, and delivers
+    // both; then it hears that shard 1 was taken.
+    #[test]
+    fn a_taken_shard_gets_the_deliveries_still_waiting_for_its_answer_at_once() {
+        let config = DriverConfig {
+            shards: 2,
+            ..DriverConfig::default()
+        };
+        // The `n`th run id (from 1 up) that routes to `shard`.
+        let on = |shard: u16, n: usize| {
+            (1..)
+                .map(|i| RunId::from_u64_pair(i, i))
+                .filter(|r| crate::driver::shard_of(*r, 2) == ShardId(shard))
+                .nth(n)
+                .expect("run ids for every shard")
+        };
+        let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 0);
+        let parent = ParentRef {
+            instance_id: InstanceId::new("parent"),
+            run_id: on(0, 0),
+            step: Step(4),
+            close_policy: ParentClosePolicy::Terminate,
+        };
+        let (here, there) = (on(0, 1), on(1, 0));
+        let start = |child: RunId, step: u32| OutboxMessage::StartChild {
+            parent: ParentRef {
+                step: Step(step),
+                ..parent.clone()
+            },
+            child_instance_id: InstanceId::new(format!("parent/child-{step}")),
+            child_run_id: child,
+            workflow_type: "child".into(),
+            input: Payload::encode(&()).unwrap(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            timeouts: Default::default(),
+        };
+        let rows = vec![
+            Intent::Outbox(start(here, 4)),
+            Intent::Outbox(start(there, 5)),
+        ];
+        let now = Timestamp(1);
+        recover_with_outbox(&mut shard, now, rows, None);
+        let starts = |actions: &[Action]| -> Vec<RunId> {
+            actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Send {
+                        message: Message::Start { spec, .. },
+                        ..
+                    } => Some(spec.run_id),
+                    _ => None,
+                })
+                .collect()
+        };
+        let first = actions(&mut shard);
+        let mut delivered = starts(&first);
+        delivered.sort();
+        let mut both = vec![here, there];
+        both.sort();
+        assert_eq!(delivered, both, "both starts are delivered: {first:?}");
+        // Well before `OUTBOX_ANSWER_WAIT_MS`, shard 1 has a new owner.
+        shard.handle(now.plus_ms(100), ShardInput::PeerTaken(ShardId(1)));
+        let again = actions(&mut shard);
+        assert_eq!(
+            starts(&again),
+            vec![there],
+            "only the start for the taken shard is delivered again: {again:?}"
+        );
+        // Told of shard 0's takeover too: only the start waiting for shard
+        // 0 goes again.
+        shard.handle(now.plus_ms(200), ShardInput::PeerTaken(ShardId(0)));
+        let third = actions(&mut shard);
+        assert_eq!(starts(&third), vec![here], "{third:?}");
     }
 }

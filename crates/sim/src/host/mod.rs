@@ -278,6 +278,9 @@ struct Process {
     paused_until: Option<u64>,
     /// Actions it was about to perform when it froze.
     stash: VecDeque<(ShardId, Action)>,
+    /// Each shard's lease epoch at its last look: a higher one means a new
+    /// owner took the shard since.
+    seen_epochs: BTreeMap<u16, u64>,
 }
 
 impl Process {
@@ -294,6 +297,7 @@ impl Process {
             copies: BTreeMap::new(),
             paused_until: None,
             stash: VecDeque::new(),
+            seen_epochs: BTreeMap::new(),
         }
     }
 }

@@ -76,6 +76,29 @@ impl World<'_> {
                 (Vec::new(), Vec::new())
             }
         };
+        // Shards a new owner took since the last look: this process's
+        // shards deliver again, now, what they sent there and still wait
+        // to hear of (it may have been lost with the owner before), as the
+        // engine's member thread tells its shards.
+        let mut taken = Vec::new();
+        for l in &leases {
+            let seen = self.processes[p].seen_epochs.insert(l.shard, l.epoch);
+            if seen.is_some_and(|e| e < l.epoch) {
+                taken.push(ShardId(l.shard));
+            }
+        }
+        let inc = self.processes[p].inc;
+        let own: Vec<ShardId> = self.processes[p].shards.keys().copied().collect();
+        for t in taken {
+            for &s in own.iter().filter(|&&s| s != t) {
+                self.pinned_at(
+                    self.now,
+                    inc,
+                    s,
+                    keel_core::driver::ShardInput::PeerTaken(t),
+                );
+            }
+        }
         // A lease it holds without knowing (a take whose answer was lost):
         // given back, so the shard is taken again without waiting it out.
         let held: Vec<keel_storage::Fence> = self.processes[p]
