@@ -108,7 +108,8 @@ pub const PG_CONNECT_TIMEOUT_MS: u64 = 5_000;
 /// connection counts as lost (TCP_USER_TIMEOUT), unless the connection
 /// string sets `tcp_user_timeout`. Without it, a commit sent into a failed
 /// link waits for the kernel's retransmissions, about 15 minutes, while the
-/// store still looks healthy.
+/// store still looks healthy. Linux only (TCP_USER_TIMEOUT); elsewhere the
+/// keepalive probes alone find a dead link, once nothing is in flight.
 pub const PG_TCP_USER_TIMEOUT_MS: u64 = 20_000;
 
 /// Idle time before a connection's first keepalive probe, unless the
