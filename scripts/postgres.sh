@@ -119,11 +119,15 @@ keel_pg_start() {
   # Ports below the kernel's range for outgoing connections: a port in
   # that range can be handed to a client socket while the server is down
   # (keel_pg_restart), and the server could not take it back.
-  local port tries=0 low
-  low="$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)"
-  [ "$low" -gt 21000 ] 2>/dev/null || low=32768
+  local port tries=0 low high first=20000 last=32767
+  read -r low high < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || { low=32768; high=60999; }
+  if [ "$low" -gt 21000 ]; then
+    last=$((low - 1))
+  elif [ "$high" -lt 64000 ]; then
+    first=$((high + 1)); last=65535
+  fi
   while :; do
-    port=$((20000 + RANDOM % (low - 20000)))
+    port=$((first + RANDOM % (last - first + 1)))
     printf '%s\n' "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories=$KEEL_PG_DIR -c max_connections=300$tls_options" \
       > "$KEEL_PG_DIR/options"
     if keel_pg_as_owner "$bin/pg_ctl" -D "$KEEL_PG_DIR/data" -l "$KEEL_PG_DIR/server.log" -w -t 30 \
@@ -215,19 +219,23 @@ keel_pg_start_isolated() {
   fi
   local bin tag net
   bin="$(keel_pg_bindir)"
+  # The clean-up below removes $KEEL_PG_DIR: never one inherited from the
+  # caller (the shared test server's).
+  KEEL_PG_DIR=""
   tag="$$$RANDOM"
   tag="${tag:0:9}"
   KEEL_PG_NETNS="keelpg$tag"
   KEEL_PG_VETH="kn$tag"
-  export KEEL_PG_NETNS KEEL_PG_VETH
+  KEEL_PG_VETH_HOST="kh$tag"
+  export KEEL_PG_DIR KEEL_PG_NETNS KEEL_PG_VETH KEEL_PG_VETH_HOST
   # A /30 in 10.200-249.x.y, chosen at random (another test's may exist).
   net="10.$((200 + RANDOM % 50)).$((RANDOM % 256)).$((4 * (RANDOM % 64)))"
   local host_ip="${net%.*}.$(( ${net##*.} + 1 ))" server_ip="${net%.*}.$(( ${net##*.} + 2 ))"
   ip netns add "$KEEL_PG_NETNS" || return 1
   trap keel_pg_stop_isolated EXIT
-  ip link add "kh$tag" type veth peer name "$KEEL_PG_VETH" || return 1
+  ip link add "$KEEL_PG_VETH_HOST" type veth peer name "$KEEL_PG_VETH" || return 1
   ip link set "$KEEL_PG_VETH" netns "$KEEL_PG_NETNS" || return 1
-  ip addr add "$host_ip/30" dev "kh$tag" && ip link set "kh$tag" up || return 1
+  ip addr add "$host_ip/30" dev "$KEEL_PG_VETH_HOST" && ip link set "$KEEL_PG_VETH_HOST" up || return 1
   ip netns exec "$KEEL_PG_NETNS" ip addr add "$server_ip/30" dev "$KEEL_PG_VETH" || return 1
   ip netns exec "$KEEL_PG_NETNS" ip link set "$KEEL_PG_VETH" up || return 1
   ip netns exec "$KEEL_PG_NETNS" ip link set lo up || return 1
@@ -269,8 +277,10 @@ keel_pg_stop_isolated() {
       ip netns exec "$KEEL_PG_NETNS" runuser -u postgres -- "$(keel_pg_bindir)/pg_ctl" \
         -D "$KEEL_PG_DIR/data" -m immediate -w stop >/dev/null 2>&1 || true
     fi
-    # Removing the namespace removes the veth pair with it.
+    # Removing the namespace removes the veth pair with it, unless its
+    # end never moved there.
     ip netns del "$KEEL_PG_NETNS" 2>/dev/null || true
+    ip link del "${KEEL_PG_VETH_HOST:-}" 2>/dev/null || true
   fi
   if [ -n "${KEEL_PG_DIR:-}" ]; then
     rm -rf "$KEEL_PG_DIR"

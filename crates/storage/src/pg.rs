@@ -98,7 +98,8 @@ pub const PG_SCAN_PAGE_ROWS: i64 = 512;
 
 /// How long a connection attempt may take before it counts as unreachable,
 /// unless the connection string sets `connect_timeout`: the whole of it,
-/// socket, TLS, authentication and session setup, as libpq counts it. (The
+/// socket, TLS, authentication and session setup, per host as libpq counts
+/// it. (The
 /// driver's own timeout covers the socket only, so a peer that accepts and
 /// never answers, such as a client socket the kernel connected to itself
 /// while the server was down, would otherwise hold a connect for good.)
@@ -616,19 +617,27 @@ impl Shared {
         };
         let limit = connect_limit(&config);
         let task = runtime.spawn(async move {
+            let mut driving = None;
             let handshake = async {
                 let (client, connection) = pg_tls::connect(&config, tls).await?;
-                tokio::spawn(async move {
+                driving = Some(tokio::spawn(async move {
                     if let Err(e) = connection.await {
                         debug!(error = %e, "postgres connection ended");
                     }
-                });
+                }));
                 client.batch_execute(PG_SESSION_SETUP).await?;
                 Ok::<_, tokio_postgres::Error>(client)
             };
-            // Dropped at the limit, the half-made connection closes its
-            // socket (and its task ends with the client).
-            tokio::time::timeout(limit, handshake).await
+            // Dropped at the limit, a connection still in its handshake
+            // closes its socket; one waiting for its session setup's
+            // answer is stopped here (its task would wait for that answer).
+            let made = tokio::time::timeout(limit, handshake).await;
+            if made.is_err() {
+                if let Some(task) = driving {
+                    task.abort();
+                }
+            }
+            made
         });
         let client = match block(task) {
             Ok(Ok(Ok(client))) => client,
@@ -668,12 +677,16 @@ fn names_option(url: &str, option: &str) -> bool {
 }
 
 /// How long a whole connection attempt may take (see
-/// [`PG_CONNECT_TIMEOUT_MS`]).
+/// [`PG_CONNECT_TIMEOUT_MS`]): the limit per host, times the hosts the
+/// connection string names, so that a silent first host leaves the
+/// others their turn.
 fn connect_limit(config: &tokio_postgres::Config) -> Duration {
-    config
+    let per_host = config
         .get_connect_timeout()
         .copied()
-        .unwrap_or(Duration::from_millis(PG_CONNECT_TIMEOUT_MS))
+        .unwrap_or(Duration::from_millis(PG_CONNECT_TIMEOUT_MS));
+    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    per_host.saturating_mul(hosts)
 }
 
 /// Whether a driver error comes from the socket (the connection failed
@@ -2127,7 +2140,8 @@ enum Listening {
     ReaderGone,
     /// The server closed the connection.
     Closed,
-    /// The connection was not made within its limit ([`connect_limit`]).
+    /// The connection was not made, or its `LISTEN` not answered, within
+    /// its limit ([`connect_limit`]).
     Unanswered,
 }
 
@@ -2160,9 +2174,13 @@ async fn listen(
         }
         Ok::<_, tokio_postgres::Error>(Listening::Closed)
     });
-    client
-        .batch_execute(&format!("listen \"{channel}\""))
-        .await?;
+    let statement = format!("listen \"{channel}\"");
+    let listen = client.batch_execute(&statement);
+    let Ok(listening) = tokio::time::timeout(connect_limit(config), listen).await else {
+        messages.abort();
+        return Ok(Listening::Unanswered);
+    };
+    listening?;
     let ended = messages.await.unwrap_or(Ok(Listening::Closed));
     drop(client);
     ended
