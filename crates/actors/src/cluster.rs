@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use actix::{Actor, ArbiterHandle};
 use crossbeam_channel::Receiver;
 use keel_core::driver::{
-    leases_unheld, member_gone, shard_of, shards_to_release, shards_to_take, AttemptKey,
-    DriverConfig, Shard, ShardId, ShardInput,
+    leases_unheld, member_gone, shard_of, shards_taken_since, shards_to_release, shards_to_take,
+    AttemptKey, DriverConfig, Shard, ShardId, ShardInput,
 };
 use keel_core::WorkflowRegistry;
 use keel_storage::relay::RELAY_NOTE_AGE_MS_MAX;
@@ -117,7 +117,7 @@ impl Member {
         let span = tracing::info_span!("member", name = %self.name);
         let _guard = span.enter();
         let mut generation = 0u64;
-        let mut seen_epochs = std::collections::HashMap::new();
+        let mut seen_epochs = std::collections::BTreeMap::new();
         let mut last_look: Option<Instant> = None;
         let mut last_forget = Instant::now();
         let mut notices = self.shared().relay_listen();
@@ -373,7 +373,7 @@ impl Member {
     fn look(
         &mut self,
         generation: &mut u64,
-        seen_epochs: &mut std::collections::HashMap<u16, u64>,
+        seen_epochs: &mut std::collections::BTreeMap<u16, u64>,
     ) {
         let shared = self.shared();
         let now = now();
@@ -438,17 +438,9 @@ impl Member {
     fn tell_of_takeovers(
         &self,
         leases: &[ShardLease],
-        seen_epochs: &mut std::collections::HashMap<u16, u64>,
+        seen_epochs: &mut std::collections::BTreeMap<u16, u64>,
     ) {
-        let taken: Vec<ShardId> = leases
-            .iter()
-            .filter(|l| {
-                seen_epochs
-                    .insert(l.shard, l.epoch)
-                    .is_some_and(|seen| seen < l.epoch)
-            })
-            .map(|l| ShardId(l.shard))
-            .collect();
+        let taken = shards_taken_since(leases, seen_epochs);
         if taken.is_empty() {
             return;
         }

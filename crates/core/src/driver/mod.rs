@@ -59,8 +59,8 @@ use crate::workflow::WorkflowRegistry;
 pub use attempts::{FAILURE_MESSAGE_BYTES_MAX, PROFILE_DEADLINE_MS_DEFAULT};
 pub use describe::{AttemptView, ChildView, MachineView, RunDescription};
 pub use ownership::{
-    leases_unheld, member_gone, shards_to_release, shards_to_take, SHARD_LEASE_MS_DEFAULT,
-    SHARD_LEASE_RENEW_PERCENT, SHARD_LEASE_RETRY_MS,
+    leases_unheld, member_gone, shards_taken_since, shards_to_release, shards_to_take,
+    SHARD_LEASE_MS_DEFAULT, SHARD_LEASE_RENEW_PERCENT, SHARD_LEASE_RETRY_MS,
 };
 pub use read::{
     BacklogOf, DescribeFacts, InstanceState, ReadQuery, ReadResult, START_DEDUPE_RUNS_MAX,

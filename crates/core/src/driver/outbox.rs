@@ -556,6 +556,20 @@ mod tests {
         std::iter::from_fn(|| shard.poll_action()).collect()
     }
 
+    /// The outbox row starting `child` for `parent`'s step.
+    fn child_start(parent: &ParentRef, child: RunId) -> OutboxMessage {
+        OutboxMessage::StartChild {
+            parent: parent.clone(),
+            child_instance_id: InstanceId::new(format!("parent/child-{}", parent.step.0)),
+            child_run_id: child,
+            workflow_type: "child".into(),
+            input: Payload::encode(&()).unwrap(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            timeouts: Default::default(),
+        }
+    }
+
     /// Recovers `shard` at `now`, its first outbox window reading `rows`
     /// (up to `last`), and nothing else due.
     fn recover_with_outbox(
@@ -617,16 +631,7 @@ mod tests {
             policy: ParentClosePolicy::Terminate,
             reason: "scope cancelled".into(),
         };
-        let start = OutboxMessage::StartChild {
-            parent: parent.clone(),
-            child_instance_id: InstanceId::new("parent/child-4"),
-            child_run_id: child,
-            workflow_type: "child".into(),
-            input: Payload::encode(&()).unwrap(),
-            memo: Vec::new(),
-            search_attributes: Vec::new(),
-            timeouts: Default::default(),
-        };
+        let start = child_start(&parent, child);
         assert!(cancel.key() < start.key(), "the order the windows read");
 
         let mut now = Timestamp(1);
@@ -718,18 +723,14 @@ mod tests {
             close_policy: ParentClosePolicy::Terminate,
         };
         let (here, there) = (on(0, 1), on(1, 0));
-        let start = |child: RunId, step: u32| OutboxMessage::StartChild {
-            parent: ParentRef {
-                step: Step(step),
-                ..parent.clone()
-            },
-            child_instance_id: InstanceId::new(format!("parent/child-{step}")),
-            child_run_id: child,
-            workflow_type: "child".into(),
-            input: Payload::encode(&()).unwrap(),
-            memo: Vec::new(),
-            search_attributes: Vec::new(),
-            timeouts: Default::default(),
+        let start = |child: RunId, step: u32| {
+            child_start(
+                &ParentRef {
+                    step: Step(step),
+                    ..parent.clone()
+                },
+                child,
+            )
         };
         let rows = vec![
             Intent::Outbox(start(here, 4)),

@@ -14,6 +14,8 @@
 //! store's fence check is what makes that safe; the shard stopping itself
 //! keeps a cut-off process from running activities no one will record.
 
+use std::collections::BTreeMap;
+
 use keel_storage::{Error as StoreError, Member, ShardLease, Timestamp};
 
 use super::{Action, Answer, Due, Message, ReplyTo, Shard, ShardId, ShardInput};
@@ -127,6 +129,18 @@ pub fn leases_unheld<'a>(
     leases
         .iter()
         .filter(|l| l.owner == me && !l.expired(now) && !held.contains(&l.fence()))
+        .collect()
+}
+
+/// The shards a new owner took since the last look: a lease epoch higher
+/// than `seen` holds for it (`seen` is updated; a shard seen for the first
+/// time counts as not taken). The host tells every shard it runs of each
+/// ([`ShardInput::PeerTaken`]), but the one taken.
+pub fn shards_taken_since(leases: &[ShardLease], seen: &mut BTreeMap<u16, u64>) -> Vec<ShardId> {
+    leases
+        .iter()
+        .filter(|l| seen.insert(l.shard, l.epoch).is_some_and(|e| e < l.epoch))
+        .map(|l| ShardId(l.shard))
         .collect()
 }
 

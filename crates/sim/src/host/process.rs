@@ -15,7 +15,8 @@
 use std::collections::BTreeMap;
 
 use keel_core::driver::{
-    leases_unheld, shards_to_release, shards_to_take, Shard, ShardId, ShardInput,
+    leases_unheld, shards_taken_since, shards_to_release, shards_to_take, Shard, ShardId,
+    ShardInput,
 };
 use keel_storage::history::pending_steps;
 use keel_storage::{CrashMode, Event, EventKind, InstanceId, Outcome, RunFilter, RunId, Timestamp};
@@ -80,13 +81,7 @@ impl World<'_> {
         // shards deliver again, now, what they sent there and still wait
         // to hear of (it may have been lost with the owner before), as the
         // engine's member thread tells its shards.
-        let mut taken = Vec::new();
-        for l in &leases {
-            let seen = self.processes[p].seen_epochs.insert(l.shard, l.epoch);
-            if seen.is_some_and(|e| e < l.epoch) {
-                taken.push(ShardId(l.shard));
-            }
-        }
+        let taken = shards_taken_since(&leases, &mut self.processes[p].seen_epochs);
         let inc = self.processes[p].inc;
         let own: Vec<ShardId> = self.processes[p].shards.keys().copied().collect();
         for t in taken {
