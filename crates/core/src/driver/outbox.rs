@@ -38,6 +38,9 @@ struct Row {
     notify: Option<Input>,
     /// The delivery whose answer is awaited.
     awaiting: Option<Token>,
+    /// A send to an instance: the run that delivery was resolved to, so
+    /// that a takeover of that run's shard finds it.
+    resolved: Option<RunId>,
     /// Its consuming commit was answered in this shard: it is not
     /// delivered again, only its awaited answer is still followed.
     consumed: bool,
@@ -133,6 +136,7 @@ impl Shard {
                 stage: Stage::Deliver,
                 notify: None,
                 awaiting: None,
+                resolved: None,
                 consumed: false,
                 follows: 0,
                 windowed,
@@ -176,6 +180,7 @@ impl Shard {
         self.outbox.pending.insert(token, key.to_vec());
         if let Some(row) = self.outbox.rows.get_mut(key) {
             row.awaiting = Some(token);
+            row.resolved = None;
         }
         // The target's process may die or lose its shard with the message
         // in hand: without an answer in time, it is delivered again.
@@ -334,8 +339,8 @@ impl Shard {
     /// process held the shard), so it is delivered again now rather than
     /// after `OUTBOX_ANSWER_WAIT_MS`. Deliveries are idempotent by their
     /// durable ids, and an answer to the earlier one is ignored. A send to
-    /// an instance is resolved through a read first, so its shard is not
-    /// known here: it waits for its own time.
+    /// an instance counts once its read resolved it to a run; one still
+    /// being resolved waits for its own time.
     pub(super) fn peer_taken(&mut self, taken: ShardId) {
         let shards = self.config.shards;
         let waiting: Vec<(Vec<u8>, Token)> = self
@@ -344,12 +349,25 @@ impl Shard {
             .iter()
             .filter_map(|(key, row)| {
                 let token = row.awaiting?;
-                let run = target_run(&row.msg)?;
+                let run = target_run(&row.msg).or(row.resolved)?;
                 (shard_of(run, shards) == taken).then(|| (key.clone(), token))
             })
             .collect();
         for (key, token) in waiting {
             self.outbox_unanswered(&key, token);
+        }
+    }
+
+    /// The delivery `token` of a send to an instance was resolved to
+    /// `run`.
+    pub(super) fn outbox_resolved(&mut self, token: Token, run: RunId) {
+        let Some(key) = self.outbox.pending.get(&token) else {
+            return;
+        };
+        if let Some(row) = self.outbox.rows.get_mut(key) {
+            if row.awaiting == Some(token) {
+                row.resolved = Some(run);
+            }
         }
     }
 
@@ -570,6 +588,15 @@ mod tests {
         }
     }
 
+    /// The `n`th run id (counting from 0) that routes to `shard` of two.
+    fn on(shard: u16, n: usize) -> RunId {
+        (1..)
+            .map(|i| RunId::from_u64_pair(i, i))
+            .filter(|r| crate::driver::shard_of(*r, 2) == ShardId(shard))
+            .nth(n)
+            .expect("run ids for every shard")
+    }
+
     /// Recovers `shard` at `now`, its first outbox window reading `rows`
     /// (up to `last`), and nothing else due.
     fn recover_with_outbox(
@@ -707,14 +734,6 @@ mod tests {
             shards: 2,
             ..DriverConfig::default()
         };
-        // The `n`th run id (from 1 up) that routes to `shard`.
-        let on = |shard: u16, n: usize| {
-            (1..)
-                .map(|i| RunId::from_u64_pair(i, i))
-                .filter(|r| crate::driver::shard_of(*r, 2) == ShardId(shard))
-                .nth(n)
-                .expect("run ids for every shard")
-        };
         let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 0);
         let parent = ParentRef {
             instance_id: InstanceId::new("parent"),
@@ -769,5 +788,74 @@ mod tests {
         shard.handle(now.plus_ms(200), ShardInput::PeerTaken(ShardId(0)));
         let third = actions(&mut shard);
         assert_eq!(starts(&third), vec![here], "{third:?}");
+    }
+
+    // Goal: a send to an instance (a signal from a workflow) waiting for
+    // its answer is delivered again as soon as the shard of the run it was
+    // resolved to has a new owner, as a child's start is, and not after
+    // `OUTBOX_ANSWER_WAIT_MS`. Method: a shard of two recovers with one
+    // such row; its delivery resolves the instance through a read (a
+    // takeover before the read answers changes nothing), answered with a
+    // run of shard 1, and goes there. A takeover of shard 0 leaves it
+    // alone; one of shard 1 delivers it again (a new resolve read).
+    #[test]
+    fn a_send_to_an_instance_goes_again_when_the_shard_it_went_to_is_taken() {
+        let config = DriverConfig {
+            shards: 2,
+            ..DriverConfig::default()
+        };
+        let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 0);
+        let (sender, there) = (on(0, 0), on(1, 0));
+        let signal = OutboxMessage::Deliver {
+            sender,
+            step: Step(3),
+            target: "receiver".into(),
+            delivery: Delivery::Signal {
+                name: "go".into(),
+                payload: Payload::default(),
+            },
+        };
+        let now = Timestamp(1);
+        recover_with_outbox(&mut shard, now, vec![Intent::Outbox(signal)], None);
+        let resolves = |actions: &[Action]| -> Vec<Token> {
+            actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Read {
+                        token,
+                        query: ReadQuery::Resolve(target),
+                    } if target == "receiver" => Some(*token),
+                    _ => None,
+                })
+                .collect()
+        };
+        let first = actions(&mut shard);
+        let [token] = resolves(&first)[..] else {
+            panic!("one resolve read: {first:?}")
+        };
+        // Not resolved yet: no shard is known to be its target.
+        shard.handle(now, ShardInput::PeerTaken(ShardId(1)));
+        let unresolved = actions(&mut shard);
+        assert!(resolves(&unresolved).is_empty(), "{unresolved:?}");
+        shard.handle(
+            now,
+            ShardInput::Read {
+                token,
+                result: Ok(ReadResult::Resolved(Some(there))),
+            },
+        );
+        let sent = actions(&mut shard);
+        assert!(
+            sent.iter().any(|a| matches!(a,
+                Action::Send { to: ShardId(1), message: Message::ToRun { run, .. }, .. }
+                    if *run == there)),
+            "the signal goes to the run it resolved to: {sent:?}"
+        );
+        shard.handle(now.plus_ms(100), ShardInput::PeerTaken(ShardId(0)));
+        let calm = actions(&mut shard);
+        assert!(resolves(&calm).is_empty(), "{calm:?}");
+        shard.handle(now.plus_ms(200), ShardInput::PeerTaken(ShardId(1)));
+        let again = actions(&mut shard);
+        assert_eq!(resolves(&again).len(), 1, "delivered again: {again:?}");
     }
 }

@@ -234,6 +234,12 @@ impl Shard {
     ) {
         match result {
             Ok(ReadResult::Resolved(Some(run))) => {
+                if let ReplyTo::Shard(from, token) = reply {
+                    if from == self.id {
+                        // One of this shard's own sends to an instance.
+                        self.outbox_resolved(token, run);
+                    }
+                }
                 if super::shard_of(run, self.config.shards) == self.id {
                     self.run_op(run, op, Origin::Reply(reply));
                 } else {
