@@ -1082,6 +1082,16 @@ impl Closures {
     pub(crate) fn is_bound(&self, child: RunId) -> bool {
         self.0.lock().contains_key(&child)
     }
+
+    pub(crate) fn unbind_where(&self, which: impl Fn(RunId) -> bool) {
+        self.0.lock().retain(|run, _| !which(*run));
+    }
+
+    pub(crate) fn runs(&self) -> Vec<RunId> {
+        let mut runs: Vec<RunId> = self.0.lock().keys().copied().collect();
+        runs.sort();
+        runs
+    }
 }
 
 #[derive(Serialize, serde::Deserialize)]

@@ -303,6 +303,10 @@ pub(crate) struct Core {
     pub in_read_only: bool,
     /// A read-only handler tried to take a stream message.
     pub read_only_touched: bool,
+    /// Async children whose closing this run applied (their outcome, live
+    /// or replayed) and nobody has taken yet: their closures are no longer
+    /// needed ([`crate::RunMachine::take_closed_async_children`]).
+    pub async_closed: Vec<RunId>,
 }
 
 /// What a read-only handler must leave as it found it.
@@ -360,6 +364,7 @@ impl Core {
             updates: BTreeMap::new(),
             in_read_only: false,
             read_only_touched: false,
+            async_closed: Vec::new(),
         }
     }
 
@@ -678,6 +683,18 @@ impl Core {
     /// cancellation).
     pub(crate) fn wait_any(&mut self, waker: &Waker) {
         self.general_waiters.push(waker.clone());
+    }
+
+    /// Notes that the child waited on at `step` closed (its outcome is
+    /// being applied): an async child's closure is then no longer needed.
+    pub(crate) fn child_closed(&mut self, step: Step) {
+        if let Some(w) = self.open.get(&step) {
+            if w.name == crate::concurrency::ASYNC_WORKFLOW_TYPE {
+                if let Some(run) = w.child_run {
+                    self.async_closed.push(run);
+                }
+            }
+        }
     }
 
     /// Records a step's resolution and wakes its waiter.

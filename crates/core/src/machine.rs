@@ -1067,9 +1067,11 @@ impl RunMachine {
                     }
                 }
                 EventKind::ChildCompleted { step, result, .. } => {
+                    core.child_closed(step);
                     core.resolve(step, Resolution::Value(result))
                 }
                 EventKind::ChildFailed { step, failure, .. } => {
+                    core.child_closed(step);
                     core.resolve(step, Resolution::Failed(failure))
                 }
                 EventKind::SignalReceived {
@@ -1245,6 +1247,16 @@ impl RunMachine {
             core.closed = true;
         }
         Ok(())
+    }
+
+    /// The async children whose outcome this run applied since the last
+    /// call, live or in replay. Each is closed, so its closure is needed no
+    /// more: the engine forgets it (a parent replayed after its children
+    /// closed binds their closures again as it re-issues the calls). An
+    /// offline replayer that replays the children after their parent keeps
+    /// them instead.
+    pub fn take_closed_async_children(&mut self) -> Vec<RunId> {
+        std::mem::take(&mut self.core.borrow_mut().async_closed)
     }
 
     /// The run.

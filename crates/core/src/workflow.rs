@@ -219,4 +219,16 @@ impl WorkflowRegistry {
     pub fn unbind_async(&self, child: keel_storage::RunId) {
         self.closures.unbind(child);
     }
+
+    /// Forgets the closures of every async child `which` picks (those of a
+    /// shard this process stopped running).
+    pub fn unbind_async_where(&self, which: impl Fn(keel_storage::RunId) -> bool) {
+        self.closures.unbind_where(which);
+    }
+
+    /// The async children whose closures are bound in this registry's
+    /// process, in run order (what a check of the table reads).
+    pub fn async_bound_runs(&self) -> Vec<keel_storage::RunId> {
+        self.closures.runs()
+    }
 }

@@ -79,6 +79,9 @@ pub enum ViolationKind {
     /// A process committed for a shard whose lease it no longer held
     /// (several processes): the fence every commit carries was missing.
     FencedCommit,
+    /// A process still holds the closure of an async child that closed:
+    /// memory that grows with the work done.
+    ClosureLeftOver,
 }
 
 impl ViolationKind {
@@ -107,6 +110,7 @@ impl ViolationKind {
             ViolationKind::TimeoutWrong => "timeout-wrong",
             ViolationKind::CancellationBroken => "cancellation-broken",
             ViolationKind::FencedCommit => "fenced-commit",
+            ViolationKind::ClosureLeftOver => "closure-left-over",
         }
     }
 }

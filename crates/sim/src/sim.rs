@@ -35,6 +35,7 @@ pub fn detected_as(mode: BreakMode) -> &'static [ViolationKind] {
         BreakMode::RedeliverSameEpoch => &[ViolationKind::EpochReused],
         BreakMode::QuerySpeculative => &[ViolationKind::WrongAnswer],
         BreakMode::SkipFence => &[ViolationKind::FencedCommit],
+        BreakMode::KeepClosedClosures => &[ViolationKind::ClosureLeftOver],
     }
 }
 

@@ -82,6 +82,11 @@ fn skip_fence_is_found() {
 }
 
 #[test]
+fn keep_closed_closures_is_found() {
+    check(BreakMode::KeepClosedClosures);
+}
+
+#[test]
 fn a_failing_seed_shrinks_to_a_smaller_reproduction_that_still_fails() {
     let mode = BreakMode::SkipClosePolicy;
     let (seed, report) = first_failing(mode).expect("found");

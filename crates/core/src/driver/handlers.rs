@@ -74,7 +74,11 @@ impl Shard {
                 return self.reply(reply, answer, None);
             }
         };
-        let answer = match RunMachine::replay(&self.workflows, history) {
+        // Against a table of closures of its own, dropped after: a closed
+        // run's replay binds the closures of async children it never heard
+        // close again, and nothing would forget them.
+        let workflows = self.workflows.with_fresh_closures();
+        let answer = match RunMachine::replay(&workflows, history) {
             Ok(mut machine) => match machine.query(&name, &args) {
                 Ok(value) => Answer::Queried(value),
                 Err(e) => Answer::Refused(Refusal::Handler(e)),

@@ -956,11 +956,15 @@ pub enum BreakMode {
     /// Commits carry no shard fence: a process that lost its shard's
     /// lease while a commit was on its way still writes it.
     SkipFence,
+    /// The closures of async children a run saw close are kept: a parent
+    /// replayed after its children closed binds them again, and the table
+    /// grows with the work done.
+    KeepClosedClosures,
 }
 
 impl BreakMode {
     /// Every mode.
-    pub const ALL: [BreakMode; 7] = [
+    pub const ALL: [BreakMode; 8] = [
         BreakMode::NoAttemptDedupe,
         BreakMode::EffectBeforeCommit,
         BreakMode::LoseUnsyncedAck,
@@ -968,6 +972,7 @@ impl BreakMode {
         BreakMode::RedeliverSameEpoch,
         BreakMode::QuerySpeculative,
         BreakMode::SkipFence,
+        BreakMode::KeepClosedClosures,
     ];
 
     /// The `--break` name.
@@ -980,6 +985,7 @@ impl BreakMode {
             BreakMode::RedeliverSameEpoch => "redeliver-same-epoch",
             BreakMode::QuerySpeculative => "query-speculative",
             BreakMode::SkipFence => "skip-fence",
+            BreakMode::KeepClosedClosures => "keep-closed-closures",
         }
     }
 }

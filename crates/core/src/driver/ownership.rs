@@ -322,6 +322,12 @@ impl Shard {
         let answer = self.moved();
         self.stop_answering(answer, true);
         self.due = Default::default();
+        // Its async children's closures: the next owner's parents bind
+        // them (a child runs on its parent's shard), and one that closes
+        // there is never forgotten here.
+        let (id, shards) = (self.id, self.config.shards);
+        self.workflows
+            .unbind_async_where(|child| super::shard_of(child, shards) == id);
         self.actions.extend(last);
         self.actions.push_back(Action::ShardLost {
             shard: self.id,

@@ -416,6 +416,8 @@ impl Shard {
         };
         slot.phase = Phase::Closed;
         slot.closed = true;
+        // A closed run needs no closure (see `forget_open_async`).
+        self.workflows.unbind_async(run);
         self.instance_closed(run);
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
@@ -533,7 +535,8 @@ impl Shard {
             RunMachine::replay(&self.workflows, history)
         };
         match replayed {
-            Ok(m) => {
+            Ok(mut m) => {
+                self.forget_closed_async(&mut m);
                 if let Some(instance) = instance {
                     self.instance_open(run, instance);
                 }
@@ -665,7 +668,10 @@ impl Shard {
             return;
         }
         let committed_next = machine.next_seq();
-        match machine.handle(input, now) {
+        let handled = machine.handle(input, now);
+        let closed_async = machine.take_closed_async_children();
+        self.forget_async(closed_async);
+        match handled {
             Ok(events) => self.commit_run(run, events, origin, false),
             Err(e) => {
                 self.park(run, &e, Some(committed_next));
@@ -965,9 +971,54 @@ impl Shard {
         open.then_some(run)
     }
 
+    /// Forgets the closures of the async children `machine` saw close (a
+    /// parent replayed after they closed binds them again as it re-issues
+    /// the calls; kept, they would grow the table with work done).
+    pub(super) fn forget_closed_async(&self, machine: &mut RunMachine) {
+        self.forget_async(machine.take_closed_async_children());
+    }
+
+    /// `run` closed with async children whose outcome it never applied
+    /// (it was terminated, timed out or cancelled first). A replay of it
+    /// bound their closures again, also of one that had closed already: one
+    /// known closed here is forgotten now, one not in memory is activated
+    /// (`activated_closed` forgets it if it closed), and one still open
+    /// forgets its own when it closes.
+    fn forget_open_async(&mut self, run: RunId) {
+        let Some(machine) = self.runs.get(&run).and_then(|s| s.machine()) else {
+            return;
+        };
+        let children: Vec<RunId> = machine
+            .open_waits()
+            .into_iter()
+            .filter(|w| w.name == ASYNC_WORKFLOW_TYPE)
+            .filter_map(|w| w.child_run)
+            .filter(|child| self.workflows.async_bound(*child))
+            .collect();
+        for child in children {
+            match self.runs.get(&child).map(|s| (&s.phase, s.closed)) {
+                Some((Phase::Closed, _)) | Some((_, true)) => self.workflows.unbind_async(child),
+                Some((Phase::Idle, _)) | None => {
+                    self.send(child, RunOp::Activate, ReplyTo::Nobody, None)
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    fn forget_async(&self, children: Vec<RunId>) {
+        if self.breaks(BreakMode::KeepClosedClosures) {
+            return;
+        }
+        for child in children {
+            self.workflows.unbind_async(child);
+        }
+    }
+
     /// A closing commit of `run` was answered: whoever waits for its
     /// outcome hears it; its closures are forgotten.
     fn run_closed(&mut self, run: RunId, outcome: Outcome, cause: Cause) {
+        self.forget_open_async(run);
         if let Some(slot) = self.runs.get_mut(&run) {
             slot.closed = true;
         }

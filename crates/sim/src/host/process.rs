@@ -12,7 +12,7 @@
 //! take whose answer is lost (the process releases the lease it does not
 //! know it holds at its next look).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use keel_core::driver::{
     leases_unheld, shards_taken_since, shards_to_release, shards_to_take, Shard, ShardId,
@@ -404,6 +404,28 @@ impl World<'_> {
                 );
             }
             histories.insert(run, history);
+        }
+        // A process forgets the closure of each async child it saw close:
+        // one kept is memory that grows with the work done.
+        let closed: BTreeSet<RunId> = metas
+            .iter()
+            .filter(|m| m.status.is_closed())
+            .map(|m| m.run_id)
+            .collect();
+        for p in self.processes.iter().filter(|p| p.up) {
+            for child in p.workflows.async_bound_runs() {
+                if closed.contains(&child) {
+                    let name = self.names.get(&child).cloned();
+                    push(
+                        ViolationKind::ClosureLeftOver,
+                        format!(
+                            "process {} still holds the closure of closed async child {}",
+                            p.inc,
+                            name.unwrap_or_else(|| child.to_string())
+                        ),
+                    );
+                }
+            }
         }
         for (instance, n) in chains {
             if n > 1 {
