@@ -1225,6 +1225,11 @@ impl<O: DeserializeOwned> Branch for AsyncCall<O> {
             match child {
                 Some(run) => {
                     self.closures.bind(run, bind);
+                    let mut core = self.call.core.borrow_mut();
+                    if !core.historical {
+                        // Bound before the call's scheduling is durable.
+                        core.async_unsettled.push(run);
+                    }
                 }
                 None => self.bind = Some(bind),
             }

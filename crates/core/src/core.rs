@@ -307,6 +307,11 @@ pub(crate) struct Core {
     /// or replayed) and nobody has taken yet: their closures are no longer
     /// needed ([`crate::RunMachine::take_closed_async_children`]).
     pub async_closed: Vec<RunId>,
+    /// Async children whose calls the code issued live (not in replay)
+    /// and nobody has taken yet: their closures are bound before the
+    /// commit that schedules them is durable
+    /// ([`crate::RunMachine::take_unsettled_async_children`]).
+    pub async_unsettled: Vec<RunId>,
 }
 
 /// What a read-only handler must leave as it found it.
@@ -365,6 +370,7 @@ impl Core {
             in_read_only: false,
             read_only_touched: false,
             async_closed: Vec::new(),
+            async_unsettled: Vec::new(),
         }
     }
 

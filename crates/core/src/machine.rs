@@ -1259,6 +1259,14 @@ impl RunMachine {
         std::mem::take(&mut self.core.borrow_mut().async_closed)
     }
 
+    /// The async children whose calls the code issued live since the last
+    /// call. Their closures are bound before the events that schedule them
+    /// are durable: if that commit fails, the engine forgets them (the
+    /// machine is thrown away, and the replay binds again what is durable).
+    pub fn take_unsettled_async_children(&mut self) -> Vec<RunId> {
+        std::mem::take(&mut self.core.borrow_mut().async_unsettled)
+    }
+
     /// The run.
     pub fn run_id(&self) -> RunId {
         self.core.borrow().run_id

@@ -1877,7 +1877,8 @@ impl Workflow for ConditionsWf {
     }
 }
 
-/// `sim.async`: each value goes through an async closure run as a child.
+/// `sim.async`: each value goes through an async closure run as a child;
+/// then one more child is left behind, open when the parent closes.
 #[derive(Debug)]
 pub struct AsyncWf;
 
@@ -1896,6 +1897,21 @@ impl Workflow for AsyncWf {
                 })
                 .await?;
             sum = sum.wrapping_add(out);
+        }
+        // One more the parent leaves behind: it loses a select to a short
+        // timer and is still open when the parent closes (its cancellation,
+        // then the close policy, close it).
+        let left = ctx.run_async(sum, |ctx: WorkflowContext, x: u64| async move {
+            let more: u64 = ctx.wait_signal("keel.sim.never").await?;
+            Ok(x.wrapping_add(more))
+        });
+        let s = ctx
+            .select()
+            .branch("left", left)
+            .timer("deadline", Duration::from_millis(5))
+            .await?;
+        if s.key != "deadline".into() {
+            return Err(WorkflowError::msg("the left-behind child won a select"));
         }
         Ok(sum)
     }

@@ -60,6 +60,9 @@ pub(super) struct Inflight {
     /// The offset of the stream message this commit holds, if it does: its
     /// sender hears it.
     sent: Option<u64>,
+    /// Async children this commit schedules, their closures bound already:
+    /// forgotten if it fails (a refused start's code ran ahead too).
+    unsettled: Vec<RunId>,
 }
 
 /// A run of the shard, as long as it is in memory.
@@ -778,6 +781,10 @@ impl Shard {
             self.answer(o, answer, Some((run, last_seq)));
         }
         let slot = self.slot(run);
+        let unsettled = match &mut slot.phase {
+            Phase::Ready(machine) => machine.take_unsettled_async_children(),
+            _ => Vec::new(),
+        };
         slot.inflight.push_back(Inflight {
             token,
             origin,
@@ -789,6 +796,7 @@ impl Shard {
             accepted,
             completed,
             sent,
+            unsettled,
         });
         self.push_commit(token, batch);
     }
@@ -852,6 +860,14 @@ impl Shard {
                     slot.phase = Phase::Idle;
                 }
                 tracing::debug!(%run, error = %e, "commit failed; the run replays on its next input");
+                if !e.outcome_unknown() {
+                    // Nothing of it was written: the children it would
+                    // have scheduled do not exist (the replay binds again
+                    // those that do).
+                    for child in &entry.unsettled {
+                        self.workflows.unbind_async(*child);
+                    }
+                }
                 if e.outcome_unknown() {
                     // The commit may have been written (the database went
                     // away with it in flight): the intent rows it would
@@ -1462,5 +1478,160 @@ mod tests {
             !shard.runs.contains_key(&run),
             "the newer read answers (an empty history: the run is unknown)"
         );
+    }
+
+    /// A parent whose one async child waits for a signal that never comes.
+    struct LeavesAChild;
+    impl crate::Workflow for LeavesAChild {
+        const NAME: &'static str = "leaves-a-child";
+        type Input = ();
+        type Output = u64;
+        async fn run(ctx: crate::WorkflowContext, _: ()) -> Result<u64, crate::WorkflowError> {
+            Ok(ctx
+                .run_async(1u64, |ctx: crate::WorkflowContext, x: u64| async move {
+                    let more: u64 = ctx.wait_signal("never").await?;
+                    Ok(x + more)
+                })
+                .await?)
+        }
+    }
+
+    /// A shard holding `parent`'s machine, started, with its one async
+    /// child's closure bound; that child; the start's events.
+    fn parent_with_a_child(reg: &WorkflowRegistry, parent: RunId) -> (Shard, RunId, Vec<Event>) {
+        let mut shard = Shard::new(ShardId(0), reg.clone(), DriverConfig::default(), 0);
+        let (machine, events) = RunMachine::start(reg, start_spec(parent), Timestamp(1)).unwrap();
+        let child = events
+            .iter()
+            .find_map(|e| match &e.kind {
+                EventKind::ChildScheduled(c) => Some(c.child_run_id),
+                _ => None,
+            })
+            .expect("the child is scheduled");
+        assert!(reg.async_bound(child));
+        shard.slot(parent).phase = Phase::Ready(Box::new(machine));
+        (shard, child, events)
+    }
+
+    fn start_spec(parent: RunId) -> crate::StartSpec {
+        crate::StartSpec {
+            run_id: parent,
+            instance_id: keel_storage::InstanceId::new("parent"),
+            workflow_type: <LeavesAChild as crate::Workflow>::NAME.into(),
+            input: keel_storage::Payload::encode(&()).unwrap(),
+            command_id: None,
+            parent: None,
+            continued_from: None,
+            random_seed: 7,
+            previous_run: None,
+            carried: Default::default(),
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            timeouts: Default::default(),
+        }
+    }
+
+    // Goal: a parent that closes before it applied its async child's
+    // outcome (terminated, timed out) does not leave the closure its
+    // replay may have bound for a child that closed already. Method: a
+    // parent's machine with one open async child; the parent's close is
+    // answered. A child known closed here is forgotten at once; one not in
+    // memory is activated, and forgotten when its read says it closed; one
+    // open in memory keeps its closure (it still runs).
+    #[test]
+    fn a_closing_parent_forgets_the_closures_of_children_found_closed() {
+        use crate::driver::Action;
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<LeavesAChild>();
+        let terminated = Outcome::Terminated("by hand".into());
+
+        let (mut shard, child, _) = parent_with_a_child(&reg, RunId::from_u64_pair(1, 1));
+        let slot = shard.slot(child);
+        slot.phase = Phase::Closed;
+        slot.closed = true;
+        shard.run_closed(RunId::from_u64_pair(1, 1), terminated.clone(), None);
+        assert!(!reg.async_bound(child), "known closed: forgotten at once");
+
+        let (mut shard, child, _) = parent_with_a_child(&reg, RunId::from_u64_pair(2, 2));
+        shard.run_closed(RunId::from_u64_pair(2, 2), terminated.clone(), None);
+        assert!(reg.async_bound(child), "not known yet");
+        let mut reads: Vec<Token> = Vec::new();
+        for _ in 0..4 {
+            let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+            for a in actions {
+                match a {
+                    Action::Read {
+                        token,
+                        query: ReadQuery::Activation(r),
+                    } if r == child => reads.push(token),
+                    Action::Send {
+                        message: crate::driver::Message::ToRun { run, op, reply },
+                        ..
+                    } => shard.handle(
+                        Timestamp(2),
+                        ShardInput::Message(crate::driver::Message::ToRun { run, op, reply }),
+                    ),
+                    _ => {}
+                }
+            }
+        }
+        let [token] = reads[..] else {
+            panic!("one activation read of the child: {reads:?}")
+        };
+        shard.handle(
+            Timestamp(3),
+            ShardInput::Read {
+                token,
+                result: Ok(ReadResult::Closed),
+            },
+        );
+        assert!(!reg.async_bound(child), "found closed: forgotten");
+
+        let (mut shard, child, _) = parent_with_a_child(&reg, RunId::from_u64_pair(3, 3));
+        shard.slot(child).phase = Phase::Loading;
+        shard.run_closed(RunId::from_u64_pair(3, 3), terminated, None);
+        assert!(reg.async_bound(child), "still being loaded: it may run on");
+    }
+
+    // Goal: code that ran ahead of a commit that then failed (a start
+    // delivered again after its run existed, a write error) leaves no
+    // closure for an async child that was never scheduled. Method: a
+    // parent's first activation binds its child's closure; the commit of
+    // its events is refused; the closure must be gone. A commit whose
+    // outcome is unknown (it may have been written) keeps it.
+    #[test]
+    fn a_failed_commit_forgets_the_closures_its_code_bound_ahead() {
+        use crate::driver::Action;
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<LeavesAChild>();
+        for (error, kept) in [
+            (keel_storage::Error::CommitFailed("refused".into()), false),
+            (
+                keel_storage::Error::Database {
+                    target: "db".into(),
+                    fault: keel_storage::DatabaseFault::Lost,
+                    detail: "gone mid-commit".into(),
+                },
+                true,
+            ),
+        ] {
+            let parent = RunId::from_u64_pair(4, 4);
+            let (mut shard, child, events) = parent_with_a_child(&reg, parent);
+            shard.commit_run(parent, events, Origin::Reply(ReplyTo::Nobody), false);
+            let token = std::iter::from_fn(|| shard.poll_action())
+                .find_map(|a| match a {
+                    Action::Commit { token, .. } => Some(token),
+                    _ => None,
+                })
+                .expect("a commit");
+            shard.handle(
+                Timestamp(2),
+                ShardInput::Committed {
+                    token,
+                    result: Err(error),
+                },
+            );
+            assert_eq!(reg.async_bound(child), kept, "kept: {kept}");
+        }
     }
 }
