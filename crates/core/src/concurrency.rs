@@ -1067,8 +1067,9 @@ pub(crate) type BoundClosure =
 pub(crate) struct Closures(Arc<Mutex<HashMap<RunId, BoundClosure>>>);
 
 impl Closures {
-    pub(crate) fn bind(&self, child: RunId, f: BoundClosure) {
-        self.0.lock().insert(child, f);
+    /// Binds `child`'s closure; true if none was bound.
+    pub(crate) fn bind(&self, child: RunId, f: BoundClosure) -> bool {
+        self.0.lock().insert(child, f).is_none()
     }
 
     pub(crate) fn get(&self, child: RunId) -> Option<BoundClosure> {
@@ -1224,10 +1225,12 @@ impl<O: DeserializeOwned> Branch for AsyncCall<O> {
             });
             match child {
                 Some(run) => {
-                    self.closures.bind(run, bind);
+                    let fresh = self.closures.bind(run, bind);
                     let mut core = self.call.core.borrow_mut();
-                    if !core.historical {
-                        // Bound before the call's scheduling is durable.
+                    if fresh && !core.historical {
+                        // Bound before the call's scheduling is durable,
+                        // and by nothing else (another machine of the
+                        // run, whose child may run, bound it before).
                         core.async_unsettled.push(run);
                     }
                 }

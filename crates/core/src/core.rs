@@ -307,9 +307,9 @@ pub(crate) struct Core {
     /// or replayed) and nobody has taken yet: their closures are no longer
     /// needed ([`crate::RunMachine::take_closed_async_children`]).
     pub async_closed: Vec<RunId>,
-    /// Async children whose calls the code issued live (not in replay)
-    /// and nobody has taken yet: their closures are bound before the
-    /// commit that schedules them is durable
+    /// Async children whose calls the code issued live (not in replay),
+    /// their closures bound by this call alone, that nobody has taken
+    /// yet: bound before the commit that schedules them is durable
     /// ([`crate::RunMachine::take_unsettled_async_children`]).
     pub async_unsettled: Vec<RunId>,
 }

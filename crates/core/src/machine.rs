@@ -610,7 +610,7 @@ impl RunMachine {
             core.now = now;
             core.push_event(kind)
         };
-        m.apply_input(event)?;
+        m.apply_live(event)?;
         let events = m.take_pending();
         Ok((m, events))
     }
@@ -968,8 +968,21 @@ impl RunMachine {
             }
         };
         let event = self.core.borrow_mut().push_event(kind);
-        self.apply_input(event)?;
+        self.apply_live(event)?;
         Ok(self.take_pending())
+    }
+
+    /// Applies an input live. If the code fails (it panicked, diverged),
+    /// nothing it issued is committed, so the closures it bound for async
+    /// children of its own are forgotten (the machine is thrown away).
+    fn apply_live(&mut self, event: Event) -> Result<(), MachineError> {
+        let applied = self.apply_input(event);
+        if applied.is_err() {
+            for child in self.take_unsettled_async_children() {
+                self.registry.closures.unbind(child);
+            }
+        }
+        applied
     }
 
     fn take_pending(&mut self) -> Vec<Event> {

@@ -511,3 +511,75 @@ fn a_run_tells_which_async_children_it_saw_close_live_and_in_replay() {
     assert!(fresh.async_bound(child2));
     assert_eq!(replayed.take_closed_async_children(), vec![child1]);
 }
+
+/// A barrier member whose poll panics: workflow code that fails after
+/// another member issued its call.
+struct Boom;
+
+impl keel_core::Branch for Boom {
+    type Output = u32;
+    fn leaf_count(&self) -> u32 {
+        1
+    }
+    fn poll_branch(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<u32, Failure>> {
+        panic!("a bug after the async call was issued")
+    }
+    fn leaf_step(&self) -> Option<Step> {
+        None
+    }
+    fn operation(&self) -> keel_storage::OperationKind {
+        keel_storage::OperationKind::Activity
+    }
+}
+
+/// Issues an async call, then panics in the same activation.
+struct AsyncThenPanic;
+impl Workflow for AsyncThenPanic {
+    const NAME: &'static str = "async-then-panic";
+    type Input = ();
+    type Output = u32;
+    async fn run(ctx: WorkflowContext, _: ()) -> Result<u32, WorkflowError> {
+        let (a, b) = ctx
+            .all((
+                ctx.run_async(1u32, |_: WorkflowContext, x: u32| async move { Ok(x) }),
+                Boom,
+            ))
+            .await?;
+        Ok(a + b)
+    }
+}
+
+#[test]
+fn code_that_fails_after_an_async_call_leaves_no_closure_bound() {
+    // Goal: nothing of an activation whose code fails is committed, so an
+    // async child it issued is never scheduled and its closure must not
+    // stay bound. Method: a workflow issues an async call and panics in the
+    // same activation; its start fails; the registry holds no closure.
+    let mut reg = WorkflowRegistry::new();
+    reg.register::<AsyncThenPanic>();
+    let spec = StartSpec {
+        run_id: RunId::from_u64_pair(1, 2),
+        instance_id: InstanceId::new("i"),
+        workflow_type: AsyncThenPanic::NAME.into(),
+        input: Payload::encode(&()).unwrap(),
+        command_id: None,
+        parent: None,
+        continued_from: None,
+        random_seed: 7,
+        previous_run: None,
+        carried: Default::default(),
+        memo: Vec::new(),
+        search_attributes: Vec::new(),
+        timeouts: Default::default(),
+    };
+    let started = RunMachine::start(&reg, spec, Timestamp(1000));
+    assert!(started.is_err(), "the code panicked");
+    assert!(
+        reg.async_bound_runs().is_empty(),
+        "{:?}",
+        reg.async_bound_runs()
+    );
+}

@@ -1107,6 +1107,9 @@ enum ReadFor {
         input: Input,
         origin: Origin,
     },
+    /// A closed parent's history, replayed to bind the closures of the
+    /// async children it left running (see `Shard::bind_replay`).
+    BindReplay(RunId),
 }
 
 impl ReadFor {
@@ -1786,6 +1789,7 @@ impl Shard {
                 args,
                 reply,
             } => self.query_closed_read(run, name, args, reply, result),
+            ReadFor::BindReplay(run) => self.bind_replay_read(run, result),
         }
     }
 

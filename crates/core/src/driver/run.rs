@@ -300,7 +300,12 @@ impl Shard {
             },
             RunOp::Describe => self.describe_when_drained(run, origin),
             RunOp::Query { name, args } => self.query_closed(run, name, args, origin),
-            RunOp::Activate | RunOp::Result | RunOp::Resume => {}
+            // Only an async child that finds no closure asks (see
+            // `Shard::bind_replay_read`).
+            RunOp::Activate => {
+                self.read(ReadQuery::History(run), ReadFor::BindReplay(run));
+            }
+            RunOp::Result | RunOp::Resume => {}
         }
     }
 
@@ -867,8 +872,7 @@ impl Shard {
                     for child in &entry.unsettled {
                         self.workflows.unbind_async(*child);
                     }
-                }
-                if e.outcome_unknown() {
+                } else {
                     // The commit may have been written (the database went
                     // away with it in flight): the intent rows it would
                     // have handed over are read back and driven, as at
@@ -994,6 +998,27 @@ impl Shard {
         self.forget_async(machine.take_closed_async_children());
     }
 
+    /// A closed parent's history, read because an async child of it found
+    /// no closure (a child it left running, whose start or activation
+    /// came after a restart). The parent's code is replayed, which binds
+    /// the closures of every call it issued; those of children it saw
+    /// close are forgotten at once, and its other children are checked as
+    /// at its close (`forget_open_async`). The machine is dropped.
+    pub(super) fn bind_replay_read(&mut self, run: RunId, result: Result<ReadResult, StoreError>) {
+        let Ok(ReadResult::History(history, _)) = result else {
+            // Unreadable now: the child asks again.
+            return;
+        };
+        let _span = tracing::debug_span!("bind_replay", run_id = %run).entered();
+        let Ok(mut machine) = RunMachine::replay(&self.workflows, history) else {
+            // It no longer replays against this code: the child parks.
+            return;
+        };
+        self.forget_closed_async(&mut machine);
+        let children = open_async_children(&machine);
+        self.forget_async_found_closed(children);
+    }
+
     /// `run` closed with async children whose outcome it never applied
     /// (it was terminated, timed out or cancelled first). A replay of it
     /// bound their closures again, also of one that had closed already: one
@@ -1004,11 +1029,16 @@ impl Shard {
         let Some(machine) = self.runs.get(&run).and_then(|s| s.machine()) else {
             return;
         };
-        let children: Vec<RunId> = machine
-            .open_waits()
+        let children = open_async_children(machine);
+        self.forget_async_found_closed(children);
+    }
+
+    /// Of `children`, forgets the closures of those known closed here, and
+    /// activates those not in memory (`activated_closed` forgets one that
+    /// closed).
+    fn forget_async_found_closed(&mut self, children: Vec<RunId>) {
+        let children: Vec<RunId> = children
             .into_iter()
-            .filter(|w| w.name == ASYNC_WORKFLOW_TYPE)
-            .filter_map(|w| w.child_run)
             .filter(|child| self.workflows.async_bound(*child))
             .collect();
         for child in children {
@@ -1406,6 +1436,16 @@ fn repeat_key(input: &Input) -> Option<keel_storage::DurableKey> {
     }
 }
 
+/// The async children `machine` still waits for.
+fn open_async_children(machine: &RunMachine) -> Vec<RunId> {
+    machine
+        .open_waits()
+        .into_iter()
+        .filter(|w| w.name == ASYNC_WORKFLOW_TYPE)
+        .filter_map(|w| w.child_run)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     // Goal: only the newest activation read of a run may answer it. A run
@@ -1537,7 +1577,7 @@ mod tests {
     // parent's machine with one open async child; the parent's close is
     // answered. A child known closed here is forgotten at once; one not in
     // memory is activated, and forgotten when its read says it closed; one
-    // open in memory keeps its closure (it still runs).
+    // still being loaded keeps its closure (it may run on).
     #[test]
     fn a_closing_parent_forgets_the_closures_of_children_found_closed() {
         use crate::driver::Action;
@@ -1595,10 +1635,13 @@ mod tests {
 
     // Goal: code that ran ahead of a commit that then failed (a start
     // delivered again after its run existed, a write error) leaves no
-    // closure for an async child that was never scheduled. Method: a
-    // parent's first activation binds its child's closure; the commit of
-    // its events is refused; the closure must be gone. A commit whose
-    // outcome is unknown (it may have been written) keeps it.
+    // closure for an async child that was never scheduled, and takes none
+    // that another machine of the run bound. Method: a parent's first
+    // activation binds its child's closure; the commit of its events is
+    // refused; the closure must be gone. A commit whose outcome is unknown
+    // (it may have been written) keeps it. Then the same start again, its
+    // child bound already by the run that exists: the refused commit
+    // leaves that closure alone.
     #[test]
     fn a_failed_commit_forgets_the_closures_its_code_bound_ahead() {
         use crate::driver::Action;
@@ -1632,6 +1675,88 @@ mod tests {
                 },
             );
             assert_eq!(reg.async_bound(child), kept, "kept: {kept}");
+            reg.unbind_async(child);
         }
+
+        let parent = RunId::from_u64_pair(5, 5);
+        // The run that exists, with its child running.
+        let (_existing, _) = RunMachine::start(&reg, start_spec(parent), Timestamp(1)).unwrap();
+        let (mut shard, child, events) = parent_with_a_child(&reg, parent);
+        shard.commit_run(parent, events, Origin::Reply(ReplyTo::Nobody), true);
+        let token = std::iter::from_fn(|| shard.poll_action())
+            .find_map(|a| match a {
+                Action::Commit { token, .. } => Some(token),
+                _ => None,
+            })
+            .expect("a commit");
+        let exists = keel_storage::Error::SeqGap {
+            run: parent,
+            expected: Seq(3),
+            found: Seq(1),
+        };
+        shard.handle(
+            Timestamp(2),
+            ShardInput::Committed {
+                token,
+                result: Err(exists),
+            },
+        );
+        assert!(reg.async_bound(child), "the existing run's child keeps it");
+    }
+
+    // Goal: an async child left running by a parent that closed finds its
+    // closure after a restart. Only the parent's code can bind it, and a
+    // closed run is never activated, so the child parked after its tries.
+    // Method: a process with no closures holds the parent closed (its
+    // history: the start with the child's call, then its termination);
+    // the child's request to activate the parent must read the parent's
+    // history, and its replay bind the child's closure.
+    #[test]
+    fn a_closed_parent_binds_the_closure_of_a_child_it_left_running() {
+        use crate::driver::Action;
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<LeavesAChild>();
+        let parent = RunId::from_u64_pair(6, 6);
+        let (_, mut history) = RunMachine::start(&reg, start_spec(parent), Timestamp(1)).unwrap();
+        let child = history
+            .iter()
+            .find_map(|e| match &e.kind {
+                EventKind::ChildScheduled(c) => Some(c.child_run_id),
+                _ => None,
+            })
+            .expect("the child is scheduled");
+        history.push(Event {
+            seq: Seq(history.len() as u64 + 1),
+            at: Timestamp(2),
+            kind: EventKind::WorkflowTerminated {
+                reason: "by hand".into(),
+                command_id: None,
+            },
+        });
+        // A process that just started.
+        let fresh = reg.with_fresh_closures();
+        let mut shard = Shard::new(ShardId(0), fresh.clone(), DriverConfig::default(), 0);
+        let slot = shard.slot(parent);
+        slot.phase = Phase::Closed;
+        slot.closed = true;
+        shard.run_op(parent, RunOp::Activate, Origin::Reply(ReplyTo::Nobody));
+        let token = std::iter::from_fn(|| shard.poll_action())
+            .find_map(|a| match a {
+                Action::Read {
+                    token,
+                    query: ReadQuery::History(r),
+                } if r == parent => Some(token),
+                _ => None,
+            })
+            .expect("the parent's history is read");
+        assert!(!fresh.async_bound(child));
+        shard.handle(
+            Timestamp(3),
+            ShardInput::Read {
+                token,
+                result: Ok(ReadResult::History(history, None)),
+            },
+        );
+        assert!(fresh.async_bound(child), "the replay bound it");
     }
 }
