@@ -136,7 +136,12 @@ fn start<W: Workflow>(input: &W::Input) -> (RunMachine, Vec<Event>) {
 }
 
 fn start_in<W: Workflow>(reg: &WorkflowRegistry, input: &W::Input) -> (RunMachine, Vec<Event>) {
-    let spec = StartSpec {
+    RunMachine::start(reg, spec::<W>(input), Timestamp(1000)).unwrap()
+}
+
+/// The start of run (1, 2) of instance `i` as a `W`.
+fn spec<W: Workflow>(input: &W::Input) -> StartSpec {
+    StartSpec {
         run_id: RunId::from_u64_pair(1, 2),
         instance_id: InstanceId::new("i"),
         workflow_type: W::NAME.into(),
@@ -150,8 +155,7 @@ fn start_in<W: Workflow>(reg: &WorkflowRegistry, input: &W::Input) -> (RunMachin
         memo: Vec::new(),
         search_attributes: Vec::new(),
         timeouts: Default::default(),
-    };
-    RunMachine::start(reg, spec, Timestamp(1000)).unwrap()
+    }
 }
 
 fn scheduled(events: &[Event]) -> Vec<(Step, u32)> {
@@ -560,22 +564,7 @@ fn code_that_fails_after_an_async_call_leaves_no_closure_bound() {
     // same activation; its start fails; the registry holds no closure.
     let mut reg = WorkflowRegistry::new();
     reg.register::<AsyncThenPanic>();
-    let spec = StartSpec {
-        run_id: RunId::from_u64_pair(1, 2),
-        instance_id: InstanceId::new("i"),
-        workflow_type: AsyncThenPanic::NAME.into(),
-        input: Payload::encode(&()).unwrap(),
-        command_id: None,
-        parent: None,
-        continued_from: None,
-        random_seed: 7,
-        previous_run: None,
-        carried: Default::default(),
-        memo: Vec::new(),
-        search_attributes: Vec::new(),
-        timeouts: Default::default(),
-    };
-    let started = RunMachine::start(&reg, spec, Timestamp(1000));
+    let started = RunMachine::start(&reg, spec::<AsyncThenPanic>(&()), Timestamp(1000));
     assert!(started.is_err(), "the code panicked");
     assert!(
         reg.async_bound_runs().is_empty(),
