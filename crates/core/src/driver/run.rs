@@ -303,7 +303,15 @@ impl Shard {
             // Only an async child that finds no closure asks (see
             // `Shard::bind_replay_read`).
             RunOp::Activate => {
-                self.read(ReadQuery::History(run), ReadFor::BindReplay(run));
+                // Once at a time: children asking together are served by
+                // the one replay.
+                let pending = self
+                    .reads
+                    .values()
+                    .any(|r| matches!(r, ReadFor::BindReplay(p) if *p == run));
+                if !pending {
+                    self.read(ReadQuery::History(run), ReadFor::BindReplay(run));
+                }
             }
             RunOp::Result | RunOp::Resume => {}
         }
@@ -1710,7 +1718,8 @@ mod tests {
     // Method: a process with no closures holds the parent closed (its
     // history: the start with the child's call, then its termination);
     // the child's request to activate the parent must read the parent's
-    // history, and its replay bind the child's closure.
+    // history (once, however many children ask together), and its replay
+    // bind the child's closure.
     #[test]
     fn a_closed_parent_binds_the_closure_of_a_child_it_left_running() {
         use crate::driver::Action;
@@ -1739,16 +1748,21 @@ mod tests {
         let slot = shard.slot(parent);
         slot.phase = Phase::Closed;
         slot.closed = true;
+        // Two children ask together: one read serves both.
         shard.run_op(parent, RunOp::Activate, Origin::Reply(ReplyTo::Nobody));
-        let token = std::iter::from_fn(|| shard.poll_action())
-            .find_map(|a| match a {
+        shard.run_op(parent, RunOp::Activate, Origin::Reply(ReplyTo::Nobody));
+        let reads: Vec<Token> = std::iter::from_fn(|| shard.poll_action())
+            .filter_map(|a| match a {
                 Action::Read {
                     token,
                     query: ReadQuery::History(r),
                 } if r == parent => Some(token),
                 _ => None,
             })
-            .expect("the parent's history is read");
+            .collect();
+        let [token] = reads[..] else {
+            panic!("one read of the parent's history: {reads:?}")
+        };
         assert!(!fresh.async_bound(child));
         shard.handle(
             Timestamp(3),
