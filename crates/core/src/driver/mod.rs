@@ -1187,7 +1187,9 @@ pub struct Shard {
     updates: BTreeMap<RunId, Vec<(CommandId, ReplyTo)>>,
     /// Clients told of a continue-as-new only once the next run exists:
     /// (closed run, next run, the client, checks so far), by token.
-    continuing: BTreeMap<Token, (RunId, RunId, ReplyTo, u32)>,
+    /// Also starts that found the instance between the two: they are
+    /// told `Existing(next)` then (the last field).
+    continuing: BTreeMap<Token, (RunId, RunId, ReplyTo, u32, bool)>,
     /// The window of durable timers held in memory.
     timers: Timers,
     attempts: Attempts,
@@ -1619,7 +1621,7 @@ impl Shard {
         for (_, reply) in std::mem::take(&mut self.updates).into_values().flatten() {
             waiting.push(reply);
         }
-        for (_, _, reply, _) in std::mem::take(&mut self.continuing).into_values() {
+        for (_, _, reply, _, _) in std::mem::take(&mut self.continuing).into_values() {
             waiting.push(reply);
         }
         // Starts waiting to be decided again: their senders wait too, and

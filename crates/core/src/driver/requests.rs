@@ -353,16 +353,20 @@ impl Shard {
                 match (job.reuse, &st.run.outcome) {
                     // A chain that continued as new is still running.
                     (Some(_), Some(Outcome::ContinuedAsNew(next))) => {
-                        // A start that awaits its outcome waits on the run
-                        // that continued: `next`'s own start may not be
-                        // durable yet, and that run's outcome is answered
-                        // once it is (the client follows it from there).
-                        let run = if self.awaits_outcome(job.reply) {
-                            current
-                        } else {
-                            *next
-                        };
-                        return self.existing(job, run);
+                        // `next`'s own start may not be durable yet. A
+                        // start that awaits its outcome waits on the run
+                        // that continued, whose outcome is answered once
+                        // it is (the client follows it from there); a
+                        // signal-with-start resolves the instance (asked
+                        // again until `next` holds it); any other start
+                        // is told of `next` once it exists.
+                        if self.awaits_outcome(job.reply) {
+                            return self.existing(job, current);
+                        }
+                        if matches!(job.then, Some(Input::Signal { .. })) {
+                            return self.existing(job, *next);
+                        }
+                        return self.when_next_exists(current, *next, job.reply, true);
                     }
                     (Some(reuse), _) => {
                         let refuse = match reuse {
@@ -714,6 +718,34 @@ mod tests {
         }
     }
 
+    /// Instance `nap` as its run (1, 1) left it: continued as new to
+    /// `next`, whose start is not durable yet.
+    fn continued_to(next: RunId) -> crate::driver::InstanceState {
+        let closed = RunMeta {
+            run_id: RunId::from_u64_pair(1, 1),
+            instance_id: InstanceId::new("nap"),
+            workflow_type: Nap::NAME.into(),
+            status: RunStatus::ContinuedAsNew,
+            next_seq: Seq(3),
+            parent: None,
+            started_at: Timestamp(10),
+            updated_at: Timestamp(90),
+            closed_at: Some(Timestamp(90)),
+            outcome: Some(keel_storage::Outcome::ContinuedAsNew(next)),
+            cancel_requested: false,
+            search_attributes: Vec::new(),
+            memo: Vec::new(),
+        };
+        crate::driver::InstanceState {
+            instance: InstanceMeta {
+                current_run: closed.run_id,
+                started_at: Timestamp(10),
+            },
+            run: closed,
+            starts: Vec::new(),
+        }
+    }
+
     fn actions(shard: &mut Shard) -> Vec<Action> {
         std::iter::from_fn(|| shard.poll_action()).collect()
     }
@@ -817,29 +849,7 @@ mod tests {
         let loading = actions(&mut r.shard);
         signal_on_the_durable_history(&mut r, &loading);
         // The instance read answers as before the first start.
-        let closed = RunMeta {
-            run_id: RunId::from_u64_pair(1, 1),
-            instance_id: InstanceId::new("nap"),
-            workflow_type: Nap::NAME.into(),
-            status: RunStatus::ContinuedAsNew,
-            next_seq: Seq(3),
-            parent: None,
-            started_at: Timestamp(10),
-            updated_at: Timestamp(90),
-            closed_at: Some(Timestamp(90)),
-            outcome: Some(keel_storage::Outcome::ContinuedAsNew(run)),
-            cancel_requested: false,
-            search_attributes: Vec::new(),
-            memo: Vec::new(),
-        };
-        let state = crate::driver::InstanceState {
-            instance: InstanceMeta {
-                current_run: closed.run_id,
-                started_at: Timestamp(10),
-            },
-            run: closed,
-            starts: Vec::new(),
-        };
+        let state = continued_to(run);
         r.shard.handle(
             Timestamp(154),
             ShardInput::Read {
@@ -930,5 +940,92 @@ mod tests {
             )),
             "the sender is told to deliver it again: {after:?}"
         );
+    }
+
+    // Goal: a client's start that finds its instance between a run that
+    // continued as new and the next run's start is told of the next run
+    // only once that run exists; told earlier, it could not find it (a
+    // describe or a result by run id would say "unknown run"). Method: a
+    // shard is asked for a start of instance `nap`; its commit is refused
+    // (the instance has a run) and the instance read that follows says
+    // "continued as new to run N"; the shard must read N's record instead
+    // of answering, read it again while N is missing, and answer
+    // `Existing(N)` once it is there.
+    #[test]
+    fn a_start_in_the_continue_as_new_window_is_told_of_the_next_run_once_it_exists() {
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<Nap>();
+        let mut shard = Shard::new(ShardId(0), reg, DriverConfig::default(), 0);
+        let next = RunId::from_u64_pair(1, 2);
+        let request = Request::Start {
+            run_id: RunId::from_u64_pair(1, 3),
+            workflow_type: Nap::NAME.into(),
+            instance: InstanceId::new("nap"),
+            input: Payload::encode(&()).unwrap(),
+            command_id: None,
+            reuse: ReusePolicy::default(),
+            random_seed: 0,
+            signal: None,
+            memo: Vec::new(),
+            search_attributes: Vec::new(),
+            timeouts: Default::default(),
+            await_outcome: false,
+        };
+        let id = RequestId(4);
+        shard.handle(Timestamp(1), ShardInput::Request { id, request });
+        // Decided as a first start; the store says the instance has a run.
+        let (token, _) = commits(&actions(&mut shard)).remove(0);
+        let moved = StoreError::InstanceMoved {
+            instance: InstanceId::new("nap"),
+            expected: None,
+            found: Some(RunId::from_u64_pair(1, 1)),
+        };
+        shard.handle(
+            Timestamp(2),
+            ShardInput::Committed {
+                token,
+                result: Err(moved),
+            },
+        );
+        let first = actions(&mut shard);
+        let instance = read_token(&first, |q| matches!(q, ReadQuery::Instance(_)));
+        shard.handle(
+            Timestamp(2),
+            ShardInput::Read {
+                token: instance,
+                result: Ok(ReadResult::Instance(Some(continued_to(next)))),
+            },
+        );
+        let told = |actions: &[Action]| {
+            actions.iter().find_map(|a| match a {
+                Action::Reply { id: i, answer, .. } if *i == id => Some(answer.clone()),
+                _ => None,
+            })
+        };
+        let mut now = 2;
+        for present in [false, true] {
+            let checking = actions(&mut shard);
+            assert_eq!(told(&checking), None, "not told before {next} exists");
+            let meta = read_token(
+                &checking,
+                |q| matches!(q, ReadQuery::RunMeta(r) if *r == next),
+            );
+            let record = present.then(|| {
+                let mut m = continued_to(next).run;
+                m.run_id = next;
+                m
+            });
+            shard.handle(
+                Timestamp(now),
+                ShardInput::Read {
+                    token: meta,
+                    result: Ok(ReadResult::RunMeta(record)),
+                },
+            );
+            now += crate::driver::CONTINUATION_CHECK_MS;
+            shard.handle_timeout(Timestamp(now));
+        }
+        let last = actions(&mut shard);
+        assert_eq!(told(&last), Some(Answer::Existing(next)), "{last:?}");
     }
 }

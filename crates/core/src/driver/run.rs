@@ -1093,13 +1093,29 @@ impl Shard {
         let Outcome::ContinuedAsNew(next) = outcome else {
             return self.reply(reply, Answer::Outcome(run, outcome), cause);
         };
+        self.when_next_exists(run, next, reply, false);
+    }
+
+    /// Tells `reply` of `next`, the run `closed` continued as, once
+    /// `next`'s start is durable (its hand-off is delivered after the
+    /// closing commit): a client told earlier could not find it. Its
+    /// outcome as `ContinuedAsNew(next)`, or, for a start that found the
+    /// instance in between, `Existing(next)`.
+    pub(super) fn when_next_exists(
+        &mut self,
+        closed: RunId,
+        next: RunId,
+        reply: ReplyTo,
+        existing: bool,
+    ) {
         let token = self.token();
-        self.continuing.insert(token, (run, next, reply, 0));
+        self.continuing
+            .insert(token, (closed, next, reply, 0, existing));
         self.continuation_check(token);
     }
 
     pub(super) fn continuation_check(&mut self, token: Token) {
-        let Some(&(_, next, _, _)) = self.continuing.get(&token) else {
+        let Some(&(_, next, _, _, _)) = self.continuing.get(&token) else {
             return;
         };
         self.read(ReadQuery::RunMeta(next), ReadFor::Continuation(token));
@@ -1110,14 +1126,15 @@ impl Shard {
         token: Token,
         result: Result<ReadResult, StoreError>,
     ) {
-        let Some((run, next, reply, checks)) = self.continuing.remove(&token) else {
+        let Some((run, next, reply, checks, existing)) = self.continuing.remove(&token) else {
             return;
         };
         let answer = match result {
+            Ok(ReadResult::RunMeta(Some(_))) if existing => Answer::Existing(next),
             Ok(ReadResult::RunMeta(Some(_))) => Answer::Outcome(run, Outcome::ContinuedAsNew(next)),
             Ok(ReadResult::RunMeta(None)) if checks < CONTINUATION_CHECKS_MAX => {
                 self.continuing
-                    .insert(token, (run, next, reply, checks + 1));
+                    .insert(token, (run, next, reply, checks + 1, existing));
                 let at = self.now.plus_ms(CONTINUATION_CHECK_MS);
                 self.due.push(at, Due::Continuation(token));
                 return;
