@@ -612,18 +612,18 @@ mod tests {
     use crate::workflow::WorkflowRegistry;
     use keel_storage::{InstanceId, Payload, Timestamp};
 
-    #[test]
-    fn a_refused_start_that_awaits_its_outcome_is_answered_and_forgotten() {
-        let mut shard = Shard::new(
-            ShardId(0),
-            WorkflowRegistry::new(),
-            DriverConfig::default(),
-            0,
-        );
-        let request = Request::Start {
-            run_id: RunId::from_u64_pair(1, 1),
-            workflow_type: "nowhere".into(),
-            instance: InstanceId::new("i"),
+    /// A client's start of `run` as `workflow_type`, instance `instance`,
+    /// with no input, signal or metadata.
+    fn start_request(
+        run: RunId,
+        workflow_type: &str,
+        instance: &str,
+        await_outcome: bool,
+    ) -> Request {
+        Request::Start {
+            run_id: run,
+            workflow_type: workflow_type.into(),
+            instance: InstanceId::new(instance),
             input: Payload::encode(&()).unwrap(),
             command_id: None,
             reuse: ReusePolicy::default(),
@@ -632,8 +632,19 @@ mod tests {
             memo: Vec::new(),
             search_attributes: Vec::new(),
             timeouts: Default::default(),
-            await_outcome: true,
-        };
+            await_outcome,
+        }
+    }
+
+    #[test]
+    fn a_refused_start_that_awaits_its_outcome_is_answered_and_forgotten() {
+        let mut shard = Shard::new(
+            ShardId(0),
+            WorkflowRegistry::new(),
+            DriverConfig::default(),
+            0,
+        );
+        let request = start_request(RunId::from_u64_pair(1, 1), "nowhere", "i", true);
         shard.handle(
             Timestamp(1),
             ShardInput::Request {
@@ -957,20 +968,7 @@ mod tests {
         reg.register::<Nap>();
         let mut shard = Shard::new(ShardId(0), reg, DriverConfig::default(), 0);
         let next = RunId::from_u64_pair(1, 2);
-        let request = Request::Start {
-            run_id: RunId::from_u64_pair(1, 3),
-            workflow_type: Nap::NAME.into(),
-            instance: InstanceId::new("nap"),
-            input: Payload::encode(&()).unwrap(),
-            command_id: None,
-            reuse: ReusePolicy::default(),
-            random_seed: 0,
-            signal: None,
-            memo: Vec::new(),
-            search_attributes: Vec::new(),
-            timeouts: Default::default(),
-            await_outcome: false,
-        };
+        let request = start_request(RunId::from_u64_pair(1, 3), Nap::NAME, "nap", false);
         let id = RequestId(4);
         shard.handle(Timestamp(1), ShardInput::Request { id, request });
         // Decided as a first start; the store says the instance has a run.

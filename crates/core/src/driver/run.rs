@@ -1578,6 +1578,31 @@ mod tests {
         (shard, child, events)
     }
 
+    /// Commits `parent`'s `events` through `shard`, and answers the
+    /// commit with `error`.
+    fn commit_failing(
+        shard: &mut Shard,
+        parent: RunId,
+        events: Vec<Event>,
+        start: bool,
+        error: keel_storage::Error,
+    ) {
+        shard.commit_run(parent, events, Origin::Reply(ReplyTo::Nobody), start);
+        let token = std::iter::from_fn(|| shard.poll_action())
+            .find_map(|a| match a {
+                crate::driver::Action::Commit { token, .. } => Some(token),
+                _ => None,
+            })
+            .expect("a commit");
+        shard.handle(
+            Timestamp(2),
+            ShardInput::Committed {
+                token,
+                result: Err(error),
+            },
+        );
+    }
+
     fn start_spec(parent: RunId) -> crate::StartSpec {
         crate::StartSpec {
             run_id: parent,
@@ -1669,7 +1694,6 @@ mod tests {
     // leaves that closure alone.
     #[test]
     fn a_failed_commit_forgets_the_closures_its_code_bound_ahead() {
-        use crate::driver::Action;
         let mut reg = WorkflowRegistry::new();
         reg.register::<LeavesAChild>();
         for (error, kept) in [
@@ -1685,20 +1709,7 @@ mod tests {
         ] {
             let parent = RunId::from_u64_pair(4, 4);
             let (mut shard, child, events) = parent_with_a_child(&reg, parent);
-            shard.commit_run(parent, events, Origin::Reply(ReplyTo::Nobody), false);
-            let token = std::iter::from_fn(|| shard.poll_action())
-                .find_map(|a| match a {
-                    Action::Commit { token, .. } => Some(token),
-                    _ => None,
-                })
-                .expect("a commit");
-            shard.handle(
-                Timestamp(2),
-                ShardInput::Committed {
-                    token,
-                    result: Err(error),
-                },
-            );
+            commit_failing(&mut shard, parent, events, false, error);
             assert_eq!(reg.async_bound(child), kept, "kept: {kept}");
             reg.unbind_async(child);
         }
@@ -1707,25 +1718,12 @@ mod tests {
         // The run that exists, with its child running.
         let (_existing, _) = RunMachine::start(&reg, start_spec(parent), Timestamp(1)).unwrap();
         let (mut shard, child, events) = parent_with_a_child(&reg, parent);
-        shard.commit_run(parent, events, Origin::Reply(ReplyTo::Nobody), true);
-        let token = std::iter::from_fn(|| shard.poll_action())
-            .find_map(|a| match a {
-                Action::Commit { token, .. } => Some(token),
-                _ => None,
-            })
-            .expect("a commit");
         let exists = keel_storage::Error::SeqGap {
             run: parent,
             expected: Seq(3),
             found: Seq(1),
         };
-        shard.handle(
-            Timestamp(2),
-            ShardInput::Committed {
-                token,
-                result: Err(exists),
-            },
-        );
+        commit_failing(&mut shard, parent, events, true, exists);
         assert!(reg.async_bound(child), "the existing run's child keeps it");
     }
 
