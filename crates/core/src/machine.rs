@@ -618,6 +618,22 @@ impl RunMachine {
     /// Rebuilds a run from its committed history, without running effects.
     /// Every command the code issues must match the recorded one.
     pub fn replay(registry: &WorkflowRegistry, history: Vec<Event>) -> Result<Self, MachineError> {
+        let mut closed = Vec::new();
+        let m = Self::replay_taking_closed(registry, history, &mut closed)?;
+        m.core.borrow_mut().async_closed = closed;
+        Ok(m)
+    }
+
+    /// [`replay`](Self::replay), which also hands `closed` the async
+    /// children whose outcome the replay applied, whether or not it got to
+    /// the end (a replay that diverges has applied some, and its machine
+    /// is thrown away with the list; see
+    /// [`take_closed_async_children`](Self::take_closed_async_children)).
+    pub fn replay_taking_closed(
+        registry: &WorkflowRegistry,
+        history: Vec<Event>,
+        closed: &mut Vec<RunId>,
+    ) -> Result<Self, MachineError> {
         let first = history
             .first()
             .ok_or_else(|| MachineError::InvalidHistory("empty history".into()))?;
@@ -633,6 +649,15 @@ impl RunMachine {
             core.replay = history.into();
             core.historical = true;
         }
+        let replayed = m.replay_history();
+        closed.extend(m.take_closed_async_children());
+        replayed.map(|()| m)
+    }
+
+    /// Applies the history [`replay_taking_closed`](Self::replay_taking_closed)
+    /// queued, to its end.
+    fn replay_history(&mut self) -> Result<(), MachineError> {
+        let m = self;
         loop {
             let next = m.core.borrow_mut().replay.pop_front();
             let Some(event) = next else { break };
@@ -681,7 +706,7 @@ impl RunMachine {
                 issued: crate::core::describe_command(&extra.kind),
             });
         }
-        Ok(m)
+        Ok(())
     }
 
     /// Checks an input against the run's durable state (commit path step 2).

@@ -9,7 +9,8 @@ use keel_core::{
     WorkflowContext, WorkflowError, WorkflowRegistry,
 };
 use keel_storage::{
-    AttemptNo, Event, EventKind, Failure, FailureKind, InstanceId, Payload, RunId, Step, Timestamp,
+    AttemptNo, Event, EventKind, Failure, FailureKind, InstanceId, Payload, RunId, Seq, Step,
+    Timestamp,
 };
 use proptest::prelude::*;
 
@@ -510,10 +511,26 @@ fn a_run_tells_which_async_children_it_saw_close_live_and_in_replay() {
     assert!(reg.async_bound(child2));
 
     let fresh = reg.with_fresh_closures();
-    let mut replayed = RunMachine::replay(&fresh, history).unwrap();
+    let mut replayed = RunMachine::replay(&fresh, history.clone()).unwrap();
     assert!(fresh.async_bound(child1), "the replay binds the call again");
     assert!(fresh.async_bound(child2));
     assert_eq!(replayed.take_closed_async_children(), vec![child1]);
+
+    // A replay that diverges after the first child closed (the history
+    // records one command more than the code issues) still names it: the
+    // engine parks the run and throws the machine away with its list.
+    let mut diverged = history;
+    let mut extra = diverged.last().cloned().expect("a history");
+    extra.seq = Seq(extra.seq.0 + 1);
+    diverged.push(extra);
+    let fresh = reg.with_fresh_closures();
+    let mut closed = Vec::new();
+    let replayed = RunMachine::replay_taking_closed(&fresh, diverged, &mut closed);
+    assert!(
+        matches!(replayed, Err(MachineError::NonDeterminism { .. })),
+        "diverged"
+    );
+    assert_eq!(closed, vec![child1], "named although the replay failed");
 }
 
 /// A barrier member whose poll panics: workflow code that fails after

@@ -97,11 +97,15 @@ pub enum FaultKind {
     /// commits answered after it ran: recovery's read of intent rows, a
     /// run's history, an instance (per read).
     SlowRead,
+    /// The connection to the store breaks with a commit in flight, as a
+    /// database's can: even odds that the store wrote it, and either way
+    /// the shard hears that the outcome is unknown (per commit).
+    CommitAnswerLost,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 22] = [
+    pub const ALL: [FaultKind; 23] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -124,6 +128,7 @@ impl FaultKind {
         FaultKind::CopyLostAlive,
         FaultKind::TakerKill,
         FaultKind::SlowRead,
+        FaultKind::CommitAnswerLost,
     ];
 
     /// The name used on the command line and in reports.
@@ -151,6 +156,7 @@ impl FaultKind {
             FaultKind::CopyLostAlive => "copy-lost-alive",
             FaultKind::TakerKill => "taker-kill",
             FaultKind::SlowRead => "slow-read",
+            FaultKind::CommitAnswerLost => "commit-answer-lost",
         }
     }
 
@@ -193,6 +199,7 @@ impl FaultKind {
             FaultKind::CopyLostAlive => 0.3,
             FaultKind::TakerKill => 0.3,
             FaultKind::SlowRead => 0.3,
+            FaultKind::CommitAnswerLost => 0.05,
         }
     }
 

@@ -41,8 +41,9 @@ pub(super) enum Due {
     /// A run's activation is tried again (an async child whose closure its
     /// parent has not bound yet).
     Activate(RunId),
-    /// A run's intent rows are read again (the store was out of reach).
-    Intents(RunId),
+    /// A run's intent rows are read again (the store was out of reach);
+    /// whether it was resumed (see [`super::ReadFor::RunIntents`]).
+    Intents(RunId, bool),
     /// Whether a continue-as-new's next run exists is checked again.
     Continuation(super::Token),
     /// A start is decided again (another run held its instance).

@@ -1090,7 +1090,11 @@ enum ReadFor {
     Describe(RunId, Option<MachineView>, ReplyTo),
     /// A window of a shard's task or outbox rows.
     Backlog(BacklogOf),
-    RunIntents(RunId),
+    /// A run's intent rows, read back after a commit of it whose outcome
+    /// is unknown, or after it was resumed (`true`): then the results
+    /// and cancellations other runs addressed to it are delivered again
+    /// too (their senders dropped them when it was parked).
+    RunIntents(RunId, bool),
     /// A child's start row (its key) its cancellation waits for (see
     /// `Shard::outbox_answered`).
     StartRow(Vec<u8>),
@@ -1119,7 +1123,7 @@ impl ReadFor {
         matches!(
             self,
             ReadFor::Backlog(_)
-                | ReadFor::RunIntents(_)
+                | ReadFor::RunIntents(..)
                 | ReadFor::StartRow(_)
                 | ReadFor::TimerWindow
         )
@@ -1210,6 +1214,12 @@ pub struct Shard {
     lease_check_at: Option<Timestamp>,
     /// The lease was lost: the shard does nothing more.
     lost: bool,
+    /// Per run, the async children whose closures its code bound ahead of
+    /// a commit whose outcome is unknown: settled at the run's next
+    /// replay or close (`Shard::settle_unsure_async`). One entry per such
+    /// run, so bounded by the runs with commits in flight when the store
+    /// went away.
+    unsure_async: BTreeMap<RunId, Vec<RunId>>,
     /// What this shard counted (see [`Shard::stats`]).
     stats: ShardStats,
 }
@@ -1278,6 +1288,7 @@ impl Shard {
             renewing: false,
             lease_check_at: None,
             lost: false,
+            unsure_async: BTreeMap::new(),
             stats: ShardStats::default(),
         }
     }
@@ -1566,8 +1577,8 @@ impl Shard {
                 Due::Outbox(key) => self.deliver_outbox(&key),
                 Due::OutboxAnswer(key, token) => self.outbox_unanswered(&key, token),
                 Due::Activate(run) => self.retry_activation(run),
-                Due::Intents(run) => {
-                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                Due::Intents(run, resumed) => {
+                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run, resumed));
                 }
                 Due::Continuation(token) => self.continuation_check(token),
                 Due::Start(job) => self.start_again(*job),
@@ -1774,7 +1785,7 @@ impl Shard {
             ReadFor::Describe(run, view, reply) => self.describe_read(run, view, reply, result),
             ReadFor::Backlog(of) => self.backlog_read(of, result),
             ReadFor::TimerWindow => self.timer_window_read(result),
-            ReadFor::RunIntents(run) => self.run_intents_read(run, result),
+            ReadFor::RunIntents(run, resumed) => self.run_intents_read(run, resumed, result),
             // Unreadable now: the cancellation waiting for it asks again.
             ReadFor::StartRow(_) => {
                 if let Ok(ReadResult::Intents(rows)) = result {

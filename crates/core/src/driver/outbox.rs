@@ -858,4 +858,74 @@ mod tests {
         let again = actions(&mut shard);
         assert_eq!(resolves(&again).len(), 1, "delivered again: {again:?}");
     }
+
+    // Goal: a run's intent rows read back after a commit of it whose
+    // outcome is unknown drive only the rows this shard's runs own. A
+    // child's shard once drove its parent's start row for it and, told
+    // the child exists, ran the parent's machine there: two shards
+    // committing to one run (the simulator's `commit-answer-lost`). Read
+    // back for a resume, the results and cancellations addressed to the
+    // run are still delivered again (their senders dropped them when it
+    // was parked). Method: shard 0 of two holds a child whose parent is
+    // on shard 1 and whose own child is on shard 1 too; each read-back
+    // holds the parent's start row for the child, the child's result row
+    // for its parent, and the grandchild's result row for the child.
+    #[test]
+    fn a_runs_rows_read_back_drive_only_what_this_shards_runs_own() {
+        let parent_of = |run: RunId| ParentRef {
+            instance_id: InstanceId::new(format!("parent-{run}")),
+            run_id: run,
+            step: Step(3),
+            close_policy: ParentClosePolicy::Terminate,
+        };
+        let (parent, child, grandchild) = (on(1, 0), on(0, 0), on(1, 1));
+        let start = child_start(&parent_of(parent), child);
+        let result_of = |parent: RunId, child: RunId| OutboxMessage::ChildResult {
+            parent: parent_of(parent),
+            child_run_id: child,
+            outcome: keel_storage::Outcome::Terminated("by hand".into()),
+        };
+        let (own, addressed) = (result_of(parent, child), result_of(child, grandchild));
+        for resumed in [false, true] {
+            let config = DriverConfig {
+                shards: 2,
+                ..DriverConfig::default()
+            };
+            let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 0);
+            let token = shard.read(
+                ReadQuery::IntentsOf(child),
+                crate::driver::ReadFor::RunIntents(child, resumed),
+            );
+            actions(&mut shard);
+            let rows = [&start, &own, &addressed]
+                .into_iter()
+                .map(|m| Intent::Outbox(m.clone()))
+                .collect();
+            shard.handle(
+                Timestamp(1),
+                ShardInput::Read {
+                    token,
+                    result: Ok(ReadResult::Intents(rows)),
+                },
+            );
+            let sent = actions(&mut shard);
+            assert!(
+                !shard.outbox.holds(&start.key())
+                    && !sent.iter().any(|a| matches!(
+                        a,
+                        Action::Send {
+                            message: Message::Start { .. },
+                            ..
+                        }
+                    )),
+                "the parent's row is its own shard's (resumed: {resumed}): {sent:?}"
+            );
+            assert!(shard.outbox.holds(&own.key()), "the child's own row");
+            assert_eq!(
+                shard.outbox.holds(&addressed.key()),
+                resumed,
+                "a result addressed to the child, driven again only at a resume"
+            );
+        }
+    }
 }

@@ -328,6 +328,7 @@ impl Shard {
         let (id, shards) = (self.id, self.config.shards);
         self.workflows
             .unbind_async_where(|child| super::shard_of(child, shards) == id);
+        self.unsure_async.clear();
         self.actions.extend(last);
         self.actions.push_back(Action::ShardLost {
             shard: self.id,

@@ -12,7 +12,8 @@
 use std::collections::VecDeque;
 
 use keel_storage::{
-    CommitAck, CommitBatch, Error as StoreError, Event, EventKind, Outcome, ParkInfo, RunId, Seq,
+    CommitAck, CommitBatch, Error as StoreError, Event, EventKind, Intent, OutboxMessage, Outcome,
+    ParkInfo, RunId, Seq,
 };
 
 use super::{
@@ -95,6 +96,10 @@ pub(super) struct RunSlot {
     /// Its instance, once its start committed here or its open history
     /// was replayed (see `Shard::resolve_here`).
     instance: Option<String>,
+    /// A closing commit of it had an unknown outcome: it is activated once
+    /// nothing is in flight, to learn whether it closed (its closures, and
+    /// those of its async children, are forgotten only at a close).
+    recheck: bool,
 }
 
 impl RunSlot {
@@ -113,6 +118,7 @@ impl RunSlot {
             parked_next: None,
             markers: Vec::new(),
             instance: None,
+            recheck: false,
         }
     }
 
@@ -123,6 +129,7 @@ impl RunSlot {
             && self.waiting.is_empty()
             && self.drained.is_empty()
             && self.resuming.is_empty()
+            && !self.recheck
             && !matches!(self.phase, Phase::Loading)
     }
 
@@ -434,6 +441,7 @@ impl Shard {
         slot.closed = true;
         // A closed run needs no closure (see `forget_open_async`).
         self.workflows.unbind_async(run);
+        self.settle_unsure_async_closed(run);
         self.instance_closed(run);
         let Some(slot) = self.runs.get_mut(&run) else {
             return;
@@ -445,11 +453,11 @@ impl Shard {
     }
 
     pub(super) fn retry_activation(&mut self, run: RunId) {
-        // Inputs, or a resume, wait for the activation.
+        // Inputs, a resume or a recheck wait for the activation.
         if self
             .runs
             .get(&run)
-            .is_some_and(|s| !s.waiting.is_empty() || !s.resuming.is_empty())
+            .is_some_and(|s| !s.waiting.is_empty() || !s.resuming.is_empty() || s.recheck)
         {
             self.activate(run);
         }
@@ -474,6 +482,9 @@ impl Shard {
         }
         slot.activation = None;
         slot.phase = Phase::Idle;
+        if matches!(result, Ok(ReadResult::History(..) | ReadResult::Closed)) {
+            slot.recheck = false;
+        }
         let (history, marker) = match result {
             Ok(ReadResult::History(h, marker)) => (h, marker),
             Ok(ReadResult::Closed) => return self.activated_closed(run),
@@ -500,6 +511,8 @@ impl Shard {
         let Some(first) = history.first() else {
             self.fail_waiting(run, Answer::Refused(Refusal::UnknownRun(run.to_string())));
             self.forget(run);
+            // A start whose outcome was unknown was not written.
+            self.settle_unsure_async(run, None);
             return;
         };
         self.stats.activations += 1;
@@ -545,14 +558,17 @@ impl Shard {
             }
             _ => None,
         };
+        let mut closed = Vec::new();
         let replayed = {
             let _span =
                 tracing::info_span!("replay", run_id = %run, events = history.len()).entered();
-            RunMachine::replay(&self.workflows, history)
+            RunMachine::replay_taking_closed(&self.workflows, history, &mut closed)
         };
+        // Also when it diverged: those children are closed all the same.
+        self.forget_async(closed);
         match replayed {
-            Ok(mut m) => {
-                self.forget_closed_async(&mut m);
+            Ok(m) => {
+                self.settle_unsure_async(run, Some(&m));
                 if let Some(instance) = instance {
                     self.instance_open(run, instance);
                 }
@@ -565,7 +581,7 @@ impl Shard {
                     // It fits the code now: clear the marker and drive the
                     // work its parking dropped (timers, attempts, messages).
                     self.set_marker(run, None);
-                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run, true));
                 }
                 let slot = self.runs.get_mut(&run).expect("checked above");
                 for origin in std::mem::take(&mut slot.resuming) {
@@ -864,11 +880,21 @@ impl Shard {
                 }
             }
             Err(e) => {
-                if entry.start {
-                    self.start_waiters_read(run);
+                // A close whose outcome is unknown may have been written.
+                let closed_maybe = e.outcome_unknown() && entry.closing.is_some();
+                if entry.start || closed_maybe {
+                    self.result_waiters_read(run);
                 }
                 // Thrown away: the next input replays from the log.
                 let slot = self.runs.get_mut(&run).expect("checked above");
+                if closed_maybe {
+                    // Settled as at a close if the activation finds it
+                    // closed (`settle_unsure_async_closed`).
+                    if let Phase::Ready(machine) = &slot.phase {
+                        entry.unsettled.extend(open_async_children(machine));
+                    }
+                    slot.recheck = true;
+                }
                 if matches!(slot.phase, Phase::Ready(_)) {
                     slot.phase = Phase::Idle;
                 }
@@ -885,8 +911,14 @@ impl Shard {
                     // away with it in flight): the intent rows it would
                     // have handed over are read back and driven, as at
                     // recovery. (A commit refused at once, the store
-                    // stopped, wrote nothing: no read-back.)
-                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run));
+                    // stopped, wrote nothing: no read-back.) Its children's
+                    // closures wait for the run's next replay to say
+                    // whether they were scheduled.
+                    if !entry.unsettled.is_empty() {
+                        let unsure = self.unsure_async.entry(run).or_default();
+                        unsure.append(&mut entry.unsettled);
+                    }
+                    self.read(ReadQuery::IntentsOf(run), ReadFor::RunIntents(run, false));
                 }
                 let retry = Answer::Retry(format!("commit failed: {e}"));
                 match entry.origin {
@@ -943,7 +975,7 @@ impl Shard {
             return;
         };
         if matches!(slot.phase, Phase::Idle)
-            && (!slot.waiting.is_empty() || !slot.resuming.is_empty())
+            && (!slot.waiting.is_empty() || !slot.resuming.is_empty() || slot.recheck)
         {
             self.activate(run);
         } else if closed && slot.idle() {
@@ -999,11 +1031,30 @@ impl Shard {
         open.then_some(run)
     }
 
-    /// Forgets the closures of the async children `machine` saw close (a
-    /// parent replayed after they closed binds them again as it re-issues
-    /// the calls; kept, they would grow the table with work done).
-    pub(super) fn forget_closed_async(&self, machine: &mut RunMachine) {
-        self.forget_async(machine.take_closed_async_children());
+    /// `run` was replayed (`None`: it does not exist): of the closures its
+    /// commits whose outcome was unknown bound ahead, those of children
+    /// the durable history does not leave open are forgotten (that commit
+    /// was not written, or the child closed since). The replay bound the
+    /// others again.
+    fn settle_unsure_async(&mut self, run: RunId, replayed: Option<&RunMachine>) {
+        let Some(children) = self.unsure_async.remove(&run) else {
+            return;
+        };
+        let open = replayed.map(open_async_children).unwrap_or_default();
+        for child in children {
+            if !open.contains(&child) {
+                self.workflows.unbind_async(child);
+            }
+        }
+    }
+
+    /// `run` closed with closures its commits whose outcome was unknown
+    /// bound ahead: its closing commit was one of them, so those children
+    /// exist; each is forgotten once found closed, as at any close.
+    fn settle_unsure_async_closed(&mut self, run: RunId) {
+        if let Some(children) = self.unsure_async.remove(&run) {
+            self.forget_async_found_closed(children);
+        }
     }
 
     /// A closed parent's history, read because an async child of it found
@@ -1018,11 +1069,13 @@ impl Shard {
             return;
         };
         let _span = tracing::debug_span!("bind_replay", run_id = %run).entered();
-        let Ok(mut machine) = RunMachine::replay(&self.workflows, history) else {
+        let mut closed = Vec::new();
+        let replayed = RunMachine::replay_taking_closed(&self.workflows, history, &mut closed);
+        self.forget_async(closed);
+        let Ok(machine) = replayed else {
             // It no longer replays against this code: the child parks.
             return;
         };
-        self.forget_closed_async(&mut machine);
         let children = open_async_children(&machine);
         self.forget_async_found_closed(children);
     }
@@ -1060,6 +1113,10 @@ impl Shard {
         }
     }
 
+    /// Forgets the closures of `children`, async children a machine saw
+    /// close (a parent replayed after they closed binds them again as it
+    /// re-issues the calls; kept, they would grow the table with work
+    /// done).
     fn forget_async(&self, children: Vec<RunId>) {
         if self.breaks(BreakMode::KeepClosedClosures) {
             return;
@@ -1073,6 +1130,7 @@ impl Shard {
     /// outcome hears it; its closures are forgotten.
     fn run_closed(&mut self, run: RunId, outcome: Outcome, cause: Cause) {
         self.forget_open_async(run);
+        self.settle_unsure_async_closed(run);
         if let Some(slot) = self.runs.get_mut(&run) {
             slot.closed = true;
         }
@@ -1258,14 +1316,41 @@ impl Shard {
     }
 
     /// A resumed run's intent rows, read back: drive them again.
-    pub(super) fn run_intents_read(&mut self, run: RunId, result: Result<ReadResult, StoreError>) {
+    /// A run's intent rows, read back (see [`ReadFor::RunIntents`]). Only
+    /// the rows of runs on this shard are driven here, and, for a resumed
+    /// run, the results and cancellations addressed to it: every other
+    /// row is its own shard's to drive. (A child's start row, say, read
+    /// back by the child's shard and driven there, would have that shard
+    /// tell the parent of the start by running the parent's machine: two
+    /// shards committing to one run.)
+    pub(super) fn run_intents_read(
+        &mut self,
+        run: RunId,
+        resumed: bool,
+        result: Result<ReadResult, StoreError>,
+    ) {
         match result {
-            Ok(ReadResult::Intents(rows)) => self.intents_read_back(rows, false),
+            Ok(ReadResult::Intents(mut rows)) => {
+                let (id, shards) = (self.id, self.config.shards);
+                rows.retain(|row| match row {
+                    Intent::Outbox(msg) => {
+                        super::shard_of(msg.owner(), shards) == id
+                            || (resumed
+                                && matches!(
+                                    msg,
+                                    OutboxMessage::ChildResult { .. }
+                                        | OutboxMessage::CancelChild { .. }
+                                ))
+                    }
+                    Intent::Task(_) | Intent::Timer(_) => true,
+                });
+                self.intents_read_back(rows, false)
+            }
             Ok(_) => {}
             Err(e) => {
                 tracing::warn!(run_id = %run, error = %e, "intents of a run unreadable; reading them again later");
                 let at = self.now.plus_ms(super::RUN_UNREACHABLE_RETRY_MS);
-                self.due.push(at, Due::Intents(run));
+                self.due.push(at, Due::Intents(run, resumed));
             }
         }
     }
@@ -1292,7 +1377,7 @@ impl Shard {
         // A run in memory that has not closed: its close answers the
         // waiter, no read needed. If its start is still in flight, the
         // start's commit decides: a failed start sends its waiters to the
-        // store (`start_waiters_read`). (While the store is stopped the
+        // store (`result_waiters_read`). (While the store is stopped the
         // read decides: an open run's waiter is answered at once.)
         let open_here = self.store_health.is_healthy()
             && self
@@ -1304,10 +1389,11 @@ impl Shard {
         }
     }
 
-    /// A start commit failed: the clients that waited on it for the run's
-    /// result learn from the store whether the run exists after all (an
-    /// earlier start of it, or a commit whose outcome is unknown).
-    fn start_waiters_read(&mut self, run: RunId) {
+    /// A start commit failed, or a closing one whose outcome is unknown:
+    /// the clients that waited on it for the run's result learn from the
+    /// store whether the run exists after all (an earlier start of it, or
+    /// a start whose outcome is unknown), or whether it closed.
+    fn result_waiters_read(&mut self, run: RunId) {
         let tokens: Vec<Token> = self
             .results
             .get(&run)
@@ -1698,14 +1784,7 @@ mod tests {
         reg.register::<LeavesAChild>();
         for (error, kept) in [
             (keel_storage::Error::CommitFailed("refused".into()), false),
-            (
-                keel_storage::Error::Database {
-                    target: "db".into(),
-                    fault: keel_storage::DatabaseFault::Lost,
-                    detail: "gone mid-commit".into(),
-                },
-                true,
-            ),
+            (connection_lost(), true),
         ] {
             let parent = RunId::from_u64_pair(4, 4);
             let (mut shard, child, events) = parent_with_a_child(&reg, parent);
@@ -1725,6 +1804,119 @@ mod tests {
         };
         commit_failing(&mut shard, parent, events, true, exists);
         assert!(reg.async_bound(child), "the existing run's child keeps it");
+    }
+
+    /// A commit's answer when the database went away with it in flight.
+    fn connection_lost() -> keel_storage::Error {
+        keel_storage::Error::Database {
+            target: "db".into(),
+            fault: keel_storage::DatabaseFault::Lost,
+            detail: "gone mid-commit".into(),
+        }
+    }
+
+    // Goal: the closures code bound ahead of a commit whose outcome is
+    // unknown do not stay for good. They are kept while the commit may
+    // have been written (its child may start from the read-back), and
+    // settled at the run's next activation: kept when the history leaves
+    // the child open, forgotten when the run does not exist (nothing was
+    // written). Method: a parent's start commit, its child's closure
+    // bound, is answered "connection lost"; the parent is activated, and
+    // its read answered with the start's events, or with nothing.
+    #[test]
+    fn closures_bound_ahead_of_a_commit_of_unknown_outcome_are_settled_at_the_next_replay() {
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<LeavesAChild>();
+        for written in [true, false] {
+            let parent = RunId::from_u64_pair(8, 8);
+            let (mut shard, child, events) = parent_with_a_child(&reg, parent);
+            commit_failing(&mut shard, parent, events.clone(), true, connection_lost());
+            assert!(reg.async_bound(child), "kept while the outcome is unknown");
+            shard.activate(parent);
+            let tokens = activation_tokens(&mut shard);
+            let [token] = tokens[..] else {
+                panic!("one activation read: {tokens:?}")
+            };
+            let history = if written { events } else { Vec::new() };
+            shard.handle(
+                Timestamp(3),
+                ShardInput::Read {
+                    token,
+                    result: Ok(ReadResult::History(history, None)),
+                },
+            );
+            assert_eq!(reg.async_bound(child), written, "written: {written}");
+            assert!(shard.unsure_async.is_empty(), "settled");
+            reg.unbind_async(child);
+        }
+    }
+
+    // Goal: a run whose closing commit had an unknown outcome (written,
+    // its answer lost) learns whether it closed: the close is what
+    // forgets its closures and those of its async children, and what
+    // tells the clients waiting for its result. Method: a parent with an
+    // open async child and a client waiting for its result commits its
+    // termination, answered "connection lost". The waiter's run record
+    // must be read, and the parent activated; the activation finds it
+    // closed, and the child (not in memory) is asked to activate, as at
+    // any close, so that its closure goes once it is found closed.
+    #[test]
+    fn a_close_of_unknown_outcome_is_learned_by_an_activation() {
+        use crate::driver::{Action, Message};
+        let mut reg = WorkflowRegistry::new();
+        reg.register::<LeavesAChild>();
+        let parent = RunId::from_u64_pair(9, 9);
+        let (mut shard, child, events) = parent_with_a_child(&reg, parent);
+        let next = Seq(events.len() as u64 + 1);
+        shard
+            .results
+            .entry(parent)
+            .or_default()
+            .insert(Token(u64::MAX), ReplyTo::Nobody);
+        let terminated = Event {
+            seq: next,
+            at: Timestamp(2),
+            kind: EventKind::WorkflowTerminated {
+                reason: "by hand".into(),
+                command_id: None,
+            },
+        };
+        commit_failing(
+            &mut shard,
+            parent,
+            vec![terminated],
+            false,
+            connection_lost(),
+        );
+        let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        let read_of = |want: &dyn Fn(&ReadQuery) -> bool| {
+            actions.iter().find_map(|a| match a {
+                Action::Read { token, query } if want(query) => Some(*token),
+                _ => None,
+            })
+        };
+        assert!(
+            read_of(&|q| matches!(q, ReadQuery::RunMeta(r) if *r == parent)).is_some(),
+            "the result's waiter reads the run record: {actions:?}"
+        );
+        let token = read_of(&|q| matches!(q, ReadQuery::Activation(r) if *r == parent))
+            .unwrap_or_else(|| panic!("the run is activated: {actions:?}"));
+        shard.handle(
+            Timestamp(3),
+            ShardInput::Read {
+                token,
+                result: Ok(ReadResult::Closed),
+            },
+        );
+        let after: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        assert!(
+            after.iter().any(|a| matches!(a,
+                Action::Send { message: Message::ToRun { run, op: RunOp::Activate, .. }, .. }
+                    if *run == child)),
+            "its open child is looked at, as at a close: {after:?}"
+        );
+        assert!(shard.unsure_async.is_empty(), "settled");
+        assert!(!shard.runs.get(&parent).is_some_and(|s| s.recheck));
     }
 
     // Goal: an async child left running by a parent that closed finds its

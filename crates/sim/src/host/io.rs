@@ -234,8 +234,15 @@ impl World<'_> {
             .map(|a| (a.run_id, a.events.clone()))
             .collect();
         let inc = self.processes[p].inc;
+        // `commit-answer-lost`: even odds that the store wrote it.
+        let answer_lost = self.fault(FaultKind::CommitAnswerLost);
+        let written = !answer_lost || self.rng.random_bool(0.5);
         let result = match self.store_health().error() {
             Some(e) => Err(e),
+            None if !written => {
+                self.log(format_args!("commit lost with its connection, not written"));
+                Err(connection_lost())
+            }
             None => self.store.commit(batch),
         };
         match result {
@@ -248,7 +255,7 @@ impl World<'_> {
                     if let (Some(first), Some(last)) = (es.first(), es.last()) {
                         let name = self.name(*run);
                         self.log(format_args!(
-                            "commit {name} seq {}..{} written",
+                            "{shard} commit {name} seq {}..{} written",
                             first.seq, last.seq
                         ));
                     }
@@ -258,6 +265,7 @@ impl World<'_> {
                     token,
                     ack,
                     events,
+                    answer_lost,
                 });
                 if !self.processes[p].flush_scheduled {
                     self.processes[p].flush_scheduled = true;
@@ -277,7 +285,9 @@ impl World<'_> {
             Err(e) => {
                 if !matches!(
                     e,
-                    StoreError::CommitFailed(_) | StoreError::Unwritable { .. }
+                    StoreError::CommitFailed(_)
+                        | StoreError::Unwritable { .. }
+                        | StoreError::Database { .. }
                 ) {
                     self.log(format_args!("commit refused: {e}"));
                 }
@@ -311,12 +321,20 @@ impl World<'_> {
             for (run, events) in &pending.events {
                 self.checker.durable(*run, events, self.now);
             }
+            let result = if pending.answer_lost {
+                self.log(format_args!(
+                    "commit written, its answer lost with its connection"
+                ));
+                Err(connection_lost())
+            } else {
+                Ok(pending.ack)
+            };
             self.feed(
                 p,
                 pending.shard,
                 ShardInput::Committed {
                     token: pending.token,
-                    result: Ok(pending.ack),
+                    result,
                 },
             );
         }
@@ -529,4 +547,14 @@ fn folded_meta(history: &[keel_storage::Event]) -> Option<keel_storage::RunMeta>
         search_attributes: attrs,
         memo: fields,
     })
+}
+
+/// What a shard hears of a commit whose connection broke in flight
+/// (`commit-answer-lost`): it may or may not have been written.
+fn connection_lost() -> StoreError {
+    StoreError::Database {
+        target: "simulated store".into(),
+        fault: keel_storage::DatabaseFault::Lost,
+        detail: "the connection broke with the commit in flight".into(),
+    }
 }

@@ -256,6 +256,9 @@ struct Pending {
     token: keel_core::driver::Token,
     ack: keel_storage::CommitAck,
     events: Vec<(RunId, Vec<Event>)>,
+    /// Written, but its answer is lost with the connection
+    /// (`commit-answer-lost`): the shard hears the outcome is unknown.
+    answer_lost: bool,
 }
 
 /// An engine process: its shards and what it holds in memory. A crash

@@ -187,7 +187,7 @@ impl World<'_> {
             format!(" of process {runner}")
         };
         self.log(format_args!(
-            "dispatch {} step {} attempt {} epoch {} to worker {worker}{elsewhere}",
+            "{shard} dispatches {} step {} attempt {} epoch {} to worker {worker}{elsewhere}",
             self.name(key.run),
             key.step,
             order.attempt,
