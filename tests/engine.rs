@@ -5,6 +5,7 @@
 //! Method: small workflows on the in-memory store and on RocksDB in a temp
 //! dir; restarts are a shutdown and a new engine over the same directory.
 
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -407,13 +408,13 @@ impl Workflow for TwoSignals {
     }
 }
 
-/// An in-memory store that counts the reads of instance records and, once
-/// armed, panics on its next commit (a broken store, or a broken invariant
-/// on the shard's thread).
+/// An in-memory store that counts the reads of instance records and, when
+/// armed, panics on as many of its next commits that write something (a
+/// broken store, or a broken invariant on the shard's thread).
 struct CountingStore {
     inner: Arc<MemStore>,
     instance_reads: AtomicU32,
-    armed: std::sync::atomic::AtomicBool,
+    panics: AtomicU32,
 }
 
 impl CountingStore {
@@ -421,7 +422,7 @@ impl CountingStore {
         CountingStore {
             inner: Arc::new(MemStore::new(keel::Durability::Sync)),
             instance_reads: AtomicU32::new(0),
-            armed: std::sync::atomic::AtomicBool::new(false),
+            panics: AtomicU32::new(0),
         }
     }
 }
@@ -450,7 +451,8 @@ impl Store for CountingStore {
         self
     }
     fn commit(&self, batch: CommitBatch) -> CommitHandle {
-        if self.armed.swap(false, Ordering::SeqCst) {
+        let armed = |n: u32| n.checked_sub(1);
+        if !batch.appends.is_empty() && self.panics.fetch_update(SeqCst, SeqCst, armed).is_ok() {
             panic!("a store that panics on commit (test)");
         }
         self.inner.commit(batch)
@@ -512,13 +514,18 @@ async fn an_open_instance_is_resolved_without_reading_the_store() -> anyhow::Res
 }
 
 // Goal: a panic on a shard's thread does not leave the calls that shard
-// had taken waiting for ever: they end with an error, later calls to the
-// shard too, and the engine still shuts down. Method: one shard; a caller
-// waits for a run's result; the store is armed to panic on the next
-// commit, which the signal sent next makes on the shard's thread; both
-// calls, a describe after them and the shutdown must end within seconds.
+// had taken waiting for ever, and does not leave the shard's runs without
+// a shard: the engine starts it again, and its runs go on; a shard that
+// keeps panicking stays down (listed as such) instead of looping, and the
+// engine still shuts down. Method: one shard; a caller waits for a run's
+// result; the store is armed to panic on the next commit, which the signal
+// sent next makes on the shard's thread. The signal's and the result's
+// calls must end within seconds, and the run must then take its signals
+// and complete. Then the store panics on every commit: the shard is
+// started again at most `SHARD_RESTARTS_MAX` times, and is then listed
+// down, with calls to it failing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_panicking_shard_leaves_no_call_waiting() -> anyhow::Result<()> {
+async fn a_panicking_shard_leaves_no_call_waiting_and_starts_again() -> anyhow::Result<()> {
     let store = Arc::new(CountingStore::new());
     let engine = Engine::builder()
         .store(store.clone())
@@ -533,19 +540,50 @@ async fn a_panicking_shard_leaves_no_call_waiting() -> anyhow::Result<()> {
     };
     // The result call is taken by the shard before the panic.
     client.describe("doomed").await?;
-    store.armed.store(true, Ordering::SeqCst);
+    store.panics.store(1, SeqCst);
     let limit = Duration::from_secs(20);
     let signalled = tokio::time::timeout(limit, client.signal("doomed", "a", &1u32, None))
         .await
         .expect("the signal's call ended");
-    assert!(signalled.is_err(), "{signalled:?}");
-    let result = tokio::time::timeout(limit, waiting)
+    // The shard starts again after a short wait.
+    let deadline = tokio::time::Instant::now() + limit;
+    while let Err(e) = client.describe("doomed").await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the shard did not start again: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(engine.shards_down(), Vec::new(), "started again");
+    if signalled.is_err() {
+        // Its commit panicked, and its tries ran out before the restart.
+        client.signal("doomed", "a", &1u32, None).await?;
+    }
+    client.signal("doomed", "b", &2u32, None).await?;
+    assert_eq!(client.result::<TwoSignals>("doomed").await?, 3);
+    let waited = tokio::time::timeout(limit, waiting)
         .await
         .expect("the waiting result's call ended")?;
-    assert!(result.is_err(), "{result:?}");
+    if let Ok(sum) = waited {
+        assert_eq!(sum, 3, "the result it waited for");
+    }
+
+    // A shard that panics whenever it commits.
+    store.panics.store(u32::MAX, SeqCst);
+    client.start::<TwoSignals>("again", &()).await.ok();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while engine.shards_down().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the shard was still being started again"
+        );
+        client.start::<TwoSignals>("again", &()).await.ok();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(engine.shards_down(), vec![keel::driver::ShardId(0)]);
     let described = tokio::time::timeout(limit, client.describe("doomed"))
         .await
-        .expect("a later call ended");
+        .expect("a call to the shard that is down ended");
     assert!(described.is_err(), "{described:?}");
     tokio::time::timeout(limit, engine.shutdown())
         .await

@@ -278,6 +278,13 @@ pub(crate) struct Host {
     /// Seconds from a shard asking for a commit to the store's answer
     /// (queueing, validation, the group's write and sync).
     pub(crate) commit_seconds: Histogram<{ WRITE_BUCKETS_SECONDS.len() }>,
+    /// When each shard was restarted after a panic, within the last
+    /// [`crate::shard::SHARD_RESTART_WINDOW_MS`] (see
+    /// `crate::shard::restart_after_panic`).
+    pub(crate) shard_restarts: Mutex<HashMap<ShardId, Vec<std::time::Instant>>>,
+    /// Shards that panicked too often to be restarted: down until the
+    /// engine restarts.
+    pub(crate) shards_down: Mutex<std::collections::BTreeSet<ShardId>>,
 }
 
 /// The numbers `/metrics` shows of an engine (see [`Engine::stats`]).
@@ -543,6 +550,8 @@ impl Engine {
             copies_max: config.worker_concurrency_max.max(1),
             taken: Mutex::new(HashMap::new()),
             commit_seconds: Histogram::new(&WRITE_BUCKETS_SECONDS),
+            shard_restarts: Mutex::new(HashMap::new()),
+            shards_down: Mutex::new(std::collections::BTreeSet::new()),
         });
         let driver = DriverConfig {
             shards: shards as u16,
@@ -679,6 +688,18 @@ impl Engine {
         self.host
             .as_ref()
             .map(|h| h.store.health())
+            .unwrap_or_default()
+    }
+
+    /// Shards of this engine that panicked more often than it restarts
+    /// them ([`crate::shard::SHARD_RESTARTS_MAX`] within
+    /// [`crate::shard::SHARD_RESTART_WINDOW_MS`]): their runs wait until the
+    /// engine restarts. A shard that panicked fewer times is started again
+    /// after a short wait, and is not listed.
+    pub fn shards_down(&self) -> Vec<ShardId> {
+        self.host
+            .as_ref()
+            .map(|h| h.shards_down.lock().iter().copied().collect())
             .unwrap_or_default()
     }
 

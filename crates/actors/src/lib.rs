@@ -28,4 +28,7 @@ pub use keel_core::driver::{AttemptView, ChildView, Resumed, ReusePolicy, RunDes
 pub use readers::{READER_THREADS, READ_QUEUE_MAX};
 pub use routes::RELAY_QUEUE_MAX;
 pub use schedules::{NewSchedule, ScheduleSummary, Schedules, SCHEDULES_LIST_MAX};
-pub use shard::{SHARD_MAILBOX_MAX, STORE_HEALTH_POLL_MS};
+pub use shard::{
+    SHARD_MAILBOX_MAX, SHARD_RESTARTS_MAX, SHARD_RESTART_DELAY_MS, SHARD_RESTART_WINDOW_MS,
+    STORE_HEALTH_POLL_MS,
+};

@@ -11,11 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use keel_core::driver::{Action, Answer, Shard, ShardInput};
+use keel_core::driver::{Action, Answer, DriverConfig, Shard, ShardId, ShardInput};
+use keel_core::WorkflowRegistry;
 use keel_storage::Timestamp;
 
 use crate::client::Asked;
 use crate::engine::{now, Host};
+use crate::routes::Local;
 
 /// Most messages waiting in one shard actor's mailbox before a sender
 /// waits (client requests; internal hand-offs are never refused).
@@ -24,6 +26,18 @@ pub const SHARD_MAILBOX_MAX: usize = 4096;
 /// How often a shard compares its driver's view of the store's health with
 /// the store's and reports a change.
 pub const STORE_HEALTH_POLL_MS: u64 = 100;
+
+/// Most restarts of one shard after a panic within
+/// [`SHARD_RESTART_WINDOW_MS`]: past them the shard stays down until the
+/// engine restarts (a panic its recovery repeats would otherwise loop).
+pub const SHARD_RESTARTS_MAX: usize = 5;
+
+/// The window [`SHARD_RESTARTS_MAX`] counts restarts in.
+pub const SHARD_RESTART_WINDOW_MS: u64 = 60_000;
+
+/// The wait before a shard that panicked starts again, doubled for each
+/// earlier restart in the window.
+pub const SHARD_RESTART_DELAY_MS: u64 = 100;
 
 /// An input for the shard's driver.
 #[derive(Message)]
@@ -105,9 +119,11 @@ pub(crate) struct ShardActor {
     generation: u64,
     /// Commit answers not yet fed to the driver.
     answers: Arc<Answers>,
-    /// Whether actix stopped this actor (its `stopped` hook ran); an actor
-    /// dropped without it was unwound by a panic in its handling.
-    stopped: bool,
+    /// In the middle of a turn: an input handed to the driver and the
+    /// actions it asked for being performed. Still set when the actor is
+    /// dropped means a panic ended the turn (actix runs the `stopped` hook
+    /// of an actor whose handler panicked too, so that cannot tell).
+    in_turn: bool,
 }
 
 impl ShardActor {
@@ -118,7 +134,7 @@ impl ShardActor {
             wake: None,
             generation,
             answers: Arc::default(),
-            stopped: false,
+            in_turn: false,
         }
     }
 
@@ -131,6 +147,7 @@ impl ShardActor {
     fn feed_all(&mut self, inputs: impl IntoIterator<Item = ShardInput>, ctx: &mut Context<Self>) {
         let at = now();
         let mut handled = false;
+        self.in_turn = true;
         for input in inputs {
             if self.driver.lost() {
                 // Stopping: a client waiting here asks again, and finds the
@@ -149,6 +166,7 @@ impl ShardActor {
         if handled {
             self.drain(ctx);
         }
+        self.in_turn = false;
     }
 
     /// Performs every action the driver asks for, then queues its next
@@ -169,8 +187,10 @@ impl ShardActor {
         let delay = Duration::from_millis(at.0.saturating_sub(now().0));
         let handle = ctx.run_later(delay, |act, ctx| {
             act.wake = None;
+            act.in_turn = true;
             act.driver.handle_timeout(now());
             act.drain(ctx);
+            act.in_turn = false;
         });
         self.wake = Some((at, handle));
     }
@@ -282,8 +302,10 @@ impl Actor for ShardActor {
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(SHARD_MAILBOX_MAX);
         // Recovery: the driver reads back every intent row it owns.
+        self.in_turn = true;
         self.driver.recover(now());
         self.drain(ctx);
+        self.in_turn = false;
         ctx.run_interval(Duration::from_millis(STORE_HEALTH_POLL_MS), |act, ctx| {
             let health = act.host.store.health();
             if &health != act.driver.store_health() {
@@ -294,10 +316,6 @@ impl Actor for ShardActor {
                 }
             }
         });
-    }
-
-    fn stopped(&mut self, _: &mut Self::Context) {
-        self.stopped = true;
     }
 }
 
@@ -343,8 +361,10 @@ impl Handler<Stop> for ShardActor {
     type Result = ();
 
     fn handle(&mut self, _: Stop, ctx: &mut Self::Context) {
+        self.in_turn = true;
         self.driver.shutdown();
         self.drain(ctx);
+        self.in_turn = false;
         // Given back at once, so that another process takes the shard
         // without waiting for the lease to end (a commit still in flight
         // carries the old fence, and is refused once it is taken).
@@ -363,16 +383,28 @@ impl Drop for ShardActor {
     /// handling (a broken invariant in the driver, a store that panicked)
     /// is caught by the runtime, which drops the actor without stopping it:
     /// the calls it had taken would otherwise wait for answers that never
-    /// come. Each is told to ask again, which ends in `Unavailable` while
-    /// no shard serves it here (another process takes the shard once its
-    /// lease, no longer renewed, runs out), and the route to it goes.
+    /// come. Each is told to ask again, and the route to it goes. An
+    /// engine alone on its store starts the shard again
+    /// ([`restart_after_panic`]); on a shared store another process, or
+    /// this one, takes it once its lease, no longer renewed, runs out.
     fn drop(&mut self) {
         let shard = self.driver.id();
-        if !self.stopped {
-            tracing::error!(%shard, "the shard's actor ended without stopping (a panic in its handling); its waiting calls are told to ask again, and its runs wait for the engine's restart or for another process to take the shard");
+        let panicked = self.in_turn;
+        if panicked {
+            tracing::error!(%shard, "the shard's actor ended without stopping (a panic in its handling); its waiting calls are told to ask again");
         }
         self.host.routes.remove(shard, self.generation);
         self.host.client.shard_stopped(shard, self.generation);
+        if panicked && self.driver.lease().is_none() {
+            let again = Again {
+                shard,
+                generation: self.generation + 1,
+                workflows: self.driver.workflows().clone(),
+                config: self.driver.config().clone(),
+                epoch_base: self.driver.next_epoch_base(),
+            };
+            restart_after_panic(&self.host, again);
+        }
     }
 }
 
@@ -380,8 +412,10 @@ impl Handler<Release> for ShardActor {
     type Result = ();
 
     fn handle(&mut self, _: Release, ctx: &mut Self::Context) {
+        self.in_turn = true;
         self.driver.release();
         self.drain(ctx);
+        self.in_turn = false;
     }
 }
 
@@ -391,4 +425,94 @@ impl Handler<Stats> for ShardActor {
     fn handle(&mut self, _: Stats, _: &mut Self::Context) -> Self::Result {
         MessageResult(self.driver.stats())
     }
+}
+
+/// What a shard that panicked needs to start again.
+struct Again {
+    shard: ShardId,
+    generation: u64,
+    workflows: WorkflowRegistry,
+    config: DriverConfig,
+    /// Above every epoch and token the instance that panicked handed out.
+    epoch_base: u64,
+}
+
+/// Starts a shard whose actor panicked again on its arbiter, as a
+/// supervisor would: after [`SHARD_RESTART_DELAY_MS`] (doubled per
+/// earlier restart in [`SHARD_RESTART_WINDOW_MS`]), and once every commit
+/// it had queued is written, so that the new instance's recovery reads
+/// what they wrote (they are answered to no one). The new instance
+/// recovers the shard's durable work as at start-up. Past
+/// [`SHARD_RESTARTS_MAX`] in the window the shard stays down (listed by
+/// [`crate::Engine::shards_down`]) until the engine restarts. Called on the
+/// shard's arbiter thread.
+fn restart_after_panic(host: &Arc<Host>, again: Again) {
+    if host.client.is_shut_down() {
+        return;
+    }
+    let shard = again.shard;
+    let at = std::time::Instant::now();
+    let window = Duration::from_millis(SHARD_RESTART_WINDOW_MS);
+    let restarts = {
+        let mut all = host.shard_restarts.lock();
+        let recent = all.entry(shard).or_default();
+        recent.retain(|t| at.duration_since(*t) < window);
+        if recent.len() >= SHARD_RESTARTS_MAX {
+            None
+        } else {
+            recent.push(at);
+            Some(recent.len())
+        }
+    };
+    let Some(restarts) = restarts else {
+        tracing::error!(%shard, restarts = SHARD_RESTARTS_MAX, window_ms = SHARD_RESTART_WINDOW_MS,
+            "the shard panicked again after its last restart in the window; it stays down until the engine restarts");
+        host.shards_down.lock().insert(shard);
+        return;
+    };
+    if restarts + 1 == SHARD_RESTARTS_MAX {
+        tracing::warn!(%shard, restarts, limit = SHARD_RESTARTS_MAX, "one more panic and the shard stays down");
+    }
+    let delay = Duration::from_millis(SHARD_RESTART_DELAY_MS << (restarts - 1).min(16));
+    tracing::warn!(%shard, restarts, delay_ms = delay.as_millis() as u64, "the shard starts again after a panic");
+    let arbiter = actix::Arbiter::current();
+    let host = host.clone();
+    host.activity_rt.clone().spawn(async move {
+        tokio::time::sleep(delay).await;
+        // Queued behind every commit the shard asked for: once answered,
+        // they are all written (or refused). A store that panics here too
+        // leaves the shard down.
+        let barrier = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            host.store.commit(keel_storage::CommitBatch::default())
+        }));
+        let Ok(barrier) = barrier else {
+            tracing::error!(shard = %again.shard, "the store panicked before the shard could start again; it stays down until the engine restarts");
+            host.shards_down.lock().insert(again.shard);
+            return;
+        };
+        let _ = barrier.await;
+        if host.client.is_shut_down() {
+            return;
+        }
+        let Again {
+            shard,
+            generation,
+            workflows,
+            config,
+            epoch_base,
+        } = again;
+        // Epochs only grow, across restarts of the engine too.
+        let base = epoch_base.max(now().0.saturating_mul(1000));
+        let h = host.clone();
+        let addr = ShardActor::start_in_arbiter(&arbiter, move |_| {
+            ShardActor::new(Shard::new(shard, workflows, config, base), h, generation)
+        });
+        let local = Local {
+            addr,
+            fence: None,
+            generation,
+        };
+        host.routes.set(shard, local);
+        tracing::info!(%shard, generation, "the shard started again");
+    });
 }

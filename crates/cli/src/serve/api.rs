@@ -251,12 +251,19 @@ pub(crate) async fn not_found(req: HttpRequest) -> ApiResult {
     ))
 }
 
-/// `GET /healthz`: 200 while the store takes commits, 503 otherwise. It
-/// needs no token (load balancers and orchestrators probe it), so it says
-/// only the state and the kind of fault, never the storage's message.
+/// `GET /healthz`: 200 while the store takes commits and every shard of
+/// the engine runs, 503 otherwise (a shard that panicked more often than
+/// the engine restarts it is listed under `shards_down`). It needs no
+/// token (load balancers and orchestrators probe it), so it says only the
+/// state and the kind of fault, never the storage's message.
 pub(crate) async fn healthz(state: web::Data<ServeState>) -> HttpResponse {
     let health = state.store.health();
-    let body = match &health {
+    let down: Vec<u16> = state
+        .engine
+        .as_ref()
+        .map(|e| e.shards_down().into_iter().map(|s| s.0).collect())
+        .unwrap_or_default();
+    let mut body = match &health {
         keel_storage::StoreHealth::Healthy => json!({"store": "healthy"}),
         keel_storage::StoreHealth::Stopped { fault, .. } => {
             json!({"store": "stopped", "fault": fault.to_string()})
@@ -265,7 +272,10 @@ pub(crate) async fn healthz(state: web::Data<ServeState>) -> HttpResponse {
             json!({"store": "failed", "fault": fault.to_string()})
         }
     };
-    if health.is_healthy() {
+    if !down.is_empty() {
+        body["shards_down"] = json!(down);
+    }
+    if health.is_healthy() && down.is_empty() {
         HttpResponse::Ok().json(body)
     } else {
         HttpResponse::ServiceUnavailable().json(body)

@@ -304,6 +304,14 @@ pub(crate) async fn scrape(_: CanRead, state: web::Data<ServeState>) -> HttpResp
         "1 when the store accepts commits, 0 when it refuses them (a full or failing disk, a lost lease).",
         u8::from(matches!(health, keel_storage::StoreHealth::Healthy)),
     );
+    if let Some(engine) = &state.engine {
+        gauge(
+            &mut out,
+            "keel_shards_down",
+            "Shards of this process that panicked more often than the engine restarts them; their runs wait for the engine's restart.",
+            engine.shards_down().len(),
+        );
+    }
     if let Some(m) = state.store.memory() {
         labelled(
             &mut out,

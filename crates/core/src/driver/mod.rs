@@ -1303,6 +1303,19 @@ impl Shard {
         &self.workflows
     }
 
+    /// How it was configured.
+    pub fn config(&self) -> &DriverConfig {
+        &self.config
+    }
+
+    /// The least `epoch_base` a later instance of this shard in this
+    /// process may start from ([`Shard::new`]): above every lease epoch
+    /// and every token this one handed out, so that neither a copy it
+    /// dispatched nor an answer meant for it is taken for the later one's.
+    pub fn next_epoch_base(&self) -> u64 {
+        self.next_epoch.max(self.next_token).saturating_add(1)
+    }
+
     /// Starts recovery: reads the first window of the intent rows this
     /// shard owns (pending attempts, outbox messages, timers) and drives
     /// each exactly as if a commit had just written it; the next windows
