@@ -410,19 +410,33 @@ impl Workflow for TwoSignals {
 
 /// An in-memory store that counts the reads of instance records and, when
 /// armed, panics on as many of its next commits that write something (a
-/// broken store, or a broken invariant on the shard's thread).
+/// broken store, or a broken invariant on the shard's thread), or holds
+/// them unanswered until released (a hung disk).
 struct CountingStore {
     inner: Arc<MemStore>,
     instance_reads: AtomicU32,
     panics: AtomicU32,
+    hold: std::sync::atomic::AtomicBool,
+    held: std::sync::Mutex<Vec<(CommitBatch, keel::storage::Reply)>>,
 }
 
 impl CountingStore {
+    /// Writes and answers the commits held, in order, and holds no more.
+    fn release(&self) {
+        self.hold.store(false, SeqCst);
+        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        for (batch, reply) in held {
+            reply.send(self.inner.commit(batch).wait());
+        }
+    }
+
     fn new() -> Self {
         CountingStore {
             inner: Arc::new(MemStore::new(keel::Durability::Sync)),
             instance_reads: AtomicU32::new(0),
             panics: AtomicU32::new(0),
+            hold: std::sync::atomic::AtomicBool::new(false),
+            held: std::sync::Mutex::new(Vec::new()),
         }
     }
 }
@@ -454,6 +468,12 @@ impl Store for CountingStore {
         let armed = |n: u32| n.checked_sub(1);
         if !batch.appends.is_empty() && self.panics.fetch_update(SeqCst, SeqCst, armed).is_ok() {
             panic!("a store that panics on commit (test)");
+        }
+        let mut held = self.held.lock().unwrap();
+        if !batch.appends.is_empty() && (self.hold.load(SeqCst) || !held.is_empty()) {
+            let (reply, handle) = CommitHandle::channel();
+            held.push((batch, reply));
+            return handle;
         }
         self.inner.commit(batch)
     }
@@ -588,5 +608,87 @@ async fn a_panicking_shard_leaves_no_call_waiting_and_starts_again() -> anyhow::
     tokio::time::timeout(limit, engine.shutdown())
         .await
         .expect("the engine shut down");
+    Ok(())
+}
+
+// Goal: a store that takes a commit and answers nothing (a hung disk, a
+// database that holds the connection) shows in the engine's health once a
+// commit has waited `commit_stall_ms`, and a call waiting on that shard's
+// progress is told the store is unavailable instead of hanging; once the
+// commit is answered the engine is healthy again and the run goes on.
+// Method: one shard, a 300 ms limit; the store holds the commit of a
+// signal; the engine's health must turn `Stopped` with `Stalled`, and a
+// client waiting for the run's result must be answered; the commits are
+// then released, health must turn healthy, and the run take its signals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_hangs_shows_in_health_until_it_is_answered() -> anyhow::Result<()> {
+    let store = Arc::new(CountingStore::new());
+    let engine = Engine::builder()
+        .store(store.clone())
+        .config(keel::EngineConfig {
+            shards: 1,
+            commit_stall_ms: 300,
+            ..keel::EngineConfig::default()
+        })
+        .register_workflow::<TwoSignals>()
+        .build()?;
+    let client = engine.client();
+    client.start::<TwoSignals>("stuck", &()).await?;
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move { client.result::<TwoSignals>("stuck").await })
+    };
+    client.describe("stuck").await?;
+    store.hold.store(true, SeqCst);
+    let signal = {
+        let client = client.clone();
+        tokio::spawn(async move { client.signal("stuck", "a", &1u32, None).await })
+    };
+    let stalled = |h: &keel::StoreHealth| {
+        matches!(
+            h,
+            keel::StoreHealth::Stopped {
+                fault: keel::storage::WriteFault::Stalled,
+                ..
+            }
+        )
+    };
+    let limit = Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + limit;
+    while !stalled(&engine.health()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            engine.health()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let waited = tokio::time::timeout(limit, waiting)
+        .await
+        .expect("the waiting result's call was answered")?;
+    assert!(
+        matches!(waited, Err(EngineError::StoreUnavailable(_))),
+        "{waited:?}"
+    );
+
+    store.release();
+    let deadline = tokio::time::Instant::now() + limit;
+    while !engine.health().is_healthy() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            engine.health()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let signalled = tokio::time::timeout(limit, signal)
+        .await
+        .expect("the signal's call ended")?;
+    if signalled.is_err() {
+        client.signal("stuck", "a", &1u32, None).await?;
+    }
+    client.signal("stuck", "b", &2u32, None).await?;
+    assert_eq!(client.result::<TwoSignals>("stuck").await?, 3);
+    engine.shutdown().await;
     Ok(())
 }

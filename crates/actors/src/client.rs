@@ -581,14 +581,14 @@ impl ClientCore {
         }
     }
 
-    /// The engine stops: every waiting call ends with a shutdown error
-    /// (one relayed from another process is told to ask again: the next
-    /// owner of its shard answers it).
     /// Whether the engine is stopping ([`ClientCore::shut_down`]).
     pub(crate) fn is_shut_down(&self) -> bool {
         self.shutting_down.load(Ordering::Acquire)
     }
 
+    /// The engine stops: every waiting call ends with a shutdown error
+    /// (one relayed from another process is told to ask again: the next
+    /// owner of its shard answers it).
     pub(crate) fn shut_down(&self) {
         self.shutting_down.store(true, Ordering::Release);
         self.store.lock().take();

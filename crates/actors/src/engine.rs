@@ -84,6 +84,11 @@ pub struct EngineConfig {
     /// supervises it under its lease: a copy whose process died is
     /// redelivered when the lease ends.
     pub attempts_anywhere: bool,
+    /// How long a commit may go unanswered before its shard takes the
+    /// store for stalled: its waiting clients are answered "unavailable",
+    /// requests that write are refused, and [`Engine::health`] says
+    /// [`keel_storage::WriteFault::Stalled`], until the commit is answered.
+    pub commit_stall_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +105,7 @@ impl Default for EngineConfig {
             durability: Durability::Sync,
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
             attempts_anywhere: true,
+            commit_stall_ms: keel_core::driver::COMMIT_STALL_MS_DEFAULT,
         }
     }
 }
@@ -285,6 +291,9 @@ pub(crate) struct Host {
     /// Shards that panicked too often to be restarted: down until the
     /// engine restarts.
     pub(crate) shards_down: Mutex<std::collections::BTreeSet<ShardId>>,
+    /// Shards whose oldest commit has gone unanswered too long, with the
+    /// driver's account of it (see [`Engine::health`]).
+    pub(crate) stalled: Mutex<BTreeMap<ShardId, StoreHealth>>,
 }
 
 /// The numbers `/metrics` shows of an engine (see [`Engine::stats`]).
@@ -552,6 +561,7 @@ impl Engine {
             commit_seconds: Histogram::new(&WRITE_BUCKETS_SECONDS),
             shard_restarts: Mutex::new(HashMap::new()),
             shards_down: Mutex::new(std::collections::BTreeSet::new()),
+            stalled: Mutex::new(BTreeMap::new()),
         });
         let driver = DriverConfig {
             shards: shards as u16,
@@ -562,6 +572,7 @@ impl Engine {
             intents_in_memory_max: (config.intents_in_memory_max / shards).max(1),
             profiles: host.profiles.clone(),
             shard_lease_ms: config.shard_lease_ms,
+            commit_stall_ms: config.commit_stall_ms.max(1),
             breaks: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
@@ -684,11 +695,20 @@ impl Engine {
     /// ends with [`EngineError::StoreUnavailable`]): shut it down and exit
     /// non-zero. While [`StoreHealth::Stopped`], calls that need a commit
     /// fail fast and the engine goes on by itself once the cause is gone.
+    /// A store that reports itself healthy is still `Stopped` with
+    /// [`keel_storage::WriteFault::Stalled`] while a shard's commit has gone
+    /// unanswered longer than [`EngineConfig::commit_stall_ms`] (a hung
+    /// disk, a database that answers nothing).
     pub fn health(&self) -> StoreHealth {
-        self.host
-            .as_ref()
-            .map(|h| h.store.health())
-            .unwrap_or_default()
+        let Some(host) = &self.host else {
+            return StoreHealth::default();
+        };
+        let health = host.store.health();
+        if !health.is_healthy() {
+            return health;
+        }
+        let stalled = host.stalled.lock().values().next().cloned();
+        stalled.unwrap_or(health)
     }
 
     /// Shards of this engine that panicked more often than it restarts

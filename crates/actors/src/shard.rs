@@ -124,6 +124,8 @@ pub(crate) struct ShardActor {
     /// dropped means a panic ended the turn (actix runs the `stopped` hook
     /// of an actor whose handler panicked too, so that cannot tell).
     in_turn: bool,
+    /// The driver's stall as last told to the host (`Host::stalled`).
+    stalled: Option<Timestamp>,
 }
 
 impl ShardActor {
@@ -135,6 +137,7 @@ impl ShardActor {
             generation,
             answers: Arc::default(),
             in_turn: false,
+            stalled: None,
         }
     }
 
@@ -169,11 +172,30 @@ impl ShardActor {
         self.in_turn = false;
     }
 
-    /// Performs every action the driver asks for, then queues its next
-    /// wake-up.
+    /// Performs every action the driver asks for, tells the host whether
+    /// the driver found a commit stalled, then queues its next wake-up.
     fn drain(&mut self, ctx: &mut Context<Self>) {
         while let Some(action) = self.driver.poll_action() {
             self.perform(action, ctx);
+        }
+        let stalled = self.driver.stalled_since();
+        if stalled != self.stalled {
+            self.stalled = stalled;
+            let shard = self.driver.id();
+            let mut all = self.host.stalled.lock();
+            match stalled {
+                Some(_) => {
+                    let stall_ms = self.driver.config().commit_stall_ms;
+                    let health = keel_storage::StoreHealth::Stopped {
+                        fault: keel_storage::WriteFault::Stalled,
+                        detail: format!("{shard} has a commit unanswered for over {stall_ms} ms"),
+                    };
+                    all.insert(shard, health);
+                }
+                None => {
+                    all.remove(&shard);
+                }
+            }
         }
         let Some(at) = self.driver.poll_timeout() else {
             return;
@@ -308,7 +330,7 @@ impl Actor for ShardActor {
         self.in_turn = false;
         ctx.run_interval(Duration::from_millis(STORE_HEALTH_POLL_MS), |act, ctx| {
             let health = act.host.store.health();
-            if &health != act.driver.store_health() {
+            if &health != act.driver.reported_store_health() {
                 let failed = health.is_failed().then(|| health.to_string());
                 act.feed(ShardInput::StoreHealth(health), ctx);
                 if let Some(why) = failed {
@@ -381,21 +403,32 @@ impl Handler<Stop> for ShardActor {
 impl Drop for ShardActor {
     /// However the actor ends, nothing keeps waiting on it. A panic in its
     /// handling (a broken invariant in the driver, a store that panicked)
-    /// is caught by the runtime, which drops the actor without stopping it:
-    /// the calls it had taken would otherwise wait for answers that never
-    /// come. Each is told to ask again, and the route to it goes. An
-    /// engine alone on its store starts the shard again
-    /// ([`restart_after_panic`]); on a shared store another process, or
-    /// this one, takes it once its lease, no longer renewed, runs out.
+    /// is caught by the runtime, which stops and drops the actor in the
+    /// middle of its turn (`in_turn`): the calls it had taken would
+    /// otherwise wait for answers that never come. Each is told to ask
+    /// again, and the route to it goes. An engine alone on its store
+    /// starts the shard again ([`restart_after_panic`]); on a shared store
+    /// another process, or this one, takes it once its lease, no longer
+    /// renewed, runs out.
     fn drop(&mut self) {
         let shard = self.driver.id();
         let panicked = self.in_turn;
         if panicked {
-            tracing::error!(%shard, "the shard's actor ended without stopping (a panic in its handling); its waiting calls are told to ask again");
+            tracing::error!(%shard, "the shard's actor panicked in the middle of a turn; its waiting calls are told to ask again");
         }
         self.host.routes.remove(shard, self.generation);
         self.host.client.shard_stopped(shard, self.generation);
-        if panicked && self.driver.lease().is_none() {
+        if self.stalled.is_some() {
+            self.host.stalled.lock().remove(&shard);
+        }
+        if panicked && self.host.store.shared().is_none() {
+            // Its async children's closures go with it, as when a shard
+            // leaves a process: the next instance's parents bind them
+            // again (some were bound ahead of commits never answered).
+            let (id, shards) = (shard, self.driver.config().shards);
+            self.driver
+                .workflows()
+                .unbind_async_where(|child| keel_core::driver::shard_of(child, shards) == id);
             let again = Again {
                 shard,
                 generation: self.generation + 1,
@@ -485,12 +518,15 @@ fn restart_after_panic(host: &Arc<Host>, again: Again) {
         let barrier = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             host.store.commit(keel_storage::CommitBatch::default())
         }));
-        let Ok(barrier) = barrier else {
-            tracing::error!(shard = %again.shard, "the store panicked before the shard could start again; it stays down until the engine restarts");
+        let barrier = match barrier {
+            Ok(barrier) => barrier.await,
+            Err(_) => Err(keel_storage::Error::Closed),
+        };
+        if let Err(e @ keel_storage::Error::Closed) = barrier {
+            tracing::error!(shard = %again.shard, error = %e, "the store cannot write any more; the shard stays down until the engine restarts");
             host.shards_down.lock().insert(again.shard);
             return;
-        };
-        let _ = barrier.await;
+        }
         if host.client.is_shut_down() {
             return;
         }
@@ -512,7 +548,13 @@ fn restart_after_panic(host: &Arc<Host>, again: Again) {
             fence: None,
             generation,
         };
-        host.routes.set(shard, local);
+        host.routes.set(shard, local.clone());
+        if host.client.is_shut_down() {
+            // The engine began to stop meanwhile, and may have listed its
+            // shards before this one was set.
+            local.addr.do_send(Stop);
+            return;
+        }
         tracing::info!(%shard, generation, "the shard started again");
     });
 }

@@ -34,7 +34,7 @@ pub(crate) struct SimArgs {
     /// activity-failure, stray-command, silent-worker, slow-attempt,
     /// store-stop, process-pause, process-kill, lease-answer-lost,
     /// remote-copy, copy-lost-alive, taker-kill (those six with
-    /// `--processes` 2 or more), slow-read, commit-answer-lost.
+    /// `--processes` 2 or more), slow-read, commit-answer-lost, store-stall.
     #[arg(long, default_value = "all", value_parser = parse_faults)]
     faults: Faults,
     /// Workflows per seed (the default mix: one of each of its shapes in

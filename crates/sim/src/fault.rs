@@ -101,11 +101,15 @@ pub enum FaultKind {
     /// database's can: even odds that the store wrote it, and either way
     /// the shard hears that the outcome is unknown (per commit).
     CommitAnswerLost,
+    /// A group's sync hangs past the shards' commit stall limit, as on a
+    /// hung disk: the shards take the store for stalled (their clients
+    /// are told it is unavailable) until it returns (per group).
+    StoreStall,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 23] = [
+    pub const ALL: [FaultKind; 24] = [
         FaultKind::LeaseExpiry,
         FaultKind::Redelivery,
         FaultKind::DuplicateResult,
@@ -129,6 +133,7 @@ impl FaultKind {
         FaultKind::TakerKill,
         FaultKind::SlowRead,
         FaultKind::CommitAnswerLost,
+        FaultKind::StoreStall,
     ];
 
     /// The name used on the command line and in reports.
@@ -157,6 +162,7 @@ impl FaultKind {
             FaultKind::TakerKill => "taker-kill",
             FaultKind::SlowRead => "slow-read",
             FaultKind::CommitAnswerLost => "commit-answer-lost",
+            FaultKind::StoreStall => "store-stall",
         }
     }
 
@@ -200,6 +206,7 @@ impl FaultKind {
             FaultKind::TakerKill => 0.3,
             FaultKind::SlowRead => 0.3,
             FaultKind::CommitAnswerLost => 0.05,
+            FaultKind::StoreStall => 0.01,
         }
     }
 

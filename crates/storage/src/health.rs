@@ -43,6 +43,10 @@ pub enum WriteFault {
     /// The database cannot be reached (stopped, restarting, or the network
     /// is down); commits resume once it answers again.
     Unreachable,
+    /// A commit has gone unanswered for longer than the engine allows (a
+    /// hung disk, a database that holds the connection and answers
+    /// nothing); commits resume once it is answered.
+    Stalled,
 }
 
 impl WriteFault {
@@ -72,6 +76,7 @@ impl WriteFault {
             WriteFault::Corruption => "stop keel, keep a copy of the directory and run `keel verify`; restore from a checkpoint if it reports damage",
             WriteFault::Fenced => "another engine process owns the database now and carries on this one's work; restart this process and it waits as a standby",
             WriteFault::Unreachable => "check that the database runs and this machine reaches it; keel reconnects every second and commits resume by themselves (if the outage outlasts the write lease, a standby may take over and this process stops)",
+            WriteFault::Stalled => "check the disk (a hung device, a full I/O queue, a network volume that lost its server) or the database (locks, a stuck server); commits resume by themselves once the one in flight is answered",
         }
     }
 }
@@ -84,6 +89,7 @@ impl fmt::Display for WriteFault {
             WriteFault::Corruption => "corruption",
             WriteFault::Fenced => "write lease lost",
             WriteFault::Unreachable => "database unreachable",
+            WriteFault::Stalled => "commit stalled",
         })
     }
 }

@@ -38,6 +38,9 @@ pub(super) enum Due {
     Outbox(Vec<u8>),
     /// An outbox delivery's answer is overdue.
     OutboxAnswer(Vec<u8>, super::Token),
+    /// Whether the oldest commit in flight has gone unanswered too long
+    /// (see `Shard::check_stall`).
+    CommitStall,
     /// A run's activation is tried again (an async child whose closure its
     /// parent has not bound yet).
     Activate(RunId),

@@ -1038,6 +1038,9 @@ pub struct DriverConfig {
     /// How long a shard lease lasts unless renewed, when the store is
     /// shared by several processes (see [`Shard::hold`]).
     pub shard_lease_ms: u64,
+    /// How long a commit may go unanswered before the shard takes the
+    /// store for stalled ([`COMMIT_STALL_MS_DEFAULT`]).
+    pub commit_stall_ms: u64,
     /// A deliberately broken driver (simulator only).
     pub breaks: Option<BreakMode>,
 }
@@ -1058,6 +1061,16 @@ impl std::fmt::Debug for DriverConfig {
     }
 }
 
+/// How long a commit may go unanswered, by default, before its shard takes
+/// the store for stalled (a hung disk, a database that holds the
+/// connection and answers nothing): clients waiting on the shard are
+/// answered [`Refusal::Unavailable`] and requests that write are refused,
+/// as when the store reports a stop, until the commit is answered; the
+/// host's health says so ([`keel_storage::WriteFault::Stalled`]). A healthy
+/// group commit takes milliseconds; a flush or compaction that holds
+/// writes back takes seconds at most.
+pub const COMMIT_STALL_MS_DEFAULT: u64 = 10_000;
+
 impl Default for DriverConfig {
     fn default() -> Self {
         DriverConfig {
@@ -1069,6 +1082,7 @@ impl Default for DriverConfig {
             intents_in_memory_max: INTENTS_IN_MEMORY_MAX,
             profiles: BTreeMap::new(),
             shard_lease_ms: SHARD_LEASE_MS_DEFAULT,
+            commit_stall_ms: COMMIT_STALL_MS_DEFAULT,
             breaks: None,
         }
     }
@@ -1203,8 +1217,19 @@ pub struct Shard {
     /// The outbox rows not read yet.
     outbox_backlog: Backlog,
     shut_down: bool,
-    /// Whether the store accepts writes, as last learned.
+    /// Whether the store accepts writes, as last learned: as its host
+    /// reported it (`store_reported`), or stalled (`stalled_since`).
     store_health: keel_storage::StoreHealth,
+    /// The store's health as the host last reported it.
+    store_reported: keel_storage::StoreHealth,
+    /// Commits asked for, oldest first, with when; answered ones leave
+    /// from the front (see [`Shard::check_stall`]).
+    commits_asked: VecDeque<(Token, Timestamp)>,
+    /// When the oldest commit still unanswered was asked for, while it is
+    /// older than [`DriverConfig::commit_stall_ms`].
+    stalled_since: Option<Timestamp>,
+    /// A [`Due::CommitStall`] is queued (one at a time).
+    stall_check_armed: bool,
     /// The shard's lease on a shared store (see [`Shard::hold`]).
     lease: Option<keel_storage::ShardLease>,
     /// A renewal is in flight.
@@ -1216,9 +1241,10 @@ pub struct Shard {
     lost: bool,
     /// Per run, the async children whose closures its code bound ahead of
     /// a commit whose outcome is unknown: settled at the run's next
-    /// replay or close (`Shard::settle_unsure_async`). One entry per such
-    /// run, so bounded by the runs with commits in flight when the store
-    /// went away.
+    /// replay or close (`Shard::settle_unsure_async`), which such a commit
+    /// asks for at once (`RunSlot::recheck`). One entry per such run; a
+    /// run parked by that replay keeps its entry until it is resumed or
+    /// terminated.
     unsure_async: BTreeMap<RunId, Vec<RunId>>,
     /// What this shard counted (see [`Shard::stats`]).
     stats: ShardStats,
@@ -1284,6 +1310,10 @@ impl Shard {
             outbox_backlog: Backlog::new(intents_window),
             shut_down: false,
             store_health: keel_storage::StoreHealth::Healthy,
+            store_reported: keel_storage::StoreHealth::Healthy,
+            commits_asked: VecDeque::new(),
+            stalled_since: None,
+            stall_check_armed: false,
             lease: None,
             renewing: false,
             lease_check_at: None,
@@ -1476,10 +1506,97 @@ impl Shard {
         }
     }
 
-    /// Whether the store accepts writes, as this shard last learned it
-    /// (a host compares it with what it observes and reports a change).
-    pub fn store_health(&self) -> &keel_storage::StoreHealth {
-        &self.store_health
+    /// Whether the store accepts writes, as its host last reported it (a
+    /// host compares it with what it observes and reports a change).
+    pub fn reported_store_health(&self) -> &keel_storage::StoreHealth {
+        &self.store_reported
+    }
+
+    /// Since when a commit of this shard has gone unanswered, if longer
+    /// than [`DriverConfig::commit_stall_ms`]: the shard treats the store
+    /// as stopped ([`keel_storage::WriteFault::Stalled`]) meanwhile.
+    pub fn stalled_since(&self) -> Option<Timestamp> {
+        self.stalled_since
+    }
+
+    /// The store's health as this shard acts on it: as reported, or
+    /// stalled while a commit has gone unanswered too long.
+    fn health_now(&self) -> keel_storage::StoreHealth {
+        match self.stalled_since {
+            Some(since) if self.store_reported.is_healthy() => keel_storage::StoreHealth::Stopped {
+                fault: keel_storage::WriteFault::Stalled,
+                detail: format!(
+                    "{} has a commit unanswered for {} ms",
+                    self.id,
+                    self.now.0.saturating_sub(since.0)
+                ),
+            },
+            _ => self.store_reported.clone(),
+        }
+    }
+
+    /// A commit was asked for (`token`): noted with its time, the answered
+    /// ones ahead of it dropped (so the queue holds about what is in
+    /// flight), and a stall check armed if none is.
+    pub(super) fn commit_asked(&mut self, token: Token) {
+        self.drop_answered_asks();
+        self.commits_asked.push_back((token, self.now));
+        if self.stalled_since.is_none() {
+            let at = self.commits_asked.front().map_or(self.now, |(_, at)| *at);
+            self.arm_stall_check(at);
+        }
+    }
+
+    fn drop_answered_asks(&mut self) {
+        while let Some((token, _)) = self.commits_asked.front() {
+            if self.commits.contains_key(token) {
+                break;
+            }
+            self.commits_asked.pop_front();
+        }
+    }
+
+    /// Queues the stall check for a commit asked for at `asked`, unless one
+    /// is queued already (it re-arms itself for the next oldest).
+    fn arm_stall_check(&mut self, asked: Timestamp) {
+        if !self.stall_check_armed {
+            self.stall_check_armed = true;
+            self.due
+                .push(asked.plus_ms(self.config.commit_stall_ms), Due::CommitStall);
+        }
+    }
+
+    /// The queued stall check is due.
+    fn stall_check_due(&mut self) {
+        self.stall_check_armed = false;
+        self.check_stall();
+    }
+
+    /// Whether the oldest commit still unanswered is older than
+    /// [`DriverConfig::commit_stall_ms`]: the shard then acts as if the
+    /// store had stopped, until it is answered. Checked when that commit
+    /// would turn stalled, and at every answer while stalled; one check is
+    /// due while any commit is in flight.
+    fn check_stall(&mut self) {
+        self.drop_answered_asks();
+        let stall_ms = self.config.commit_stall_ms;
+        let oldest = self.commits_asked.front().map(|(_, at)| *at);
+        let stalled = oldest.filter(|at| self.now.0.saturating_sub(at.0) >= stall_ms);
+        if let (Some(at), None) = (oldest, stalled) {
+            self.arm_stall_check(at);
+        }
+        if stalled.is_some() == self.stalled_since.is_some() {
+            return;
+        }
+        match stalled {
+            Some(at) => {
+                tracing::warn!(shard = %self.id, unanswered_ms = self.now.0.saturating_sub(at.0),
+                "a commit has gone unanswered too long; the store is taken for stalled")
+            }
+            None => tracing::info!(shard = %self.id, "the stalled commit was answered"),
+        }
+        self.stalled_since = stalled;
+        self.apply_health(self.health_now());
     }
 
     /// The store stopped or resumed accepting writes. While it is stopped,
@@ -1489,6 +1606,13 @@ impl Shard {
     /// attempts, the outbox) keeps retrying and goes on when the store
     /// resumes. A store that gave up for good shuts the shard down.
     fn store_health_changed(&mut self, health: keel_storage::StoreHealth) {
+        self.store_reported = health;
+        self.apply_health(self.health_now());
+    }
+
+    /// Acts on the store's health as this shard sees it (see
+    /// [`Shard::store_health_changed`]).
+    fn apply_health(&mut self, health: keel_storage::StoreHealth) {
         if health == self.store_health {
             return;
         }
@@ -1596,6 +1720,7 @@ impl Shard {
                 Due::Continuation(token) => self.continuation_check(token),
                 Due::Start(job) => self.start_again(*job),
                 Due::ShardLease => self.lease_due(),
+                Due::CommitStall => self.stall_check_due(),
             }
         }
         if !self.lost {
@@ -1801,7 +1926,14 @@ impl Shard {
             ReadFor::RunIntents(run, resumed) => self.run_intents_read(run, resumed, result),
             // Unreadable now: the cancellation waiting for it asks again.
             ReadFor::StartRow(_) => {
-                if let Ok(ReadResult::Intents(rows)) = result {
+                if let Ok(ReadResult::Intents(mut rows)) = result {
+                    // Its own cancellation asked for it, so it is this
+                    // shard's; checked all the same (see
+                    // `Shard::run_intents_read`).
+                    rows.retain(|row| match row {
+                        keel_storage::Intent::Outbox(msg) => self.owns_row(msg),
+                        _ => true,
+                    });
                     self.intents_read_back(rows, false);
                 }
             }
@@ -1834,6 +1966,9 @@ impl Shard {
             Some(CommitFor::Run(run)) => self.run_committed(run, token, result),
             Some(CommitFor::Marker(run)) => self.marker_committed(run, token, result),
             None => {}
+        }
+        if self.stalled_since.is_some() {
+            self.check_stall();
         }
     }
 
@@ -1939,6 +2074,94 @@ impl Shard {
         DELIVERY_BACKOFF_MS_MIN
             .saturating_mul(1u64 << tries.min(16))
             .min(DELIVERY_BACKOFF_MS_MAX)
+    }
+}
+
+#[cfg(test)]
+mod stall_tests {
+    // Goal: a commit left unanswered past `commit_stall_ms` makes the shard
+    // act as if the store had stopped (a client waiting for a run's
+    // outcome is answered "unavailable") and say so (`stalled_since`), until
+    // that commit is answered; a commit answered in time never does, and
+    // what the host reported of the store stays as it was (the host
+    // compares it with the store's own health). Method: a shard with a
+    // 1,000 ms limit asks for a commit at 0 and another at 600; time
+    // passes by hand; the first is answered at 1,200 (the second, 600 ms
+    // old, is in time), then the second at 1,700, after it stalled too.
+    use super::*;
+
+    fn commit(shard: &mut Shard) -> Token {
+        let token = shard.token();
+        let run = RunId::from_u64_pair(1, 1);
+        shard.commits.insert(token, CommitFor::Run(run));
+        shard.push_commit(token, keel_storage::CommitBatch::default());
+        token
+    }
+
+    fn answer(shard: &mut Shard, at: u64, token: Token) {
+        let result = Err(StoreError::CommitFailed("answered".into()));
+        shard.handle(Timestamp(at), ShardInput::Committed { token, result });
+    }
+
+    fn stalled(shard: &Shard) -> bool {
+        matches!(
+            shard.store_health,
+            keel_storage::StoreHealth::Stopped {
+                fault: keel_storage::WriteFault::Stalled,
+                ..
+            }
+        )
+    }
+
+    #[test]
+    fn a_commit_unanswered_too_long_stops_the_shard_until_it_is_answered() {
+        let config = DriverConfig {
+            commit_stall_ms: 1_000,
+            ..DriverConfig::default()
+        };
+        let mut shard = Shard::new(ShardId(0), WorkflowRegistry::new(), config, 0);
+        shard.handle_timeout(Timestamp(0));
+        let client = RequestId(7);
+        let waiting_run = RunId::from_u64_pair(2, 2);
+        shard
+            .results
+            .entry(waiting_run)
+            .or_default()
+            .insert(Token(u64::MAX), ReplyTo::Client(client));
+        let first = commit(&mut shard);
+        shard.handle_timeout(Timestamp(600));
+        let second = commit(&mut shard);
+        shard.handle_timeout(Timestamp(999));
+        assert_eq!(shard.stalled_since(), None, "in time");
+        assert!(shard.store_health.is_healthy());
+
+        shard.handle_timeout(Timestamp(1_000));
+        assert_eq!(shard.stalled_since(), Some(Timestamp(0)));
+        assert!(stalled(&shard), "{:?}", shard.store_health);
+        assert!(
+            shard.reported_store_health().is_healthy(),
+            "what the host reported is kept"
+        );
+        let told: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        assert!(
+            told.iter().any(|a| matches!(a,
+                Action::Reply { id, answer: Answer::Refused(Refusal::Unavailable(_)), .. }
+                    if *id == client)),
+            "the waiting client is told: {told:?}"
+        );
+
+        answer(&mut shard, 1_200, first);
+        assert_eq!(shard.stalled_since(), None, "the next is 600 ms old");
+        assert!(shard.store_health.is_healthy());
+        // The second goes past its limit unanswered, and is answered late.
+        shard.handle_timeout(Timestamp(1_599));
+        assert_eq!(shard.stalled_since(), None);
+        shard.handle_timeout(Timestamp(1_600));
+        assert_eq!(shard.stalled_since(), Some(Timestamp(600)));
+        answer(&mut shard, 1_700, second);
+        assert_eq!(shard.stalled_since(), None);
+        assert!(shard.store_health.is_healthy());
+        assert!(shard.commits_asked.is_empty() || shard.commits.is_empty());
     }
 }
 

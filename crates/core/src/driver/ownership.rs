@@ -172,6 +172,7 @@ impl Shard {
         if !self.breaks(super::BreakMode::SkipFence) {
             batch.fence = self.lease.as_ref().map(ShardLease::fence);
         }
+        self.commit_asked(token);
         self.actions.push_back(Action::Commit {
             token,
             batch,

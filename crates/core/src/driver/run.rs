@@ -503,6 +503,11 @@ impl Shard {
                     let reason = format!("history unreadable {} times: {e}", slot.restarts);
                     self.park(run, &MachineError::InvalidHistory(reason), None);
                 } else {
+                    if slot.recheck {
+                        // Nothing else may activate it again.
+                        let at = self.now.plus_ms(super::RUN_UNREACHABLE_RETRY_MS);
+                        self.due.push(at, Due::Activate(run));
+                    }
                     self.fail_waiting(run, Answer::Retry(format!("history unreadable: {e}")));
                 }
                 return;
@@ -893,9 +898,16 @@ impl Shard {
                     if let Phase::Ready(machine) = &slot.phase {
                         entry.unsettled.extend(open_async_children(machine));
                     }
+                }
+                if closed_maybe || (e.outcome_unknown() && !entry.unsettled.is_empty()) {
+                    // Learned from its history: whether it closed, which
+                    // children it scheduled.
                     slot.recheck = true;
                 }
-                if matches!(slot.phase, Phase::Ready(_)) {
+                // A parked run's termination too: the activation finds it
+                // closed, or parks it again.
+                let learn = slot.recheck && matches!(slot.phase, Phase::Parked(_));
+                if matches!(slot.phase, Phase::Ready(_)) || learn {
                     slot.phase = Phase::Idle;
                 }
                 tracing::debug!(%run, error = %e, "commit failed; the run replays on its next input");
@@ -1226,6 +1238,8 @@ impl Shard {
         let slot = self.slot(run);
         slot.phase = Phase::Parked(reason.clone());
         slot.parked_next = next;
+        // Its resume or termination learns the rest (`unsure_async` waits).
+        slot.recheck = false;
         let waiting: Vec<_> = slot.waiting.drain(..).collect();
         let resuming = std::mem::take(&mut slot.resuming);
         for (op, origin) in waiting {
@@ -1315,7 +1329,6 @@ impl Shard {
         }
     }
 
-    /// A resumed run's intent rows, read back: drive them again.
     /// A run's intent rows, read back (see [`ReadFor::RunIntents`]). Only
     /// the rows of runs on this shard are driven here, and, for a resumed
     /// run, the results and cancellations addressed to it: every other
@@ -1323,6 +1336,12 @@ impl Shard {
     /// back by the child's shard and driven there, would have that shard
     /// tell the parent of the start by running the parent's machine: two
     /// shards committing to one run.)
+    /// Whether the outbox row `msg` is this shard's to drive: its owner
+    /// runs here.
+    pub(super) fn owns_row(&self, msg: &OutboxMessage) -> bool {
+        super::shard_of(msg.owner(), self.config.shards) == self.id
+    }
+
     pub(super) fn run_intents_read(
         &mut self,
         run: RunId,
@@ -1331,10 +1350,9 @@ impl Shard {
     ) {
         match result {
             Ok(ReadResult::Intents(mut rows)) => {
-                let (id, shards) = (self.id, self.config.shards);
                 rows.retain(|row| match row {
                     Intent::Outbox(msg) => {
-                        super::shard_of(msg.owner(), shards) == id
+                        self.owns_row(msg)
                             || (resumed
                                 && matches!(
                                     msg,
@@ -1917,6 +1935,34 @@ mod tests {
         );
         assert!(shard.unsure_async.is_empty(), "settled");
         assert!(!shard.runs.get(&parent).is_some_and(|s| s.recheck));
+
+        // A parked run's termination (it runs no code) of unknown outcome
+        // is learned the same way: the run leaves its parked phase for the
+        // activation, which finds it closed or parks it again.
+        let parent = RunId::from_u64_pair(10, 10);
+        let (mut shard, _, events) = parent_with_a_child(&reg, parent);
+        shard.slot(parent).phase = Phase::Parked("diverged".into());
+        let terminated = Event {
+            seq: Seq(events.len() as u64 + 1),
+            at: Timestamp(2),
+            kind: EventKind::WorkflowTerminated {
+                reason: "by hand".into(),
+                command_id: None,
+            },
+        };
+        commit_failing(
+            &mut shard,
+            parent,
+            vec![terminated],
+            false,
+            connection_lost(),
+        );
+        let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        assert!(
+            actions.iter().any(|a| matches!(a,
+                Action::Read { query: ReadQuery::Activation(r), .. } if *r == parent)),
+            "the parked run is activated: {actions:?}"
+        );
     }
 
     // Goal: an async child left running by a parent that closed finds its

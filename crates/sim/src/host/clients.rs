@@ -218,7 +218,10 @@ impl World<'_> {
         self.log(format_args!(
             "client {plan} {op:?} try {try_no} answered {answer:?}"
         ));
-        if matches!(answer, Answer::Refused(Refusal::Unavailable(_))) && self.store_stops == 0 {
+        if matches!(answer, Answer::Refused(Refusal::Unavailable(_)))
+            && self.store_stops == 0
+            && self.store_stalls == 0
+        {
             let detail =
                 format!("client {plan} {op:?}: answered unavailable, but the store never stopped");
             self.violation(ViolationKind::WrongAnswer, detail);

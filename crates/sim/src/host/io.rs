@@ -269,7 +269,12 @@ impl World<'_> {
                 });
                 if !self.processes[p].flush_scheduled {
                     self.processes[p].flush_scheduled = true;
-                    let sync_ms = if self.rng.random_bool(0.1) {
+                    let sync_ms = if self.fault(FaultKind::StoreStall) {
+                        let ms = self.ms(super::COMMIT_STALL_MS, 3 * super::COMMIT_STALL_MS);
+                        self.store_stalls += 1;
+                        self.log(format_args!("the disk hangs for {ms} ms"));
+                        ms
+                    } else if self.rng.random_bool(0.1) {
                         self.ms(5, SLOW_SYNC_MS_MAX)
                     } else {
                         self.ms(0, SYNC_MS_MAX)

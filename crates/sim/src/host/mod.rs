@@ -68,6 +68,10 @@ const SYNC_MS_MAX: u64 = 2;
 /// ...and now and then (a slow disk) up to this long, which widens the
 /// window in which the machines are ahead of what is durable.
 const SLOW_SYNC_MS_MAX: u64 = 100;
+
+/// How long a commit may go unanswered before a shard takes the store for
+/// stalled: well above a slow sync, so that only `store-stall` reaches it.
+const COMMIT_STALL_MS: u64 = 500;
 /// A slow read runs this long after it was asked for (a blocking pool
 /// busy elsewhere), while commits go on.
 const SLOW_READ_MS_MIN: u64 = 5;
@@ -399,6 +403,9 @@ pub(crate) struct World<'a> {
     store_stopped_until: Option<u64>,
     /// How many times the store stopped.
     store_stops: u32,
+    /// Disk hangs injected (`store-stall`): a shard may answer
+    /// "unavailable" while its commit is stalled.
+    store_stalls: u32,
     /// Shards taken from an earlier owner (several processes).
     takeovers: u32,
     /// Shards that stopped because they lost their lease.
@@ -472,6 +479,7 @@ impl<'a> World<'a> {
             intents_in_memory_max: small_window.unwrap_or(INTENTS_IN_MEMORY_MAX),
             profiles,
             shard_lease_ms: SHARD_LEASE_MS,
+            commit_stall_ms: COMMIT_STALL_MS,
             breaks: setup.breaks,
         };
         let _ = rng.next_u64();
@@ -508,6 +516,7 @@ impl<'a> World<'a> {
             epochs: BTreeMap::new(),
             store_stopped_until: None,
             store_stops: 0,
+            store_stalls: 0,
             takeovers: 0,
             fenced: 0,
             released: 0,
@@ -918,7 +927,7 @@ impl<'a> World<'a> {
             let stale: Vec<ShardId> = self.processes[p]
                 .shards
                 .iter()
-                .filter(|(_, s)| *s.store_health() != health)
+                .filter(|(_, s)| *s.reported_store_health() != health)
                 .map(|(id, _)| *id)
                 .collect();
             for shard in stale {
