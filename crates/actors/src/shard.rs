@@ -185,12 +185,7 @@ impl ShardActor {
             let mut all = self.host.stalled.lock();
             match stalled {
                 Some(_) => {
-                    let stall_ms = self.driver.config().commit_stall_ms;
-                    let health = keel_storage::StoreHealth::Stopped {
-                        fault: keel_storage::WriteFault::Stalled,
-                        detail: format!("{shard} has a commit unanswered for over {stall_ms} ms"),
-                    };
-                    all.insert(shard, health);
+                    all.insert(shard, self.driver.acting_store_health().clone());
                 }
                 None => {
                     all.remove(&shard);

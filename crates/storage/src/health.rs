@@ -28,6 +28,13 @@ pub const STORE_IO_RECOVERY_MS_MAX: u64 = 60_000;
 /// How often a store that stays stopped logs that it still is.
 pub const STORE_STOPPED_LOG_INTERVAL_MS: u64 = 30_000;
 
+/// How long a group's write and sync may take before the store reports
+/// itself stalled ([`WriteFault::Stalled`]) until it returns: a hung disk
+/// holds the thread that writes, which may be a committer's own (a commit
+/// written in place), so the engine's own check of its commits cannot see
+/// it there.
+pub const STORE_WRITE_STALL_MS: u64 = 10_000;
+
 /// What stopped a store's writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum WriteFault {

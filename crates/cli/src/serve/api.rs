@@ -257,7 +257,7 @@ pub(crate) async fn not_found(req: HttpRequest) -> ApiResult {
 /// token (load balancers and orchestrators probe it), so it says only the
 /// state and the kind of fault, never the storage's message.
 pub(crate) async fn healthz(state: web::Data<ServeState>) -> HttpResponse {
-    let health = state.store.health();
+    let health = state.health();
     let down: Vec<u16> = state
         .engine
         .as_ref()

@@ -297,7 +297,7 @@ pub(crate) async fn scrape(_: CanRead, state: web::Data<ServeState>) -> HttpResp
             parked,
         );
     }
-    let health = state.store.health();
+    let health = state.health();
     gauge(
         &mut out,
         "keel_store_writable",

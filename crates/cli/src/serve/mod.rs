@@ -171,6 +171,15 @@ impl std::fmt::Debug for ServeState {
 }
 
 impl ServeState {
+    /// Whether commits are written: the engine's view when one is served
+    /// (which also sees a commit that hangs), else the store's.
+    pub(crate) fn health(&self) -> keel_storage::StoreHealth {
+        match &self.engine {
+            Some(engine) => engine.health(),
+            None => self.store.health(),
+        }
+    }
+
     /// The state for serving `engine` under `config`'s tokens; refused
     /// when `config` would expose the engine ([`ServeConfig::check`]), so an
     /// application mounting [`configure`] gets the same protection as

@@ -323,6 +323,7 @@ impl Shard {
         let answer = self.moved();
         self.stop_answering(answer, true);
         self.due = Default::default();
+        self.stall_check_armed = false;
         // Its async children's closures: the next owner's parents bind
         // them (a child runs on its parent's shard), and one that closes
         // there is never forgotten here.

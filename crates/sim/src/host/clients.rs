@@ -218,9 +218,11 @@ impl World<'_> {
         self.log(format_args!(
             "client {plan} {op:?} try {try_no} answered {answer:?}"
         ));
+        let stalled =
+            self.store_stalls > 0 && self.now <= self.stall_until + super::STALL_ANSWER_SLACK_MS;
         if matches!(answer, Answer::Refused(Refusal::Unavailable(_)))
             && self.store_stops == 0
-            && self.store_stalls == 0
+            && !stalled
         {
             let detail =
                 format!("client {plan} {op:?}: answered unavailable, but the store never stopped");

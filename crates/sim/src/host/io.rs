@@ -272,6 +272,7 @@ impl World<'_> {
                     let sync_ms = if self.fault(FaultKind::StoreStall) {
                         let ms = self.ms(super::COMMIT_STALL_MS, 3 * super::COMMIT_STALL_MS);
                         self.store_stalls += 1;
+                        self.stall_until = self.stall_until.max(self.now + ms);
                         self.log(format_args!("the disk hangs for {ms} ms"));
                         ms
                     } else if self.rng.random_bool(0.1) {

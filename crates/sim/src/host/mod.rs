@@ -72,6 +72,10 @@ const SLOW_SYNC_MS_MAX: u64 = 100;
 /// How long a commit may go unanswered before a shard takes the store for
 /// stalled: well above a slow sync, so that only `store-stall` reaches it.
 const COMMIT_STALL_MS: u64 = 500;
+
+/// How long after a disk hang ends a client may still hear "unavailable"
+/// (the answer was on its way).
+const STALL_ANSWER_SLACK_MS: u64 = 100;
 /// A slow read runs this long after it was asked for (a blocking pool
 /// busy elsewhere), while commits go on.
 const SLOW_READ_MS_MIN: u64 = 5;
@@ -403,9 +407,10 @@ pub(crate) struct World<'a> {
     store_stopped_until: Option<u64>,
     /// How many times the store stopped.
     store_stops: u32,
-    /// Disk hangs injected (`store-stall`): a shard may answer
-    /// "unavailable" while its commit is stalled.
+    /// Disk hangs injected (`store-stall`), and when the last one to end
+    /// ends: a shard may answer "unavailable" until then.
     store_stalls: u32,
+    stall_until: u64,
     /// Shards taken from an earlier owner (several processes).
     takeovers: u32,
     /// Shards that stopped because they lost their lease.
@@ -517,6 +522,7 @@ impl<'a> World<'a> {
             store_stopped_until: None,
             store_stops: 0,
             store_stalls: 0,
+            stall_until: 0,
             takeovers: 0,
             fenced: 0,
             released: 0,
