@@ -1869,6 +1869,25 @@ mod tests {
         }
     }
 
+    /// Commits `parent`'s termination at `seq` through `shard`, answered
+    /// "connection lost"; the actions that follow.
+    fn terminate_of_unknown_outcome(
+        shard: &mut Shard,
+        parent: RunId,
+        seq: Seq,
+    ) -> Vec<crate::driver::Action> {
+        let terminated = Event {
+            seq,
+            at: Timestamp(2),
+            kind: EventKind::WorkflowTerminated {
+                reason: "by hand".into(),
+                command_id: None,
+            },
+        };
+        commit_failing(shard, parent, vec![terminated], false, connection_lost());
+        std::iter::from_fn(|| shard.poll_action()).collect()
+    }
+
     // Goal: a run whose closing commit had an unknown outcome (written,
     // its answer lost) learns whether it closed: the close is what
     // forgets its closures and those of its async children, and what
@@ -1891,22 +1910,7 @@ mod tests {
             .entry(parent)
             .or_default()
             .insert(Token(u64::MAX), ReplyTo::Nobody);
-        let terminated = Event {
-            seq: next,
-            at: Timestamp(2),
-            kind: EventKind::WorkflowTerminated {
-                reason: "by hand".into(),
-                command_id: None,
-            },
-        };
-        commit_failing(
-            &mut shard,
-            parent,
-            vec![terminated],
-            false,
-            connection_lost(),
-        );
-        let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        let actions = terminate_of_unknown_outcome(&mut shard, parent, next);
         let read_of = |want: &dyn Fn(&ReadQuery) -> bool| {
             actions.iter().find_map(|a| match a {
                 Action::Read { token, query } if want(query) => Some(*token),
@@ -1942,22 +1946,8 @@ mod tests {
         let parent = RunId::from_u64_pair(10, 10);
         let (mut shard, _, events) = parent_with_a_child(&reg, parent);
         shard.slot(parent).phase = Phase::Parked("diverged".into());
-        let terminated = Event {
-            seq: Seq(events.len() as u64 + 1),
-            at: Timestamp(2),
-            kind: EventKind::WorkflowTerminated {
-                reason: "by hand".into(),
-                command_id: None,
-            },
-        };
-        commit_failing(
-            &mut shard,
-            parent,
-            vec![terminated],
-            false,
-            connection_lost(),
-        );
-        let actions: Vec<Action> = std::iter::from_fn(|| shard.poll_action()).collect();
+        let actions =
+            terminate_of_unknown_outcome(&mut shard, parent, Seq(events.len() as u64 + 1));
         assert!(
             actions.iter().any(|a| matches!(a,
                 Action::Read { query: ReadQuery::Activation(r), .. } if *r == parent)),
