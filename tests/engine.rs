@@ -485,6 +485,23 @@ impl Store for CountingStore {
     }
 }
 
+/// Asks `ready` every 20 ms until it says yes; fails the test, naming
+/// `what` it waited for, after `limit`.
+async fn wait_until<F, R>(limit: Duration, what: &str, mut ready: F)
+where
+    F: FnMut() -> R,
+    R: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while !ready().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "waited {limit:?} for this: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 // Goal: a request naming an instance whose run is open in the engine's
 // memory reaches that run without reading the store, and once the run has
 // closed the store decides again (and answers correctly).
@@ -566,14 +583,11 @@ async fn a_panicking_shard_leaves_no_call_waiting_and_starts_again() -> anyhow::
         .await
         .expect("the signal's call ended");
     // The shard starts again after a short wait.
-    let deadline = tokio::time::Instant::now() + limit;
-    while let Err(e) = client.describe("doomed").await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the shard did not start again: {e}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let c = &client;
+    wait_until(limit, "the shard starts again", move || async move {
+        c.describe("doomed").await.is_ok()
+    })
+    .await;
     assert_eq!(engine.shards_down(), Vec::new(), "started again");
     if signalled.is_err() {
         // Its commit panicked, and its tries ran out before the restart.
@@ -590,16 +604,16 @@ async fn a_panicking_shard_leaves_no_call_waiting_and_starts_again() -> anyhow::
 
     // A shard that panics whenever it commits.
     store.panics.store(u32::MAX, SeqCst);
-    client.start::<TwoSignals>("again", &()).await.ok();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while engine.shards_down().is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the shard was still being started again"
-        );
-        client.start::<TwoSignals>("again", &()).await.ok();
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let e = &engine;
+    wait_until(
+        Duration::from_secs(60),
+        "the shard is given up",
+        move || async move {
+            c.start::<TwoSignals>("again", &()).await.ok();
+            !e.shards_down().is_empty()
+        },
+    )
+    .await;
     assert_eq!(engine.shards_down(), vec![keel::driver::ShardId(0)]);
     let described = tokio::time::timeout(limit, client.describe("doomed"))
         .await
@@ -654,15 +668,11 @@ async fn a_commit_that_hangs_shows_in_health_until_it_is_answered() -> anyhow::R
         )
     };
     let limit = Duration::from_secs(20);
-    let deadline = tokio::time::Instant::now() + limit;
-    while !stalled(&engine.health()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{:?}",
-            engine.health()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let e = &engine;
+    wait_until(limit, "the health says stalled", move || async move {
+        stalled(&e.health())
+    })
+    .await;
     let waited = tokio::time::timeout(limit, waiting)
         .await
         .expect("the waiting result's call was answered")?;
@@ -672,15 +682,10 @@ async fn a_commit_that_hangs_shows_in_health_until_it_is_answered() -> anyhow::R
     );
 
     store.release();
-    let deadline = tokio::time::Instant::now() + limit;
-    while !engine.health().is_healthy() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{:?}",
-            engine.health()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(limit, "the health is healthy again", move || async move {
+        e.health().is_healthy()
+    })
+    .await;
     let signalled = tokio::time::timeout(limit, signal)
         .await
         .expect("the signal's call ended")?;

@@ -1614,7 +1614,7 @@ impl Shard {
             None => tracing::info!(shard = %self.id, "the stalled commit was answered"),
         }
         self.stalled_since = stalled;
-        self.apply_health(self.health_now());
+        self.apply_health();
     }
 
     /// The store stopped or resumed accepting writes. While it is stopped,
@@ -1625,12 +1625,13 @@ impl Shard {
     /// resumes. A store that gave up for good shuts the shard down.
     fn store_health_changed(&mut self, health: keel_storage::StoreHealth) {
         self.store_reported = health;
-        self.apply_health(self.health_now());
+        self.apply_health();
     }
 
-    /// Acts on the store's health as this shard sees it (see
-    /// [`Shard::store_health_changed`]).
-    fn apply_health(&mut self, health: keel_storage::StoreHealth) {
+    /// Acts on the store's health as this shard now sees it
+    /// ([`Shard::health_now`], see [`Shard::store_health_changed`]).
+    fn apply_health(&mut self) {
+        let health = self.health_now();
         if health == self.store_health {
             return;
         }
