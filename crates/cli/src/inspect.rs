@@ -1,8 +1,8 @@
 //! `keel list`, `show`, `describe`, `export` and `checkpoint`: looking at a
 //! data directory without changing it, beside a running engine or not.
 //!
-//! Every command opens the directory with [`open_for_reading`] (a secondary
-//! that follows a live writer, falling back to read-only). Attempts with
+//! Every command opens the directory with [`open_for_reading`] (read-only:
+//! beside a live writer, what it had written by the open). Attempts with
 //! their lease owner, epoch and expiry live only in the engine process that
 //! holds them; offline, `describe` shows the pending attempt number and its
 //! due time from the store.
@@ -850,7 +850,7 @@ fn child_tree(
 }
 
 /// A run's history up to its record's last event (a live writer may be
-/// ahead of the record a secondary read).
+/// ahead of the record a read-only open read).
 pub(crate) fn history_of(store: &dyn Store, meta: &RunMeta) -> anyhow::Result<Vec<Event>> {
     let last = meta.next_seq.0.saturating_sub(1);
     let mut history = Vec::with_capacity(last.min(1 << 20) as usize);
@@ -1160,7 +1160,7 @@ pub(crate) fn checkpoint(args: CheckpointArgs) -> anyhow::Result<ExitCode> {
 /// Beside a running engine RocksDB's checkpoint needs the engine's own
 /// handle, so keel copies the files itself (`RocksStore::copy_live`: the
 /// write-ahead logs included). The copy is then opened, checked against
-/// what a secondary saw before it started (every run at least as far) and
+/// what a read-only open saw before it started (every run at least as far) and
 /// verified; anything short is refused and removed.
 fn checkpoint_beside_engine(args: &CheckpointArgs) -> anyhow::Result<()> {
     // What the engine had committed when the copy started: the copy must

@@ -45,8 +45,8 @@ pub const LONG_ABOUT: &str = "\
 Durable workflows for Rust: inspect, verify, export and replay keel data
 directories (and, in the keel binary, run the demo, simulate and measure).
 
-The inspection commands open --data (default keel-data) read-only, as a
-secondary that follows a running engine, so they work beside a live engine;
+The inspection commands open --data (default keel-data) read-only, so they
+work beside a live engine (seeing what it had written by then);
 checkpoint copies a live directory's files itself; resume and recover need
 the directory to themselves (no engine may hold it). Data goes
 to stdout (tables for people, --json for scripts); progress and errors go to

@@ -42,9 +42,9 @@ pub fn shown(data: &Path) -> String {
     }
 }
 
-/// Opens a store for inspection beside a possibly running engine: a
-/// PostgreSQL store read-only; a data directory as a secondary (follows
-/// the writer), falling back to read-only.
+/// Opens a store for inspection beside a possibly running engine:
+/// read-only, a PostgreSQL store or a data directory (what the engine had
+/// written by the open).
 pub fn open_for_reading(data: &Path) -> Result<Box<dyn Store>, keel_storage::Error> {
     if let Some(options) = postgres_of(data) {
         return Ok(Box::new(PgStore::open_read_only(options)?));
@@ -54,28 +54,7 @@ pub fn open_for_reading(data: &Path) -> Result<Box<dyn Store>, keel_storage::Err
 
 /// Opens a data directory for inspection (see [`open_for_reading`]).
 pub fn open_dir_for_reading(data: &Path) -> Result<RocksStore, keel_storage::Error> {
-    match RocksStore::open_secondary(data) {
-        // A catch-up that fails beside a live writer (a write-ahead log it
-        // deleted since the open listed it): a read-only open, which
-        // retries what a writer causes for a moment, still reads.
-        Ok(s) => match s.catch_up() {
-            Ok(()) => Ok(s),
-            Err(e) => {
-                tracing::info!(error = %e, "a secondary's catch-up failed; opening read-only");
-                drop(s);
-                RocksStore::open_read_only(data)
-            }
-        },
-        Err(
-            e @ (keel_storage::Error::NotFound { .. }
-            | keel_storage::Error::NotKeel { .. }
-            | keel_storage::Error::SchemaVersion { .. }),
-        ) => Err(e),
-        Err(e) => {
-            tracing::info!(error = %e, "a secondary open failed; opening read-only");
-            RocksStore::open_read_only(data)
-        }
-    }
+    RocksStore::open_read_only(data)
 }
 
 /// Peak resident memory of this process in MiB (Linux), 0 where unknown.

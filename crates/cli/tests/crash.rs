@@ -251,7 +251,7 @@ fn damage_inside_the_log_is_refused_and_a_torn_tail_is_not() {
 /// that opens, verifies, and holds everything committed before it started.
 /// Method: run `keel demo-worker` on many workflows and take checkpoints
 /// while it commits; each must succeed, verify clean, and hold at least
-/// the runs a secondary saw just before it.
+/// the runs a read-only open saw just before it.
 #[test]
 fn checkpoints_beside_a_writing_engine_are_complete_copies() {
     let dir = tempfile::tempdir().unwrap();
@@ -268,8 +268,8 @@ fn checkpoints_beside_a_writing_engine_are_complete_copies() {
     std::thread::sleep(Duration::from_millis(400));
     for i in 0..5 {
         let seen = if data.join("CURRENT").exists() {
-            RocksStore::open_secondary(&data)
-                .unwrap_or_else(|e| panic!("a secondary beside the engine: {e}"))
+            RocksStore::open_read_only(&data)
+                .unwrap_or_else(|e| panic!("a read-only open beside the engine: {e}"))
                 .runs(&Default::default())
                 .unwrap()
                 .len()
@@ -302,4 +302,63 @@ fn checkpoints_beside_a_writing_engine_are_complete_copies() {
     }
     let _ = child.kill();
     child.wait().unwrap();
+}
+
+/// Goal: an engine killed while RocksDB writes over a recycled log (an
+/// older log's file, renamed, whose earlier records follow the new ones)
+/// opens again with every acknowledged commit and a history that
+/// verifies: the earlier use is where the log ends, not damage.
+/// Method: run `keel demo-worker` until a log appears that already holds
+/// 256 KiB when first seen (a recycled one; a new log starts empty), let
+/// it write into it for a moment, SIGKILL it, check that the log still
+/// holds its earlier use past the new records, then open and verify.
+#[test]
+fn killed_while_writing_over_a_recycled_log_it_opens_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut child = worker_of(&data, 50_000).spawn().unwrap();
+    wait_for_directory(&data);
+    let logs = || -> Vec<(std::path::PathBuf, u64)> {
+        std::fs::read_dir(&data)
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                    .filter_map(|p| std::fs::metadata(&p).ok().map(|m| (p, m.len())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    // The logs there at the first look are new ones, however long.
+    let mut seen: std::collections::BTreeSet<std::path::PathBuf> =
+        logs().into_iter().map(|(p, _)| p).collect();
+    let mut recycled = None;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while recycled.is_none() && std::time::Instant::now() < deadline {
+        for (path, len) in logs() {
+            if seen.insert(path.clone()) && len >= 256 * 1024 {
+                recycled = Some(path);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let recycled = recycled.expect("RocksDB recycled a log within 120 s");
+    std::thread::sleep(Duration::from_millis(150));
+    let _ = child.kill();
+    child.wait().unwrap();
+    let scan = keel_storage::wal::scan_file(&recycled).unwrap();
+    assert_eq!(scan.damage, None, "{scan:?}");
+    let last = scan
+        .batches
+        .last()
+        .expect("new records in the recycled log");
+    assert!(
+        scan.bytes > last.offset + 64 * 1024,
+        "the earlier use follows the new records: last at {} of {}",
+        last.offset,
+        scan.bytes
+    );
+    let store = RocksStore::open(&data, keel_storage::Durability::Sync).unwrap();
+    let report = store.verify().unwrap();
+    assert!(report.ok, "{:?}", report.violations);
+    assert!(report.runs > 0);
 }

@@ -9,7 +9,7 @@ use crate::ids::{InstanceId, RunId, Seq};
 /// needed to act; messages say what was expected and what was found.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The data directory does not exist (read-only and secondary opens never
+    /// The data directory does not exist (read-only opens never
     /// create one).
     #[error("no keel data directory at {path}")]
     NotFound {
@@ -36,7 +36,7 @@ pub enum Error {
         expected: u32,
     },
     /// Another process holds the directory open for writing.
-    #[error("{path} is already open for writing by another process (open it read-only or as a secondary instead)")]
+    #[error("{path} is already open for writing by another process (open it read-only instead)")]
     Locked {
         /// The path given.
         path: PathBuf,
@@ -75,7 +75,7 @@ pub enum Error {
         /// The last sequence the log holds.
         found: u64,
     },
-    /// A write was attempted on a store opened read-only or as a secondary.
+    /// A write was attempted on a store opened read-only.
     #[error("the store is open read-only")]
     ReadOnly,
     /// A record could not be decoded.

@@ -60,10 +60,12 @@ use crate::{COMMIT_QUEUE_MAX, GROUP_COMMITS_MAX, GROUP_COMMIT_BYTES_MAX, SCHEMA_
 pub enum OpenMode {
     /// Read-write and exclusive; creates the directory if missing.
     ReadWrite,
-    /// Read-only snapshot of the directory as it was at open.
+    /// Read-only snapshot of the directory as it was at open (beside a
+    /// live writer too: what it had written by then). RocksDB's secondary
+    /// instances, which follow a writer, are not used: their log reader
+    /// loops forever on the first record of a recycled log's earlier use
+    /// (`FragmentBufferedReader` reports it without consuming it).
     ReadOnly,
-    /// Follows a live writer; call [`RocksStore::catch_up`] to see new data.
-    Secondary,
 }
 
 struct Request {
@@ -87,7 +89,6 @@ pub struct RocksStore {
     block_cache: Cache,
     /// Keeps the acknowledged-commit record (read-write opens).
     acked: Option<acked::AckedKeeper>,
-    _secondary_dir: Option<tempfile::TempDir>,
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -114,6 +115,16 @@ pub const LIVE_COPY_ATTEMPTS_MAX: u32 = 50;
 /// fan-out grows the process by; W1 runs no slower at 16 MiB than at 32
 /// (BENCHMARKS.md, "the memtables halved").
 pub const MEMTABLES_BYTES_MAX: usize = 16 << 20;
+
+/// Write-ahead logs RocksDB keeps, once their memtables are flushed, to
+/// write again from their start instead of creating new ones. A sync that
+/// overwrites a file already written leaves its size alone, so it writes
+/// no inode: about a third cheaper per commit on this machine's disk
+/// (BENCHMARKS.md, "recycled logs"). Each is about half of
+/// [`MEMTABLES_BYTES_MAX`] (all families flush together, so a log is
+/// switched only at a flush); two cover a flush still running when the
+/// next log is needed.
+pub const RECYCLED_LOGS_MAX: usize = 2;
 
 /// Memory for table blocks read from disk, one cache shared by every
 /// column family. (Left unset, RocksDB gives each family its own 32 MiB
@@ -182,17 +193,26 @@ fn db_options(mode: OpenMode, cache: &Cache) -> Options {
     // One budget for the memtables of every family: memory follows this
     // limit, not the amount of history written.
     opts.set_db_write_buffer_size(MEMTABLES_BYTES_MAX);
-    opts.set_max_open_files(if mode == OpenMode::Secondary { -1 } else { 512 });
+    opts.set_max_open_files(512);
     // Records carry their own CRC32C, and an uncompressed block keeps a
     // damaged record local to itself, so `verify` can name its run and seq.
     opts.set_compression_type(DBCompressionType::None);
-    // Recovery from the write-ahead log accepts only what a crash leaves:
-    // an incomplete record at the very end. RocksDB's default
-    // (point-in-time) stops at the first bad record anywhere and keeps the
-    // prefix, which after damage in the middle of the log drops commits
-    // that were acknowledged, silently; this mode fails the open instead
-    // (`Error::Damaged`).
-    opts.set_wal_recovery_mode(DBRecoveryMode::TolerateCorruptedTailRecords);
+    // Logs are recycled (`RECYCLED_LOGS_MAX`), and all families flush
+    // together, so a log is switched only when every memtable is flushed:
+    // logs are then as long as the memtables allow, and a recycled one is
+    // long enough to be written over, not appended to.
+    opts.set_recycle_log_file_num(RECYCLED_LOGS_MAX);
+    opts.set_atomic_flush(true);
+    // A recycled log's end is its first bad or stale record, so RocksDB
+    // recycles only under point-in-time recovery, which keeps the prefix
+    // before the first bad record (and never a prefix with a hole: a log
+    // that ended early is followed only if the next one starts where it
+    // ended). On its own that mode would drop acknowledged commits after
+    // damage in the middle of a log without a word; keel reads the logs
+    // itself before every open and refuses one whose end is followed by
+    // records of its own, or whose recovery would leave readable commits
+    // behind (`Error::Damaged`; see `open_mode_inner` and `wal.rs`).
+    opts.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
     opts
 }
 
@@ -285,6 +305,33 @@ fn map_open_error(path: &Path, e: rocksdb::Error) -> Error {
     }
 }
 
+/// The error for damage keel's own reading of the logs found.
+fn damaged_logs(path: &Path, found: String) -> Error {
+    Error::Damaged {
+        path: path.to_path_buf(),
+        detail: format!(
+            "{found}; `keel recover --accept-loss` opens what precedes it and lists what it drops"
+        ),
+    }
+}
+
+/// Checks what a recovery reached (`found`, RocksDB's last sequence after
+/// replaying the logs) against what must be there: every commit still
+/// readable in the logs (`scans`, read before the recovery; point-in-time
+/// recovery stops at a log that ended early and leaves the logs after it
+/// unread), and every commit acknowledged (`recorded`).
+fn check_recovered(
+    path: &Path,
+    scans: &[crate::wal::WalScan],
+    recorded: Option<u64>,
+    found: u64,
+) -> Result<()> {
+    if let Some(dropped) = crate::wal::describe_past(scans, found) {
+        return Err(damaged_logs(path, dropped));
+    }
+    acked::check(path, recorded, found)
+}
+
 /// A read's error: a damaged table block as [`Error::DamagedTable`],
 /// anything else as RocksDB said it.
 fn read_error(cf: Cf, e: rocksdb::Error) -> Error {
@@ -298,7 +345,7 @@ fn read_error(cf: Cf, e: rocksdb::Error) -> Error {
     }
 }
 
-/// Whether a read-only or secondary open failed for a reason a live writer
+/// Whether a read-only open failed for a reason a live writer
 /// causes for a moment and a fresh open does not meet again: a flush that
 /// hid the newest commits from the open's view, or a write-ahead log the
 /// writer deleted (its memtable flushed) between RocksDB listing the
@@ -340,8 +387,9 @@ impl RocksStore {
         let damage = crate::wal::describe(&scans);
         let names = family_names(DB::list_cf(&Options::default(), path)?);
         let cache = block_cache();
-        let mut opts = db_options(OpenMode::ReadWrite, &cache);
-        opts.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
+        // Point-in-time recovery, as every open: what the checks of a
+        // plain open refuse, this one accepts.
+        let opts = db_options(OpenMode::ReadWrite, &cache);
         let db = DB::open_cf_descriptors(&opts, path, cf_descriptors(&names, &cache))
             .map_err(|e| map_open_error(path, e))?;
         let found = db.latest_sequence_number();
@@ -379,27 +427,27 @@ impl RocksStore {
         Self::open_mode(path.as_ref(), OpenMode::ReadOnly, Durability::Sync)
     }
 
-    /// Opens `path` as a secondary that follows a live writer.
-    pub fn open_secondary(path: impl AsRef<Path>) -> Result<Self> {
-        Self::open_mode(path.as_ref(), OpenMode::Secondary, Durability::Sync)
-    }
-
     fn open_mode(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
         let mut result = Self::open_mode_inner(path, mode, durability);
-        // Beside a live writer, a flush that ends while a read-only or
-        // secondary open reads the log can hide the newest commits from
+        // Beside a live writer, a flush that ends while a read-only open
+        // reads the log can hide the newest commits from
         // this open's view, or delete a write-ahead log the open listed a
         // moment before: a fresh open sees the directory as it is now. A
         // read-write open looks read-only first (its pre-check), so the
         // same flush can make it report lost commits instead of the lock
         // the writer holds (seen in CI as `keel checkpoint` beside a
-        // running engine): it looks again too. A directory that lost
-        // commits keeps failing.
+        // running engine): it looks again too. So does any open whose own
+        // reading of the logs found damage: a live writer writing over a
+        // recycled log while keel reads it can show a stale record before
+        // new ones. A directory that lost commits or is damaged keeps
+        // failing.
         let mut tries = 1;
         while tries < RACED_OPEN_TRIES_MAX
             && result.as_ref().is_err_and(|e| match mode {
-                OpenMode::ReadWrite => matches!(e, Error::LostCommits { .. }),
-                OpenMode::ReadOnly | OpenMode::Secondary => raced_by_writer(e),
+                OpenMode::ReadWrite => {
+                    matches!(e, Error::LostCommits { .. } | Error::Damaged { .. })
+                }
+                OpenMode::ReadOnly => raced_by_writer(e) || matches!(e, Error::Damaged { .. }),
             })
         {
             std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(tries)));
@@ -420,11 +468,10 @@ impl RocksStore {
     fn open_mode_inner(path: &Path, mode: OpenMode, durability: Durability) -> Result<Self> {
         if mode == OpenMode::ReadWrite {
             creation::prepare(path)?;
-            // The next start cleans what killed inspection commands left
-            // (finding the scratch directory, not making one).
-            if let Some(scratch) = creation::existing_scratch_dir() {
-                creation::remove_dead_secondaries(&scratch);
-            }
+            // The next start cleans what killed inspection commands of
+            // older builds left (their secondaries' directories; finding
+            // the scratch directory, not making one).
+            creation::remove_dead_secondaries(creation::existing_scratch_dir().as_deref());
         }
         creation::warn_if_others_can_write(path);
         let exists = path.exists();
@@ -466,63 +513,56 @@ impl RocksStore {
         } else {
             Vec::new()
         };
+        // A read-only look opens only the families there are (a directory
+        // whose creation was cut short lacks some; the read-write open
+        // makes them).
+        let there = existing.clone();
         let names = family_names(existing);
-        if path.join("CURRENT").exists() {
+        // What the logs hold, read by keel before RocksDB recovers from
+        // them.
+        let scans = if path.join("CURRENT").exists() {
             // Damage RocksDB's recovery does not report (a zeroed block
-            // inside a log: it skips the block and reads on) must still
-            // stop the open; keel reads the logs itself first.
-            if let Some(found) = crate::wal::describe_damage(path) {
-                return Err(Error::Damaged {
-                    path: path.to_path_buf(),
-                    detail: format!("{found}; `keel recover --accept-loss` opens what precedes it and lists what it drops"),
-                });
+            // inside a log: it skips the block and reads on; a recycled
+            // log's end followed by its own records: point-in-time
+            // recovery stops there) must still stop the open.
+            let scans = crate::wal::scan_dir(path)?;
+            if let Some(found) = crate::wal::describe(&scans) {
+                return Err(damaged_logs(path, found));
             }
-            if mode == OpenMode::ReadWrite && recorded.is_some() {
-                // Compared before a read-write open, which would replay
-                // and remove the logs (the evidence `recover` reads) and
-                // could write (a migration) before the comparison.
-                // A write-ahead log deleted under this look means another
-                // process is writing the directory now: it is locked, as
-                // the read-write open would say (seen in CI beside a
-                // running engine, where this open came first).
-                let ro = DB::open_cf_for_read_only(&opts, path, &names, false).map_err(|e| {
-                    match map_open_error(path, e) {
-                        e if raced_by_writer(&e) => Error::Locked {
-                            path: path.to_path_buf(),
-                        },
-                        e => e,
-                    }
-                })?;
-                let found = ro.latest_sequence_number();
-                drop(ro);
-                acked::check(path, recorded, found)?;
-            }
+            Some(scans)
+        } else {
+            None
+        };
+        if let (OpenMode::ReadWrite, Some(scans)) = (mode, &scans) {
+            // Compared before a read-write open, which would replay and
+            // remove the logs (the evidence `recover` reads) and could
+            // write (a migration) before the comparison. A write-ahead log
+            // deleted under this look means another process is writing
+            // the directory now: it is locked, as the read-write open
+            // would say (seen in CI beside a running engine, where this
+            // open came first).
+            let ro = DB::open_cf_for_read_only(&opts, path, &there, false).map_err(|e| {
+                match map_open_error(path, e) {
+                    e if raced_by_writer(&e) => Error::Locked {
+                        path: path.to_path_buf(),
+                    },
+                    e => e,
+                }
+            })?;
+            let found = ro.latest_sequence_number();
+            drop(ro);
+            check_recovered(path, scans, recorded, found)?;
         }
-        let mut secondary_dir = None;
         let db = match mode {
             OpenMode::ReadWrite => {
                 DB::open_cf_descriptors(&opts, path, cf_descriptors(&names, &cache))
             }
             OpenMode::ReadOnly => DB::open_cf_for_read_only(&opts, path, &names, false),
-            OpenMode::Secondary => {
-                let scratch = creation::scratch_dir()?;
-                creation::remove_dead_secondaries(&scratch);
-                let dir = tempfile::Builder::new()
-                    .prefix(&format!(
-                        "{}{}-",
-                        creation::SECONDARY_PREFIX,
-                        std::process::id()
-                    ))
-                    .tempdir_in(&scratch)?;
-                let db = DB::open_cf_as_secondary(&opts, path, dir.path(), &names);
-                secondary_dir = Some(dir);
-                db
-            }
         }
         .map_err(|e| map_open_error(path, e))?;
         let db = Arc::new(db);
-        if mode != OpenMode::ReadWrite {
-            acked::check(path, recorded, db.latest_sequence_number())?;
+        if let (OpenMode::ReadOnly, Some(scans)) = (mode, &scans) {
+            check_recovered(path, scans, recorded, db.latest_sequence_number())?;
         }
         check_or_init_meta(&db, path, mode)?;
         if mode == OpenMode::ReadWrite {
@@ -554,7 +594,6 @@ impl RocksStore {
             stats,
             block_cache: cache,
             acked,
-            _secondary_dir: secondary_dir,
         })
     }
 
@@ -566,14 +605,6 @@ impl RocksStore {
     /// How it was opened.
     pub fn mode(&self) -> OpenMode {
         self.mode
-    }
-
-    /// For a secondary: reads what the primary has written since.
-    pub fn catch_up(&self) -> Result<()> {
-        if self.mode == OpenMode::Secondary {
-            self.db.try_catch_up_with_primary()?;
-        }
-        Ok(())
     }
 
     /// Writes a consistent checkpoint of the store to `dir` (which must not
@@ -1862,9 +1893,10 @@ mod creation {
         Ok(())
     }
 
-    /// The name a secondary's own directory starts with, followed by the
-    /// process id: `secondary-PID-RANDOM`, in [`scratch_dir`].
-    pub(super) const SECONDARY_PREFIX: &str = "secondary-";
+    /// The name a secondary's own directory started with, followed by the
+    /// process id: `secondary-PID-RANDOM`, in the scratch directory. (Keel
+    /// no longer opens secondaries: see [`super::OpenMode::ReadOnly`].)
+    const SECONDARY_PREFIX: &str = "secondary-";
 
     /// What secondaries of older builds were called, directly in the temp
     /// dir (`keel-secondary-PID-RANDOM`): removed like the new ones.
@@ -1878,52 +1910,14 @@ mod creation {
     /// The scratch directory's name before the user id.
     const SCRATCH_PREFIX: &str = "keel-scratch-";
 
-    /// Most alternatives to the scratch directory's own name tried when
-    /// something that is not a private directory of this user holds it
-    /// (`keel-scratch-UID-1`, `-2`, ...). Each is reused by later commands,
-    /// so none accumulate.
+    /// Most alternatives to the scratch directory's own name older builds
+    /// tried when something that is not a private directory of this user
+    /// held it (`keel-scratch-UID-1`, `-2`, ...).
     const SCRATCH_DIR_ALTERNATIVES_MAX: u32 = 8;
 
-    /// The per-user directory for keel's scratch files
-    /// (`keel-scratch-UID` in the temp dir, owner-only). A path of that
-    /// name that is not a directory private to this user (a file, someone
-    /// else's directory, one others can write to) is left alone, with a
-    /// warning, and the first usable of a few numbered alternatives beside
-    /// it is taken instead (and, should all be taken, a new one of a random
-    /// name).
-    pub(super) fn scratch_dir() -> Result<PathBuf> {
-        let uid = user_id();
-        let base = std::env::temp_dir();
-        let own = base.join(format!("{SCRATCH_PREFIX}{uid}"));
-        for dir in scratch_names(&base, uid) {
-            match create_private_dir(&dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    if !private_to_us(&dir, uid) {
-                        continue;
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
-            if dir != own {
-                tracing::warn!(taken = %own.display(), dir = %dir.display(),
-                    "keel's scratch directory's name is held by something that is not a directory private to this user; using another");
-            }
-            return Ok(dir);
-        }
-        // Every name taken (by another user, on purpose or not): a fresh
-        // directory of a random name still lets the command work; it is
-        // left behind, as one per command in this rare case.
-        tracing::warn!(taken = %own.display(),
-            "keel's scratch directory's name and its {SCRATCH_DIR_ALTERNATIVES_MAX} numbered alternatives are all held by something else; using a new directory");
-        let fresh = tempfile::Builder::new()
-            .prefix(&format!("{SCRATCH_PREFIX}{uid}-"))
-            .tempdir_in(&base)?;
-        Ok(fresh.keep())
-    }
-
-    /// The scratch directory later commands would take, if one exists: the
-    /// first of its names that is a directory private to this user.
+    /// The scratch directory older builds' inspection commands took, if one
+    /// exists: the first of its names that is a directory private to this
+    /// user.
     pub(super) fn existing_scratch_dir() -> Option<PathBuf> {
         let uid = user_id();
         scratch_names(&std::env::temp_dir(), uid).find(|dir| private_to_us(dir, uid))
@@ -1987,16 +1981,17 @@ mod creation {
     }
 
     /// Removes the directories of secondaries whose process is gone (an
-    /// inspection command killed before it could remove its own), in
-    /// `scratch` and, from older builds, in the temp dir and in the old
-    /// scratch directory (if it is one private to this user).
-    pub(super) fn remove_dead_secondaries(scratch: &Path) {
+    /// inspection command of an older build, which followed the writer as a
+    /// RocksDB secondary, killed before it could remove its own), in
+    /// `scratch` (if there is one), in the temp dir and in the old scratch
+    /// directory (if it is one private to this user).
+    pub(super) fn remove_dead_secondaries(scratch: Option<&Path>) {
         let old = std::env::temp_dir();
         let uid = user_id();
         let old_scratch = old.join(format!("{OLD_SCRATCH_PREFIX}{uid}"));
         let old_scratch = private_to_us(&old_scratch, uid).then_some(old_scratch);
         for (dir, prefix) in [
-            (Some(scratch), SECONDARY_PREFIX),
+            (scratch, SECONDARY_PREFIX),
             (Some(old.as_path()), OLD_SECONDARY_PREFIX),
             (old_scratch.as_deref(), SECONDARY_PREFIX),
         ] {

@@ -12,6 +12,21 @@
 //! length is bad too) for the batches that follow: the events in those are
 //! the commits a point-in-time recovery loses.
 //!
+//! A *recycled* log (RocksDB's `recycle_log_file_num`, which keel uses: a
+//! sync that overwrites a file already written does not move its size, and
+//! is a third cheaper here) is an old log renamed and written again from
+//! its start. Its records carry the log's number (the recyclable record
+//! types), and past where the new writing ends lie records of the file's
+//! earlier use, with a valid checksum and an older number. In such a log a
+//! crash's torn write cannot be told from damage by the bad record alone:
+//! the first record that fails its checksum or carries another number is
+//! only where the log *ends*, and it is damage when a record of the log's
+//! own number follows it (those commits a recovery that keeps the prefix
+//! loses). A log in the older format (no numbers) keeps the stricter rule:
+//! any bad record before its end is damage. Damage that spans files (a log
+//! whose end lost commits the next log's first batch follows) is not seen
+//! by one file's scan; [`past`] finds what a recovery left out.
+//!
 //! Only reading; nothing here writes a log. Anything it does not recognise
 //! ends the scan of that file with a note rather than a guess.
 
@@ -84,20 +99,90 @@ pub fn log_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(logs.into_iter().map(|(_, p)| p).collect())
 }
 
-/// Scans every log file of a directory, oldest first.
+/// Scans every log file of a directory, oldest first. A file gone between
+/// the listing and its reading (a live writer deleted or recycled it) is
+/// left out.
 pub fn scan_dir(dir: &Path) -> std::io::Result<Vec<WalScan>> {
-    log_files(dir)?.into_iter().map(|f| scan_file(&f)).collect()
+    let mut scans = Vec::new();
+    for file in log_files(dir)? {
+        match scan_file(&file) {
+            Ok(scan) => scans.push(scan),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(scans)
+}
+
+/// The number a log file's name carries (`000123.log`), which RocksDB
+/// writes (its low 32 bits) into every record of a recyclable log.
+fn log_number(path: &Path) -> Option<u32> {
+    let name = path.file_name()?.to_str()?;
+    let number = name.strip_suffix(".log")?.parse::<u64>().ok()?;
+    Some(number as u32)
+}
+
+/// Where a recycled log's new writing ends, and whether anything of its
+/// own follows (which makes that end damage).
+#[derive(Default)]
+struct LogEnd {
+    /// The log started with a recyclable record (RocksDB writes every
+    /// record of a log in that format once recycling is on).
+    recycled: bool,
+    /// The first bad or stale record of a recycled log: its end, unless a
+    /// record of its own follows.
+    end: Option<WalDamage>,
+}
+
+impl LogEnd {
+    /// A bad record at `pos`: damage in a log of the older format, the
+    /// (tentative) end of a recycled one.
+    fn bad(
+        &mut self,
+        scan: &mut WalScan,
+        pos: usize,
+        what: String,
+        partial: &mut Option<(usize, Vec<u8>)>,
+    ) {
+        if self.recycled {
+            *partial = None;
+            if self.end.is_none() && scan.damage.is_none() {
+                self.end = Some(WalDamage {
+                    offset: pos as u64,
+                    what,
+                });
+            }
+        } else {
+            damaged(scan, pos, what, partial);
+        }
+    }
+
+    /// A valid record of the log's own number: an end seen before it was
+    /// damage after all.
+    fn own_record(&mut self, scan: &mut WalScan) {
+        if let Some(end) = self.end.take() {
+            if scan.damage.is_none() {
+                scan.damage = Some(WalDamage {
+                    offset: end.offset,
+                    what: format!("{}, and records of this log follow it", end.what),
+                });
+            }
+        }
+    }
 }
 
 /// Scans one log file.
 pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
     let bytes = std::fs::read(path)?;
+    let own = log_number(path);
     let mut scan = WalScan {
         file: path.to_path_buf(),
         bytes: bytes.len() as u64,
         damage: None,
         batches: Vec::new(),
     };
+    let mut log = LogEnd::default();
+    let mut first = true;
     // Past the last non-zero byte nothing was written (preallocated or
     // never reached).
     let written = bytes.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
@@ -106,7 +191,15 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
     let mut partial: Option<(usize, Vec<u8>)> = None;
     while pos < bytes.len() {
         let block_left = BLOCK_BYTES - pos % BLOCK_BYTES;
-        if block_left < HEADER_BYTES {
+        // RocksDB fills a block's end with zeros where the next header
+        // would not fit: up to 6 bytes, or 10 in a recycled log, whose
+        // headers are longer.
+        let header_max = if log.recycled {
+            RECYCLABLE_HEADER_BYTES
+        } else {
+            HEADER_BYTES
+        };
+        if block_left < header_max {
             pos += block_left; // the block's zero trailer
             continue;
         }
@@ -118,26 +211,30 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
             if pos >= written {
                 break; // nothing written past here
             }
-            damaged(
-                &mut scan,
-                pos,
-                "zeroed bytes inside the log".into(),
-                &mut partial,
-            );
+            let what = "zeroed bytes inside the log".to_string();
+            log.bad(&mut scan, pos, what, &mut partial);
             pos += block_left;
             continue;
         }
         let masked = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
         let length = usize::from(u16::from_le_bytes([rest[4], rest[5]]));
         let kind = rest[6];
-        let header = if matches!(kind, 5..=8 | 11 | 131) {
+        let recyclable = matches!(kind, 5..=8 | 11 | 131);
+        if first {
+            // As RocksDB's reader does, the first record's type says the
+            // format, checked or not: a torn first record of a recycled
+            // log is still its end, not damage.
+            first = false;
+            log.recycled = recyclable;
+        }
+        let header = if recyclable {
             RECYCLABLE_HEADER_BYTES
         } else {
             HEADER_BYTES
         };
         if header + length > block_left {
             let what = format!("a record of {length} bytes crosses its 32 KiB block");
-            damaged(&mut scan, pos, what, &mut partial);
+            log.bad(&mut scan, pos, what, &mut partial);
             pos += block_left;
             continue;
         }
@@ -150,10 +247,26 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
             // still leads to the next record, whose own checksum tells
             // whether the scan is back in step (if not, the same happens
             // there, and a bad length ends in the next block).
-            damaged(&mut scan, pos, "checksum mismatch".into(), &mut partial);
+            log.bad(&mut scan, pos, "checksum mismatch".into(), &mut partial);
             pos += header + length;
             continue;
         }
+        // A record of the file's earlier use (another log's number, or the
+        // older format inside a recycled log, which RocksDB never writes
+        // there): the new writing ended before it.
+        let stale = if recyclable {
+            let number = u32::from_le_bytes(rest[7..11].try_into().expect("4 bytes"));
+            own.is_some_and(|own| own != number)
+        } else {
+            log.recycled
+        };
+        if stale {
+            let what = "a record left from the file's earlier use".to_string();
+            log.bad(&mut scan, pos, what, &mut partial);
+            pos += header + length;
+            continue;
+        }
+        log.own_record(&mut scan);
         let payload = &rest[header..header + length];
         let after = scan.damage.is_some();
         match kind {
@@ -305,6 +418,33 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The batches still readable in the logs that a recovery which reached
+/// sequence `recovered` did not apply: commits it dropped. Empty batches
+/// hold no sequence and are left out.
+pub fn past(scans: &[WalScan], recovered: u64) -> Vec<(&WalScan, &WalBatch)> {
+    scans
+        .iter()
+        .flat_map(|s| s.batches.iter().map(move |b| (s, b)))
+        .filter(|(_, b)| b.count > 0 && b.sequence > recovered)
+        .collect()
+}
+
+/// Describes the commits [`past`] finds, for an error message.
+pub fn describe_past(scans: &[WalScan], recovered: u64) -> Option<String> {
+    let dropped = past(scans, recovered);
+    let (first_scan, first) = dropped.first()?;
+    let events: usize = dropped.iter().map(|(_, b)| b.events.len()).sum();
+    Some(format!(
+        "the write-ahead logs hold {} commits ({} history events) past sequence {}, where recovery stopped: the first at byte {} of {} (sequence {}); a log before it ends early",
+        dropped.len(),
+        events,
+        recovered,
+        first.offset,
+        first_scan.file.display(),
+        first.sequence
+    ))
+}
+
 /// Describes the first damage in a directory's logs for an error message:
 /// the file, the offset and what follows it.
 pub fn describe_damage(dir: &Path) -> Option<String> {
@@ -365,10 +505,69 @@ mod tests {
     }
 
     fn scan_bytes(bytes: &[u8]) -> WalScan {
+        scan_named(bytes, "000001.log")
+    }
+
+    fn scan_named(bytes: &[u8], name: &str) -> WalScan {
         let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("000001.log");
+        let file = dir.path().join(name);
         std::fs::write(&file, bytes).unwrap();
         scan_file(&file).unwrap()
+    }
+
+    /// A recycled log as a crash leaves it: 1,000 batches written into a
+    /// log, flushed, 5 into the next, flushed, then 100 into the first
+    /// log's file again under a new number, read while the database is
+    /// open (a close cuts the file to what it wrote). Its bytes, its
+    /// file name, its scan. The last 100 records are 1,927 bytes each
+    /// (an 11-byte header, a 1,916-byte batch: 12 bytes of header, a tag,
+    /// the family, the 4-byte key and the 1,895-byte value with their
+    /// lengths), so 17 of them end 9 bytes before the first block's end,
+    /// where a recyclable header does not fit and RocksDB pads.
+    fn recycled_log() -> &'static (Vec<u8>, String, WalScan) {
+        static LOG: OnceLock<(Vec<u8>, String, WalScan)> = OnceLock::new();
+        LOG.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let mut opts = rocksdb::Options::default();
+            opts.create_if_missing(true);
+            opts.create_missing_column_families(true);
+            opts.set_recycle_log_file_num(2);
+            opts.set_wal_recovery_mode(rocksdb::DBRecoveryMode::PointInTime);
+            let db = rocksdb::DB::open_cf(&opts, dir.path(), ["default", "events"]).unwrap();
+            let cf = db.cf_handle("events").unwrap();
+            for (round, n) in [1_000u32, 5, 100].into_iter().enumerate() {
+                let value_bytes = if round == 2 { 1_895 } else { 300 };
+                for i in 0..n {
+                    let mut b = rocksdb::WriteBatch::default();
+                    b.put_cf(&cf, i.to_be_bytes(), vec![round as u8; value_bytes]);
+                    db.write(b).unwrap();
+                }
+                if round < 2 {
+                    db.flush_cf(&cf).unwrap();
+                }
+            }
+            let file = log_files(dir.path()).unwrap().pop().unwrap();
+            let bytes = std::fs::read(&file).unwrap();
+            let name = file.file_name().unwrap().to_string_lossy().into_owned();
+            let scan = scan_file(&file).unwrap();
+            (bytes, name, scan)
+        })
+    }
+
+    #[test]
+    fn a_recycled_log_ends_where_its_earlier_use_begins() {
+        let (bytes, _, scan) = recycled_log();
+        assert_eq!(scan.damage, None);
+        assert_eq!(scan.batches.len(), 100, "only this use's batches");
+        assert!(scan
+            .batches
+            .windows(2)
+            .all(|w| w[1].sequence == w[0].sequence + 1));
+        let last = scan.batches.last().unwrap().offset as usize;
+        assert!(bytes.len() > last + 64 * 1024, "the earlier use follows");
+        // The padded end of the first block, and a record after it.
+        assert_eq!(scan.batches[17].offset, BLOCK_BYTES as u64);
+        assert!(bytes[BLOCK_BYTES - 9..BLOCK_BYTES].iter().all(|b| *b == 0));
     }
 
     #[test]
@@ -419,6 +618,39 @@ mod tests {
             let in_trailer = BLOCK_BYTES - at % BLOCK_BYTES < HEADER_BYTES;
             if at < last && !in_trailer {
                 prop_assert!(scan.damage.is_some(), "a flip at {} went unnoticed", at);
+            }
+        }
+
+        #[test]
+        fn a_cut_recycled_log_is_a_torn_tail_holding_a_prefix(cut in 0usize..200_000) {
+            let (bytes, name, full) = recycled_log();
+            let cut = cut % bytes.len();
+            let scan = scan_named(&bytes[..cut], name);
+            prop_assert_eq!(scan.damage, None);
+            prop_assert_eq!(&scan.batches[..], &full.batches[..scan.batches.len()]);
+        }
+
+        #[test]
+        fn a_flip_among_a_recycled_logs_new_records_is_found_and_past_them_is_its_end(
+            at in 0usize..200_000,
+            bit in 0u8..8,
+        ) {
+            let (bytes, name, full) = recycled_log();
+            let at = at % bytes.len();
+            let mut damaged = bytes.clone();
+            damaged[at] ^= 1 << bit;
+            let scan = scan_named(&damaged, name);
+            let last = full.batches.last().map_or(0, |b| b.offset as usize);
+            let in_trailer = BLOCK_BYTES - at % BLOCK_BYTES < RECYCLABLE_HEADER_BYTES;
+            if at < last && !in_trailer {
+                prop_assert!(scan.damage.is_some(), "a flip at {} went unnoticed", at);
+            }
+            // Past the last record of this use lie the earlier use's: a
+            // flip there is no damage and costs no batch of this one (a
+            // flip inside the last record is a torn tail).
+            if at > last + RECYCLABLE_HEADER_BYTES + 400 {
+                prop_assert_eq!(scan.damage, None);
+                prop_assert_eq!(&scan.batches, &full.batches);
             }
         }
     }
