@@ -122,10 +122,21 @@ pub(crate) struct W1Args {
     /// (runs with `--processes` always make the two calls).
     #[arg(long)]
     start_then_result: bool,
+    /// Run this many workflows first, at concurrency 200, and measure only
+    /// what follows: an engine in its steady state. A fresh directory's
+    /// first write-ahead logs grow as they are written, which costs each
+    /// sync an inode write; from the first flush of the memtables on (about
+    /// 8 MiB of log, some 4,000 W1 workflows) RocksDB writes over recycled
+    /// logs instead.
+    #[arg(long, default_value_t = 0, value_name = "WORKFLOWS")]
+    warm_up: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }
+
+/// Workflows in flight during `keel bench w1 --warm-up`.
+const W1_WARM_UP_CONCURRENCY: u64 = 200;
 
 /// The no-op activity every engine benchmark uses. It neither blocks nor
 /// waits, and says so: its attempts are polled first on the shard thread
@@ -244,26 +255,75 @@ struct WriterLoad {
     commit_ms_mean: f64,
 }
 
-impl WriterLoad {
-    fn of(stats: &keel::EngineStats, workflows: u64, wall_s: f64) -> Option<WriterLoad> {
+/// The writer's cumulative counters a [`WriterLoad`] is computed from.
+#[derive(Clone, Copy, Default)]
+struct WriterCounters {
+    commits: u64,
+    groups: u64,
+    group_commits_sum: f64,
+    writes: u64,
+    write_seconds: f64,
+    idle_seconds: f64,
+    validate_seconds: f64,
+    commits_answered: u64,
+    commit_seconds: f64,
+}
+
+impl WriterCounters {
+    fn of(stats: &keel::EngineStats) -> Option<WriterCounters> {
         let w = stats.writer.as_ref()?;
-        let groups = w.group_commits.count;
-        let per = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-        Some(WriterLoad {
+        Some(WriterCounters {
             commits: w.commits,
-            commits_per_workflow: per(w.commits as f64, workflows as f64),
+            groups: w.group_commits.count,
+            group_commits_sum: w.group_commits.sum,
+            writes: w.write_seconds.count,
+            write_seconds: w.write_seconds.sum,
+            idle_seconds: w.idle_seconds,
+            validate_seconds: w.validate_seconds,
+            commits_answered: stats.commit_seconds.count,
+            commit_seconds: stats.commit_seconds.sum,
+        })
+    }
+}
+
+impl WriterLoad {
+    /// The writer's load between two readings of the counters (`before`
+    /// the measured part, after a warm-up; zero for a whole run).
+    fn between(
+        before: WriterCounters,
+        after: WriterCounters,
+        workflows: u64,
+        wall_s: f64,
+    ) -> WriterLoad {
+        let per = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        let commits = after.commits.saturating_sub(before.commits);
+        let groups = after.groups.saturating_sub(before.groups);
+        let writes = after.writes.saturating_sub(before.writes) as f64;
+        let write_seconds = after.write_seconds - before.write_seconds;
+        let answered = after
+            .commits_answered
+            .saturating_sub(before.commits_answered) as f64;
+        WriterLoad {
+            commits,
+            commits_per_workflow: per(commits as f64, workflows as f64),
             groups,
             groups_per_s: per(groups as f64, wall_s),
-            commits_per_group: per(w.group_commits.sum, groups as f64),
-            write_sync_ms_mean: per(w.write_seconds.sum * 1000.0, w.write_seconds.count as f64),
-            writer_busy_percent: per(w.write_seconds.sum * 100.0, wall_s),
-            writer_idle_percent: per(w.idle_seconds * 100.0, wall_s),
-            writer_validate_percent: per(w.validate_seconds * 100.0, wall_s),
-            commit_ms_mean: per(
-                stats.commit_seconds.sum * 1000.0,
-                stats.commit_seconds.count as f64,
+            commits_per_group: per(
+                after.group_commits_sum - before.group_commits_sum,
+                groups as f64,
             ),
-        })
+            write_sync_ms_mean: per(write_seconds * 1000.0, writes),
+            writer_busy_percent: per(write_seconds * 100.0, wall_s),
+            writer_idle_percent: per((after.idle_seconds - before.idle_seconds) * 100.0, wall_s),
+            writer_validate_percent: per(
+                (after.validate_seconds - before.validate_seconds) * 100.0,
+                wall_s,
+            ),
+            commit_ms_mean: per(
+                (after.commit_seconds - before.commit_seconds) * 1000.0,
+                answered,
+            ),
+        }
     }
 }
 
@@ -344,6 +404,10 @@ where
 
 fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     if args.processes > 1 {
+        anyhow::ensure!(
+            args.warm_up == 0,
+            "--warm-up runs with one process (--processes 1)"
+        );
         return w1_cluster(args);
     }
     anyhow::ensure!(!args.kill_one, "--kill-one needs --processes 2 or more");
@@ -389,6 +453,25 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    if args.warm_up > 0 {
+        let bar = progress(args.warm_up, "w1 warm-up");
+        let (warm_client, warm_bar) = (client.clone(), bar.clone());
+        rt.block_on(closed_loop(
+            W1_WARM_UP_CONCURRENCY,
+            args.warm_up,
+            move |i| {
+                let (client, bar) = (warm_client.clone(), warm_bar.clone());
+                async move {
+                    let id = format!("w1-warm-up-{i}");
+                    client.execute::<ThreeSteps>(&id, &(i as u32)).await?;
+                    bar.inc(1);
+                    Ok(())
+                }
+            },
+        ))?;
+        bar.finish_and_clear();
+    }
+    let counted_from = WriterCounters::of(&rt.block_on(engine.stats())).unwrap_or_default();
     let bar = progress(args.workflows, "w1");
     let started = Instant::now();
     let latencies: Vec<f64> = rt.block_on(async {
@@ -424,7 +507,8 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
     })?;
     let wall = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let writer = WriterLoad::of(&rt.block_on(engine.stats()), args.workflows, wall);
+    let writer = WriterCounters::of(&rt.block_on(engine.stats()))
+        .map(|now| WriterLoad::between(counted_from, now, args.workflows, wall));
     if postgres.is_none() {
         fsyncs_ms.extend(bench_store::fsync_times_ms(dir.path(), probe)?);
     }
@@ -473,6 +557,11 @@ fn w1(args: W1Args) -> anyhow::Result<ExitCode> {
                 " start-then-result"
             } else {
                 ""
+            }
+            + &if args.warm_up > 0 {
+                format!(" after a warm-up of {}", args.warm_up)
+            } else {
+                String::new()
             },
         workflows: args.workflows,
         concurrency: args.rate.is_none().then_some(args.concurrency),
