@@ -770,12 +770,15 @@ fn inspection_leaves_nothing_in_the_temp_dir_whatever_sits_there() {
         names.sort();
         names
     };
-    let o = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["list", "--data", d])
-        .env("TMPDIR", &tmp)
-        .stdin(Stdio::null())
-        .output()
-        .expect("running keel");
+    let list = || {
+        Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(["list", "--data", d])
+            .env("TMPDIR", &tmp)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running keel")
+    };
+    let o = list();
     expect_code(&o, 0, "list");
     assert!(names().is_empty(), "{:?}", names());
 
@@ -783,12 +786,7 @@ fn inspection_leaves_nothing_in_the_temp_dir_whatever_sits_there() {
     for name in &held {
         std::fs::write(tmp.join(name), b"a user's file").unwrap();
     }
-    let o = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["list", "--data", d])
-        .env("TMPDIR", &tmp)
-        .stdin(Stdio::null())
-        .output()
-        .expect("running keel");
+    let o = list();
     expect_code(&o, 0, "list beside files at the old scratch names");
     assert!(!stderr(&o).contains("WARN"), "{}", stderr(&o));
     assert_eq!(names(), held);
