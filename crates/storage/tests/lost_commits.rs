@@ -305,7 +305,8 @@ fn a_recycled_log_opens_whole_and_damage_among_its_new_records_is_refused() {
 /// two families RocksDB writes into two logs (the first family's flush
 /// switches logs while the second still needs the first log; the first is
 /// then dropped); the first log is cut inside its last record, and the
-/// open must fail naming the commits left past the recovered sequence.
+/// open must fail naming the commits left past the recovered sequence,
+/// until the loss is accepted.
 #[test]
 fn commits_a_recovery_leaves_behind_a_log_that_ended_early_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -358,6 +359,13 @@ fn commits_a_recovery_leaves_behind_a_log_that_ended_early_are_refused() {
     assert!(err.to_string().contains("past sequence"), "{err}");
     let err = RocksStore::open_read_only(&data).unwrap_err();
     assert!(matches!(err, Error::Damaged { .. }), "{err}");
+    // Accepted on request: the later log's commits are counted as lost,
+    // and from then on the directory opens as usual.
+    let (store, report) = RocksStore::open_accepting_loss(&data, Durability::Sync).unwrap();
+    assert!(report.lost_commits >= 2, "{report:?}");
+    assert!(store.verify().unwrap().ok);
+    store.close().unwrap();
+    RocksStore::open(&data, Durability::Sync).expect("accepted once, it opens");
 }
 
 #[test]
