@@ -156,22 +156,6 @@ impl LogEnd {
             damaged(scan, pos, what, partial);
         }
     }
-
-    /// A valid record of the log's own number that starts a batch: an end
-    /// seen before it was damage after all. (The later fragments of a batch
-    /// whose start lies before the end are not: a crash during the sync of
-    /// the one batch in flight can leave a later page of it written and an
-    /// earlier one not, which is a torn tail, not damage.)
-    fn own_batch_start(&mut self, scan: &mut WalScan) {
-        if let Some(end) = self.end.take() {
-            if scan.damage.is_none() {
-                scan.damage = Some(WalDamage {
-                    offset: end.offset,
-                    what: format!("{}, and records of this log follow it", end.what),
-                });
-            }
-        }
-    }
 }
 
 /// Scans one log file.
@@ -192,184 +176,215 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
     let mut pos = 0usize;
     // A batch being assembled from fragments: (offset, payload).
     let mut partial: Option<(usize, Vec<u8>)> = None;
-    while pos < bytes.len() {
-        let block_left = BLOCK_BYTES - pos % BLOCK_BYTES;
-        // RocksDB fills a block's end with zeros where the next header
-        // would not fit: up to 6 bytes, or 10 in a recycled log, whose
-        // headers are longer.
-        let header_max = if log.recycled {
-            RECYCLABLE_HEADER_BYTES
-        } else {
-            HEADER_BYTES
-        };
-        if block_left < header_max {
-            pos += block_left; // the block's zero trailer
-            continue;
-        }
-        let rest = &bytes[pos..];
-        if rest.len() < HEADER_BYTES {
-            break; // a header torn by a crash
-        }
-        if rest[..HEADER_BYTES].iter().all(|b| *b == 0) {
-            if pos >= written {
-                break; // nothing written past here
+    loop {
+        while pos < bytes.len() {
+            let block_left = BLOCK_BYTES - pos % BLOCK_BYTES;
+            // RocksDB fills a block's end with zeros where the next header
+            // would not fit: up to 6 bytes, or 10 in a recycled log, whose
+            // headers are longer.
+            let header_max = if log.recycled {
+                RECYCLABLE_HEADER_BYTES
+            } else {
+                HEADER_BYTES
+            };
+            if block_left < header_max {
+                pos += block_left; // the block's zero trailer
+                continue;
             }
-            let what = "zeroed bytes inside the log".to_string();
-            log.bad(&mut scan, pos, what, &mut partial);
-            pos += block_left;
-            continue;
-        }
-        let masked = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
-        let length = usize::from(u16::from_le_bytes([rest[4], rest[5]]));
-        let kind = rest[6];
-        let recyclable = matches!(kind, 5..=8 | 11 | 131);
-        if first {
-            // As RocksDB's reader does, the first record's type says the
-            // format, checked or not: a torn first record of a recycled
-            // log is still its end, not damage.
-            first = false;
-            log.recycled = recyclable;
-        }
-        let header = if recyclable {
-            RECYCLABLE_HEADER_BYTES
-        } else {
-            HEADER_BYTES
-        };
-        if header + length > block_left {
-            let what = format!("a record of {length} bytes crosses its 32 KiB block");
-            log.bad(&mut scan, pos, what, &mut partial);
-            pos += block_left;
-            continue;
-        }
-        if header + length > rest.len() {
-            break; // the last record, torn by a crash
-        }
-        let covered = &rest[6..header + length];
-        if unmask(masked) != crc32c::crc32c(covered) {
-            // Most damage is a flipped byte in the payload: the length
-            // still leads to the next record, whose own checksum tells
-            // whether the scan is back in step (if not, the same happens
-            // there, and a bad length ends in the next block).
-            log.bad(&mut scan, pos, "checksum mismatch".into(), &mut partial);
-            pos += header + length;
-            continue;
-        }
-        // A record of the file's earlier use (another log's number, or the
-        // older format inside a recycled log, which RocksDB never writes
-        // there): the new writing ended before it.
-        let stale = if recyclable {
-            let number = u32::from_le_bytes(rest[7..11].try_into().expect("4 bytes"));
-            own.is_some_and(|own| own != number)
-        } else {
-            log.recycled
-        };
-        if stale {
-            let what = "a record left from the file's earlier use".to_string();
-            log.bad(&mut scan, pos, what, &mut partial);
-            pos += header + length;
-            continue;
-        }
-        match kind {
-            5 | 6 => log.own_batch_start(&mut scan),
-            7 | 8 if log.end.is_some() => {
-                // The rest of a batch torn at the end: not read.
+            let rest = &bytes[pos..];
+            if rest.len() < HEADER_BYTES {
+                break; // a header torn by a crash
+            }
+            if rest[..HEADER_BYTES].iter().all(|b| *b == 0) {
+                if pos >= written {
+                    break; // nothing written past here
+                }
+                let what = "zeroed bytes inside the log".to_string();
+                log.bad(&mut scan, pos, what, &mut partial);
+                pos += block_left;
+                continue;
+            }
+            let masked = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
+            let length = usize::from(u16::from_le_bytes([rest[4], rest[5]]));
+            let kind = rest[6];
+            let recyclable = matches!(kind, 5..=8 | 11 | 131);
+            if first {
+                // As RocksDB's reader does, the first record's type says the
+                // format, checked or not: a torn first record of a recycled
+                // log is still its end, not damage.
+                first = false;
+                log.recycled = recyclable;
+            }
+            let header = if recyclable {
+                RECYCLABLE_HEADER_BYTES
+            } else {
+                HEADER_BYTES
+            };
+            if header + length > block_left {
+                let what = format!("a record of {length} bytes crosses its 32 KiB block");
+                log.bad(&mut scan, pos, what, &mut partial);
+                pos += block_left;
+                continue;
+            }
+            if header + length > rest.len() {
+                // The last record, torn by a crash. In a recycled log it may
+                // also be a damaged length: its end, and the rest of the block
+                // is searched below.
+                if log.recycled {
+                    let what = format!("a record of {length} bytes runs past the file's end");
+                    log.bad(&mut scan, pos, what, &mut partial);
+                }
+                break;
+            }
+            let covered = &rest[6..header + length];
+            if unmask(masked) != crc32c::crc32c(covered) {
+                // Most damage is a flipped byte in the payload: the length
+                // still leads to the next record, whose own checksum tells
+                // whether the scan is back in step (if not, the same happens
+                // there, and a bad length ends in the next block).
+                log.bad(&mut scan, pos, "checksum mismatch".into(), &mut partial);
                 pos += header + length;
                 continue;
             }
-            _ => {}
-        }
-        let payload = &rest[header..header + length];
-        let after = scan.damage.is_some();
-        match kind {
-            1 | 5 => {
-                partial = None;
-                batch(&mut scan, pos, payload, after);
+            // A record of the file's earlier use (another log's number, or the
+            // older format inside a recycled log, which RocksDB never writes
+            // there): the new writing ended before it.
+            let stale = if recyclable {
+                let number = u32::from_le_bytes(rest[7..11].try_into().expect("4 bytes"));
+                own.is_some_and(|own| own != number)
+            } else {
+                log.recycled
+            };
+            if stale {
+                let what = "a record left from the file's earlier use".to_string();
+                log.bad(&mut scan, pos, what, &mut partial);
+                pos += header + length;
+                continue;
             }
-            2 | 6 => {
-                if partial.is_some() {
-                    damaged(
+            match kind {
+                // A record of the log's own number that starts a batch: an end
+                // seen before it was damage after all. Batches hidden between
+                // the two in the end's block (behind a damaged length) are read
+                // first, so that every commit the damage costs is named.
+                5 | 6 => {
+                    if let Some(end) = log.end.take() {
+                        scan.damage = Some(damage_at(&end));
+                        if let Some(hidden) = hidden_batch_start(&bytes, own, &end, pos) {
+                            partial = None;
+                            pos = hidden;
+                            continue;
+                        }
+                    }
+                }
+                // The later fragments of a batch whose start lies before the
+                // end are not: a crash during the sync of the one batch in
+                // flight can leave a later page of it written and an earlier
+                // one not, which is a torn tail, not damage.
+                7 | 8 if log.end.is_some() => {
+                    // The rest of a batch torn at the end: not read.
+                    pos += header + length;
+                    continue;
+                }
+                _ => {}
+            }
+            let payload = &rest[header..header + length];
+            let after = scan.damage.is_some();
+            match kind {
+                1 | 5 => {
+                    partial = None;
+                    batch(&mut scan, pos, payload, after);
+                }
+                2 | 6 => {
+                    if partial.is_some() {
+                        damaged(
+                            &mut scan,
+                            pos,
+                            "a batch starts before the previous one ended".into(),
+                            &mut partial,
+                        );
+                    }
+                    partial = Some((pos, payload.to_vec()));
+                }
+                3 | 7 => match &mut partial {
+                    Some((_, p)) => p.extend_from_slice(payload),
+                    None => damaged(
                         &mut scan,
                         pos,
-                        "a batch starts before the previous one ended".into(),
+                        "a fragment without its start".into(),
                         &mut partial,
-                    );
-                }
-                partial = Some((pos, payload.to_vec()));
+                    ),
+                },
+                4 | 8 => match partial.take() {
+                    Some((start, mut p)) => {
+                        p.extend_from_slice(payload);
+                        batch(&mut scan, start, &p, after);
+                    }
+                    None => damaged(
+                        &mut scan,
+                        pos,
+                        "a fragment without its start".into(),
+                        &mut partial,
+                    ),
+                },
+                // Metadata records (compression, timestamp sizes, the previous
+                // log's description) and ignorable types carry no commits.
+                _ => {}
             }
-            3 | 7 => match &mut partial {
-                Some((_, p)) => p.extend_from_slice(payload),
-                None => damaged(
-                    &mut scan,
-                    pos,
-                    "a fragment without its start".into(),
-                    &mut partial,
-                ),
-            },
-            4 | 8 => match partial.take() {
-                Some((start, mut p)) => {
-                    p.extend_from_slice(payload);
-                    batch(&mut scan, start, &p, after);
-                }
-                None => damaged(
-                    &mut scan,
-                    pos,
-                    "a fragment without its start".into(),
-                    &mut partial,
-                ),
-            },
-            // Metadata records (compression, timestamp sizes, the previous
-            // log's description) and ignorable types carry no commits.
-            _ => {}
+            pos += header + length;
         }
-        pos += header + length;
-    }
-    if let Some(end) = log.end.take() {
-        probe_block_after_end(&bytes, own, end, &mut scan);
+        // A recycled log's end that nothing of its own followed in step: the
+        // rest of its block may still hide a batch (behind a damaged length).
+        let Some(end) = log.end.take() else { break };
+        let Some(hidden) = hidden_batch_start(&bytes, own, &end, bytes.len()) else {
+            break;
+        };
+        scan.damage = Some(damage_at(&end));
+        partial = None;
+        pos = hidden;
     }
     Ok(scan)
 }
 
-/// Looks, byte by byte, through the rest of the block where a recycled
-/// log ended for a record of its own number that starts a batch. After a
-/// bad record the scan is back in step only at the next block (or by
-/// trusting a length that may be damaged too), so a damaged length or a
-/// zeroed sector could otherwise hide the commits that follow it in the
-/// same block, which point-in-time recovery would drop.
-fn probe_block_after_end(bytes: &[u8], own: Option<u32>, end: WalDamage, scan: &mut WalScan) {
-    let Some(own) = own else { return };
-    if scan.damage.is_some() {
-        return;
+/// The damage a recycled log's end turns out to be.
+fn damage_at(end: &WalDamage) -> WalDamage {
+    WalDamage {
+        offset: end.offset,
+        what: format!("{}, and records of this log follow it", end.what),
     }
-    let start = end.offset as usize + 1;
+}
+
+/// Looks, byte by byte, through the block where a recycled log ended,
+/// after the end and before `before`, for a record of the log's own number
+/// that starts a batch; its offset. After a bad record the scan is back in
+/// step only at the next block (or by trusting a length that may be
+/// damaged too), so a damaged length or a zeroed sector could otherwise
+/// hide the commits that follow it in the same block, which point-in-time
+/// recovery would drop. At most one block is searched.
+fn hidden_batch_start(
+    bytes: &[u8],
+    own: Option<u32>,
+    end: &WalDamage,
+    before: usize,
+) -> Option<usize> {
+    let own = own?;
     let block_end = ((end.offset as usize / BLOCK_BYTES) + 1) * BLOCK_BYTES;
     let block_end = block_end.min(bytes.len());
-    let mut pos = start;
-    while pos + RECYCLABLE_HEADER_BYTES <= block_end {
+    (end.offset as usize + 1..before.min(block_end)).find(|&pos| {
+        if pos + RECYCLABLE_HEADER_BYTES > block_end {
+            return false;
+        }
         let h = &bytes[pos..pos + RECYCLABLE_HEADER_BYTES];
         let length = usize::from(u16::from_le_bytes([h[4], h[5]]));
         let number = u32::from_le_bytes(h[7..11].try_into().expect("4 bytes"));
-        let found = matches!(h[6], 5 | 6)
+        matches!(h[6], 5 | 6)
             && number == own
             && pos + RECYCLABLE_HEADER_BYTES + length <= block_end
             && {
                 let masked = u32::from_le_bytes(h[..4].try_into().expect("4 bytes"));
                 let covered = &bytes[pos + 6..pos + RECYCLABLE_HEADER_BYTES + length];
                 unmask(masked) == crc32c::crc32c(covered)
-            };
-        if found {
-            if h[6] == 5 {
-                let payload =
-                    &bytes[pos + RECYCLABLE_HEADER_BYTES..pos + RECYCLABLE_HEADER_BYTES + length];
-                batch(scan, pos, payload, true);
             }
-            scan.damage = Some(WalDamage {
-                offset: end.offset,
-                what: format!("{}, and records of this log follow it", end.what),
-            });
-            return;
-        }
-        pos += 1;
-    }
+    })
 }
 
 fn damaged(scan: &mut WalScan, pos: usize, what: String, partial: &mut Option<(usize, Vec<u8>)>) {
@@ -661,28 +676,43 @@ mod tests {
 
     /// Goal: a damaged length in a recycled log's last block does not hide
     /// the batches after it in the same block (the scan would otherwise
-    /// jump to the next block, into the earlier use, and call it the end).
-    /// Method: the length of the second-to-last record made too long.
+    /// jump to the next block, into the earlier use, or stop at the file's
+    /// end, and call it the end), and every one of them is named. Method:
+    /// the length of the tenth record from the end made to cross its block,
+    /// and, in a copy cut after its last record (as a close leaves it), to
+    /// run past the file's end.
     #[test]
-    fn a_damaged_length_in_a_recycled_logs_last_block_is_found() {
+    fn a_damaged_length_in_a_recycled_logs_last_block_hides_no_batch() {
         let (bytes, name, full) = recycled_log();
         let n = full.batches.len();
-        let (before, last) = (&full.batches[n - 2], &full.batches[n - 1]);
-        assert_eq!(
-            before.offset as usize / BLOCK_BYTES,
-            last.offset as usize / BLOCK_BYTES,
-            "the last two records share a block"
+        let damaged_at = full.batches[n - 10].offset as usize;
+        let after: Vec<u64> = full.batches[n - 9..].iter().map(|b| b.sequence).collect();
+        assert!(
+            full.batches[n - 10..]
+                .iter()
+                .all(|b| b.offset as usize / BLOCK_BYTES == damaged_at / BLOCK_BYTES),
+            "the last ten records share a block"
         );
-        let mut damaged = bytes.clone();
-        damaged[before.offset as usize + 4..before.offset as usize + 6]
-            .copy_from_slice(&0xfff0u16.to_le_bytes());
-        let scan = scan_named(&damaged, name);
-        let found = scan.damage.clone().expect("the damage is found");
-        assert_eq!(found.offset, before.offset);
-        assert_eq!(
-            scan.lost().map(|b| b.sequence).collect::<Vec<_>>(),
-            [last.sequence]
-        );
+        let last = full.batches[n - 1].offset as usize;
+        let cut = last + RECYCLABLE_HEADER_BYTES + 1_916;
+        let past_the_end = (cut - damaged_at) as u16 + 100;
+        assert!(damaged_at % BLOCK_BYTES + usize::from(past_the_end) + 11 < BLOCK_BYTES);
+        for (length, file) in [(0xfff0u16, &bytes[..]), (past_the_end, &bytes[..cut])] {
+            let mut damaged = file.to_vec();
+            damaged[damaged_at + 4..damaged_at + 6].copy_from_slice(&length.to_le_bytes());
+            let scan = scan_named(&damaged, name);
+            let found = scan.damage.clone().expect("the damage is found");
+            assert_eq!(found.offset as usize, damaged_at, "length {length}");
+            assert_eq!(
+                scan.lost().map(|b| b.sequence).collect::<Vec<_>>(),
+                after,
+                "length {length}"
+            );
+        }
+        // Cut there without damage, the log is whole.
+        let scan = scan_named(&bytes[..cut], name);
+        assert_eq!(scan.damage, None);
+        assert_eq!(scan.batches, full.batches);
     }
 
     #[test]
@@ -778,8 +808,8 @@ mod tests {
             }
             // Past the last record of this use lie the earlier use's: a
             // flip there is no damage and costs no batch of this one (a
-            // flip inside the last record is a torn tail).
-            if at > last + RECYCLABLE_HEADER_BYTES + 400 {
+            // flip inside the last record, 1,927 bytes, is a torn tail).
+            if at >= last + RECYCLABLE_HEADER_BYTES + 1_916 {
                 prop_assert_eq!(scan.damage, None);
                 prop_assert_eq!(&scan.batches, &full.batches);
             }
