@@ -308,57 +308,75 @@ fn checkpoints_beside_a_writing_engine_are_complete_copies() {
 /// older log's file, renamed, whose earlier records follow the new ones)
 /// opens again with every acknowledged commit and a history that
 /// verifies: the earlier use is where the log ends, not damage.
-/// Method: run `keel demo-worker` until a log appears that already holds
-/// 256 KiB when first seen (a recycled one; a new log starts empty), let
-/// it write into it for a moment, SIGKILL it, check that the log still
-/// holds its earlier use past the new records, then open and verify.
+/// Method: run `keel demo-worker` until a log appears under a new name
+/// with the inode of a log seen before and holding an earlier use past its
+/// new records (a recycled one: RocksDB renames the old file), SIGKILL it
+/// at once, and check that the log still holds its earlier use (RocksDB
+/// cuts a log it switches away from to what it wrote, so a switch just
+/// before the kill sends the test round again, on the same directory);
+/// then open and verify.
 #[test]
 fn killed_while_writing_over_a_recycled_log_it_opens_whole() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let mut child = worker_of(&data, 50_000).spawn().unwrap();
-    wait_for_directory(&data);
-    let logs = || -> Vec<(std::path::PathBuf, u64)> {
-        std::fs::read_dir(&data)
-            .map(|d| {
-                d.filter_map(|e| e.ok().map(|e| e.path()))
-                    .filter(|p| p.extension().is_some_and(|x| x == "log"))
-                    .filter_map(|p| std::fs::metadata(&p).ok().map(|m| (p, m.len())))
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    // The logs there at the first look are new ones, however long.
-    let mut seen: std::collections::BTreeSet<std::path::PathBuf> =
-        logs().into_iter().map(|(p, _)| p).collect();
-    let mut recycled = None;
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while recycled.is_none() && std::time::Instant::now() < deadline {
-        for (path, len) in logs() {
-            if seen.insert(path.clone()) && len >= 256 * 1024 {
-                recycled = Some(path);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let recycled = recycled.expect("RocksDB recycled a log within 120 s");
-    std::thread::sleep(Duration::from_millis(150));
-    let _ = child.kill();
-    child.wait().unwrap();
+    let recycled = (0..ROUNDS_OVER_A_RECYCLED_LOG_MAX)
+        .find_map(|_| kill_while_writing_over_a_recycled_log(&data))
+        .expect("a kill landed while RocksDB wrote over a recycled log");
     let scan = keel_storage::wal::scan_file(&recycled).unwrap();
     assert_eq!(scan.damage, None, "{scan:?}");
-    let last = scan
-        .batches
-        .last()
-        .expect("new records in the recycled log");
-    assert!(
-        scan.bytes > last.offset + 64 * 1024,
-        "the earlier use follows the new records: last at {} of {}",
-        last.offset,
-        scan.bytes
-    );
     let store = RocksStore::open(&data, keel_storage::Durability::Sync).unwrap();
     let report = store.verify().unwrap();
     assert!(report.ok, "{:?}", report.violations);
     assert!(report.runs > 0);
+}
+
+/// Rounds of [`killed_while_writing_over_a_recycled_log_it_opens_whole`].
+const ROUNDS_OVER_A_RECYCLED_LOG_MAX: usize = 5;
+
+/// Runs the demo's engine on `data` until it writes over a recycled log,
+/// kills it, and returns that log if it still holds its earlier use.
+fn kill_while_writing_over_a_recycled_log(data: &std::path::Path) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut child = worker_of(data, 50_000).spawn().unwrap();
+    wait_for_directory(data);
+    let logs = || -> Vec<(std::path::PathBuf, u64)> {
+        std::fs::read_dir(data)
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                    .filter_map(|p| std::fs::metadata(&p).ok().map(|m| (p, m.ino())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut seen: std::collections::BTreeMap<u64, std::path::PathBuf> =
+        std::collections::BTreeMap::new();
+    let mut recycled = None;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while recycled.is_none() && std::time::Instant::now() < deadline {
+        for (path, inode) in logs() {
+            match seen.insert(inode, path.clone()) {
+                // Confirmed by what it holds (a freed inode can also come
+                // back as a new file): the earlier use past the new writing.
+                Some(before) if before != path && holds_an_earlier_use(&path) => {
+                    recycled = Some(path)
+                }
+                _ => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let _ = child.kill();
+    child.wait().unwrap();
+    let recycled = recycled.expect("RocksDB recycled a log within 120 s");
+    holds_an_earlier_use(&recycled).then_some(recycled)
+}
+
+/// Whether a log holds more than 64 KiB past its last new record: the
+/// records of its earlier use, which only a recycled log has.
+fn holds_an_earlier_use(log: &std::path::Path) -> bool {
+    keel_storage::wal::scan_file(log).is_ok_and(|scan| {
+        let last = scan.batches.last().map_or(0, |b| b.offset);
+        scan.bytes > last + 64 * 1024
+    })
 }
