@@ -123,11 +123,11 @@ pub(crate) struct W1Args {
     #[arg(long)]
     start_then_result: bool,
     /// Run this many workflows first, at concurrency 200, and measure only
-    /// what follows: an engine in its steady state. A fresh directory's
-    /// first write-ahead logs grow as they are written, which costs each
-    /// sync an inode write; from the first flush of the memtables on (about
-    /// 8 MiB of log, some 4,000 W1 workflows) RocksDB writes over recycled
-    /// logs instead.
+    /// what follows: an engine in its steady state. The first two
+    /// write-ahead logs of every open grow as they are written, which
+    /// costs each sync an inode write; from the second flush of the
+    /// memtables on (about 16 MiB of log, some 8,000 W1 workflows) RocksDB
+    /// writes over recycled logs instead.
     #[arg(long, default_value_t = 0, value_name = "WORKFLOWS")]
     warm_up: u64,
     /// Print one JSON object.
