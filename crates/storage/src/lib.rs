@@ -57,7 +57,7 @@ pub use lease::{Fence, Member, ShardLease, ShardLeases};
 pub use mem::{CrashMode, MemStore, SyncedView};
 pub use pg::{PgOptions, PgStore};
 pub use relay::{Note, Relay, RelayNotices, RelayTo, SharedStore};
-pub use rocks::{LossReport, OpenMode, RocksStore};
+pub use rocks::{LossReport, OpenMode, PrimeReport, RocksStore};
 pub use search::{
     Condition, Field, FilterError, ListError, MetadataError, Op, PageToken, RunFilter, RunPage,
     SearchValue,

@@ -759,3 +759,86 @@ fn a_schema_5_directory_loses_only_the_attempt_rows_its_executions_stand_for() {
     store.close().unwrap();
     RocksStore::open_read_only(dir.path()).unwrap();
 }
+
+// Priming (`RocksStore::prime_logs`, what an engine does after its open):
+// the log in use afterwards is an earlier log's file written again, so the
+// first commits write over it instead of growing a new file; the store
+// holds exactly what it held; commits after it land; a crash image taken
+// then (the recycled log holding new commits over the filler of its earlier
+// use) and a clean reopen both open whole, with keel's own log reading
+// finding no damage. A read-only store is left alone.
+#[test]
+fn primed_logs_are_written_over_and_change_nothing_in_the_store() {
+    use keel_storage::rocks::{PRIMED_LOG_BYTES, PRIME_ROUNDS_MAX};
+    use keel_storage::wal;
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (store, a, mut b) = populated(&data);
+    let before = dump(&store);
+    let report = store.prime_logs().unwrap();
+    assert!(report.primed, "{report:?}");
+    assert!(
+        (2..=PRIME_ROUNDS_MAX).contains(&report.rounds),
+        "{report:?}"
+    );
+    assert_eq!(
+        report.bytes,
+        u64::from(report.rounds) * PRIMED_LOG_BYTES as u64
+    );
+    assert_eq!(dump(&store), before, "priming wrote nothing into the store");
+
+    // The newest log is already as long as a primed log: a file written
+    // before, renamed, which the next commits write over.
+    let logs = wal::log_files(&data).unwrap();
+    let current = logs.last().unwrap();
+    let current_bytes = std::fs::metadata(current).unwrap().len();
+    assert!(
+        current_bytes >= PRIMED_LOG_BYTES as u64,
+        "{} holds {current_bytes} bytes",
+        current.display()
+    );
+
+    for i in 0..20u32 {
+        b.commit(&store, vec![signal("after", &i.to_le_bytes())])
+            .unwrap();
+    }
+    let expected = dump(&store);
+    assert_eq!(
+        std::fs::metadata(current).unwrap().len(),
+        current_bytes,
+        "the commits wrote inside the recycled file"
+    );
+    let scans = wal::scan_dir(&data).unwrap();
+    assert_eq!(wal::describe(&scans), None);
+    let in_log: usize = scans
+        .iter()
+        .filter(|s| s.file == *current)
+        .flat_map(|s| s.batches.iter())
+        .map(|batch| batch.events.len())
+        .sum();
+    assert_eq!(in_log, 20, "the log in use holds the new commits' events");
+
+    // A crash image now, and the store reopened after a clean close.
+    let crashed = dir.path().join("crashed");
+    std::fs::create_dir_all(&crashed).unwrap();
+    for e in std::fs::read_dir(&data).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() && e.file_name() != "LOCK" {
+            std::fs::copy(e.path(), crashed.join(e.file_name())).unwrap();
+        }
+    }
+    store.close().unwrap();
+    for path in [&crashed, &data] {
+        let reopened = RocksStore::open(path, Durability::Sync).unwrap();
+        assert_eq!(dump(&reopened), expected, "{}", path.display());
+        assert_eq!(reopened.history(a.run).unwrap().len(), 4);
+        assert!(reopened.verify().unwrap().violations.is_empty());
+    }
+
+    let reader = RocksStore::open_read_only(&data).unwrap();
+    assert_eq!(
+        reader.prime_logs().unwrap(),
+        keel_storage::PrimeReport::default()
+    );
+}
