@@ -435,7 +435,8 @@ impl RocksStore {
         };
         let mut readable_past = 0u64;
         for b in scans.iter().flat_map(|s| s.batches.iter()) {
-            if b.sequence > found {
+            // Empty batches (log-only records) hold no sequence.
+            if b.count > 0 && b.sequence > found {
                 report.lost_commits += 1;
                 report.lost_events.extend(b.events.iter().copied());
                 readable_past = readable_past.max(b.sequence + u64::from(b.count.max(1)) - 1);
