@@ -697,3 +697,50 @@ async fn a_commit_that_hangs_shows_in_health_until_it_is_answered() -> anyhow::R
     engine.shutdown().await;
     Ok(())
 }
+
+// Goal: an engine on a Sync RocksDB store primes its write-ahead logs at
+// open by default, so its first commits write over a recycled file, and
+// `EngineConfig::prime_logs = false` leaves the logs as RocksDB made them.
+// Method: build an engine over a fresh directory each way and look at the
+// newest log file: primed, it is already as long as a primed log (an
+// earlier log's file, renamed); not primed, it is the open's new log,
+// holding next to nothing. Either way a workflow then runs to its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_primes_its_logs_at_open_unless_told_not_to() -> anyhow::Result<()> {
+    use keel::storage::rocks::PRIMED_LOG_BYTES;
+    assert!(keel::EngineConfig::default().prime_logs, "on by default");
+    for prime_logs in [true, false] {
+        let dir = tempfile::tempdir()?;
+        let engine = Engine::builder()
+            .data_dir(dir.path())
+            .config(keel::EngineConfig {
+                prime_logs,
+                ..keel::EngineConfig::default()
+            })
+            .register_workflow::<OrderWorkflow>()
+            .register_activity::<Charge>()
+            .register_activity::<Ship>()
+            .build()?;
+        let newest = keel::storage::wal::log_files(dir.path())?
+            .pop()
+            .expect("a write-ahead log");
+        let bytes = std::fs::metadata(&newest)?.len();
+        assert_eq!(
+            bytes >= PRIMED_LOG_BYTES as u64,
+            prime_logs,
+            "prime_logs = {prime_logs}: {} holds {bytes} bytes",
+            newest.display()
+        );
+        let client = engine.client();
+        let order = Order {
+            cents: 500,
+            item: "lamp".into(),
+        };
+        let instance = format!("o-primed-{prime_logs}");
+        client.start::<OrderWorkflow>(&instance, &order).await?;
+        let receipt = client.result::<OrderWorkflow>(&instance).await?;
+        assert_eq!(receipt.shipment, "shipped lamp");
+        engine.shutdown().await;
+    }
+    Ok(())
+}
