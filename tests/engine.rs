@@ -412,10 +412,10 @@ impl Workflow for TwoSignals {
 /// armed, panics on as many of its next commits that write something (a
 /// broken store, or a broken invariant on the shard's thread), or holds
 /// them unanswered until released (a hung disk).
-struct CountingStore {
+pub(crate) struct CountingStore {
     inner: Arc<MemStore>,
     instance_reads: AtomicU32,
-    panics: AtomicU32,
+    pub(crate) panics: AtomicU32,
     hold: std::sync::atomic::AtomicBool,
     held: std::sync::Mutex<Vec<(CommitBatch, keel::storage::Reply)>>,
 }
@@ -430,7 +430,7 @@ impl CountingStore {
         }
     }
 
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         CountingStore {
             inner: Arc::new(MemStore::new(keel::Durability::Sync)),
             instance_reads: AtomicU32::new(0),

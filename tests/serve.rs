@@ -4,7 +4,8 @@
 //! completes; its history pages and its bundle exports. Bad input gets a
 //! 4xx naming the field and writes nothing; tokens let exactly the right
 //! callers in; `/metrics` is Prometheus text that counts what was served;
-//! every route the document lists is served.
+//! every route the document lists is served; `/healthz` lists a shard
+//! that is down.
 //! Method: the demo's engine on a RocksDB directory in a temporary folder,
 //! mounted with `keel_cli::serve::configure` into an actix-web test
 //! service, called in-process with real HTTP requests and JSON bodies.
@@ -794,4 +795,54 @@ async fn runs_close_and_schedules_pause_over_http() {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+}
+
+// Goal: `/healthz` answers 503 and lists a shard that stays down (one that
+// panicked more often than the engine restarts it), while the store itself
+// is still healthy, so a load balancer takes the process out.
+// Method: the demo's engine with one shard on a store that panics on every
+// commit once armed (`engine::CountingStore`); starts over HTTP make the
+// shard commit until the engine gives it up; then the probe is read.
+#[actix_web::test]
+async fn healthz_lists_a_shard_that_is_down() {
+    let store = Arc::new(crate::engine::CountingStore::new());
+    let engine = Arc::new(
+        keel_cli::demo_app::engine_builder()
+            .store(store.clone())
+            .shards(1)
+            .build()
+            .expect("the engine starts"),
+    );
+    let state = ServeState::new(engine.clone(), &ServeConfig::default()).unwrap();
+    let app = test::init_service(App::new().configure(configure(state))).await;
+    let (status, health) = call(&app, get("/healthz")).await;
+    assert_eq!(
+        (status, health),
+        (StatusCode::OK, json!({"store": "healthy"}))
+    );
+
+    store
+        .panics
+        .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut n = 0u64;
+    while engine.shards_down().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the shard was given up within 60 s"
+        );
+        n += 1;
+        let start = json!({"workflow_type": "demo.order", "instance_id": format!("down-{n}"),
+            "input": {"id": n, "cents": 100, "sku": "s"}, "command_id": format!("c-{n}")});
+        let answered = tokio::time::timeout(
+            Duration::from_secs(20),
+            call(&app, post("/api/v1/runs", start)),
+        )
+        .await;
+        assert!(answered.is_ok(), "a start on a panicking shard is answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, health) = call(&app, get("/healthz")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{health}");
+    assert_eq!(health, json!({"store": "healthy", "shards_down": [0]}));
 }
