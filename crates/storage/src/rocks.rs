@@ -140,6 +140,7 @@ pub const PRIME_ROUNDS_MAX: u32 = 4;
 
 /// The size of each log-only record priming writes.
 const PRIME_CHUNK_BYTES: usize = 1 << 20;
+const _: () = assert!(PRIMED_LOG_BYTES / PRIME_CHUNK_BYTES * PRIME_CHUNK_BYTES == PRIMED_LOG_BYTES);
 
 /// Memory for table blocks read from disk, one cache shared by every
 /// column family. (Left unset, RocksDB gives each family its own 32 MiB
@@ -658,13 +659,17 @@ impl RocksStore {
         live_copy::copy(path.as_ref(), dest.as_ref())
     }
 
-    /// Flushes memtables to SST files (used by tests and before copying).
+    /// Flushes every family's memtable to table files in one atomic flush:
+    /// one log switch (a flush per family would switch the log once per
+    /// family that holds anything). An engine's clean shutdown ends with
+    /// it, and [`RocksStore::prime_logs`] switches logs with it.
     pub fn flush(&self) -> Result<()> {
-        for cf in Cf::ALL {
-            if let Some(h) = self.db.cf_handle(cf.name()) {
-                self.db.flush_cf(&h)?;
-            }
-        }
+        let handles: Vec<_> = Cf::ALL
+            .iter()
+            .filter_map(|cf| self.db.cf_handle(cf.name()))
+            .collect();
+        self.db
+            .flush_cfs_opt(&handles, &rocksdb::FlushOptions::default())?;
         Ok(())
     }
 
@@ -696,25 +701,19 @@ impl RocksStore {
             return Ok(report); // not initialised: nothing opened this store yet
         };
         let chunk = vec![0x6b_u8; PRIME_CHUNK_BYTES];
-        while report.rounds < PRIME_ROUNDS_MAX {
-            if self.current_log_bytes()? >= PRIMED_LOG_BYTES as u64 && report.rounds >= 1 {
-                report.primed = true;
-                break;
-            }
-            report.rounds += 1;
-            let mut written = 0;
-            while written < PRIMED_LOG_BYTES {
+        // A switch makes a new log until the one before it is free to be
+        // recycled: the log in use is long only from the second round on.
+        while !report.primed && report.rounds < PRIME_ROUNDS_MAX {
+            for _ in 0..PRIMED_LOG_BYTES / PRIME_CHUNK_BYTES {
                 let mut batch = WriteBatch::default();
                 batch.put_log_data(&chunk);
                 self.db.write(batch)?;
-                written += PRIME_CHUNK_BYTES;
             }
-            report.bytes += written as u64;
+            report.bytes += PRIMED_LOG_BYTES as u64;
             self.db.put_cf(&meta, STORE_META_KEY, &record)?;
             self.db.flush_wal(true)?;
-            self.flush_all()?;
-        }
-        if !report.primed {
+            self.flush()?;
+            report.rounds += 1;
             report.primed = self.current_log_bytes()? >= PRIMED_LOG_BYTES as u64;
         }
         report.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
@@ -732,17 +731,6 @@ impl RocksStore {
             Some(file) => std::fs::metadata(file)?.len(),
             None => 0,
         })
-    }
-
-    /// Flushes every family's memtable in one atomic flush: one log switch.
-    fn flush_all(&self) -> Result<()> {
-        let handles: Vec<_> = Cf::ALL
-            .iter()
-            .filter_map(|cf| self.db.cf_handle(cf.name()))
-            .collect();
-        self.db
-            .flush_cfs_opt(&handles, &rocksdb::FlushOptions::default())?;
-        Ok(())
     }
 
     /// Stops the writer after it has answered every queued commit.

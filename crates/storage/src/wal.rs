@@ -54,6 +54,9 @@ pub struct WalDamage {
 pub struct WalBatch {
     /// Offset of the record that starts it.
     pub offset: u64,
+    /// Offset just past its last record: where the log's next record
+    /// begins (or the block's zero trailer before it, when no header fits).
+    pub end: u64,
     /// Its first RocksDB sequence number.
     pub sequence: u64,
     /// Entries it holds.
@@ -292,7 +295,7 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
             match kind {
                 1 | 5 => {
                     partial = None;
-                    batch(&mut scan, pos, payload, after);
+                    batch(&mut scan, pos, pos + header + length, payload, after);
                 }
                 2 | 6 => {
                     if partial.is_some() {
@@ -317,7 +320,7 @@ pub fn scan_file(path: &Path) -> std::io::Result<WalScan> {
                 4 | 8 => match partial.take() {
                     Some((start, mut p)) => {
                         p.extend_from_slice(payload);
-                        batch(&mut scan, start, &p, after);
+                        batch(&mut scan, start, pos + header + length, &p, after);
                     }
                     None => damaged(
                         &mut scan,
@@ -404,7 +407,7 @@ fn unmask(masked: u32) -> u32 {
     rot.rotate_left(15)
 }
 
-fn batch(scan: &mut WalScan, offset: usize, rep: &[u8], after_damage: bool) {
+fn batch(scan: &mut WalScan, offset: usize, end: usize, rep: &[u8], after_damage: bool) {
     if rep.len() < 12 {
         return;
     }
@@ -451,6 +454,7 @@ fn batch(scan: &mut WalScan, offset: usize, rep: &[u8], after_damage: bool) {
     }
     scan.batches.push(WalBatch {
         offset: offset as u64,
+        end: end as u64,
         sequence,
         count,
         events,
@@ -733,13 +737,25 @@ mod tests {
 
     #[test]
     fn reads_back_every_batch_rocksdb_wrote() {
-        let (_, scan) = real_log();
+        let (bytes, scan) = real_log();
         assert_eq!(scan.damage, None);
         assert_eq!(scan.batches.len(), 200);
         assert!(scan
             .batches
             .windows(2)
             .all(|w| w[1].sequence == w[0].sequence + 1));
+        // Each batch ends where the next begins (past a block's zero
+        // trailer), and the last where the log's writing ends.
+        for w in scan.batches.windows(2) {
+            let (end, next) = (w[0].end as usize, w[1].offset as usize);
+            assert!(w[0].offset < w[0].end, "{w:?}");
+            assert!(
+                end == next || (next % BLOCK_BYTES == 0 && next - end < HEADER_BYTES),
+                "{w:?}"
+            );
+        }
+        let last = scan.batches.last().expect("batches");
+        assert!(bytes[last.end as usize..].iter().all(|b| *b == 0));
     }
 
     proptest! {

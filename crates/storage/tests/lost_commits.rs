@@ -210,25 +210,6 @@ fn written_into_a_recycled_log(dir: &Path) -> (PathBuf, u64) {
     (crashed, FIRST + SECOND + AFTER)
 }
 
-/// Where the record holding the batch at `offset` ends (its last fragment).
-fn record_end(bytes: &[u8], offset: usize) -> usize {
-    let mut pos = offset;
-    loop {
-        let block_left = 32 * 1024 - pos % (32 * 1024);
-        if block_left < 11 {
-            pos += block_left;
-            continue;
-        }
-        let length = usize::from(u16::from_le_bytes([bytes[pos + 4], bytes[pos + 5]]));
-        let kind = bytes[pos + 6];
-        assert!(matches!(kind, 5..=8), "a recyclable data record at {pos}");
-        pos += 11 + length;
-        if matches!(kind, 5 | 8) {
-            return pos;
-        }
-    }
-}
-
 /// Goal: a recycled log (written over an older log's file, so records of
 /// that earlier use follow the new ones) opens with everything, a torn
 /// write at its end is not damage, and a flipped byte among its new
@@ -246,7 +227,7 @@ fn a_recycled_log_opens_whole_and_damage_among_its_new_records_is_refused() {
     assert_eq!(scan.damage, None);
     let last = scan.batches.last().expect("batches in the recycled log");
     let bytes = std::fs::read(&log).unwrap();
-    let end = record_end(&bytes, last.offset as usize);
+    let end = last.end as usize;
     assert!(
         bytes.len() > end + 4096 && bytes[end..].iter().any(|b| *b != 0),
         "the newest log holds its earlier use past byte {end} of {}",
